@@ -1,0 +1,163 @@
+"""Argument checks shared by the layers: fail early, name the argument.
+
+Everything here runs before any computation, so a bad call raises without
+having changed anything. One host sync per call (the index range check) is
+the price of never crashing inside an indexing kernel.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._graph import memo
+
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def check_in_channels(name: str, value) -> None:
+    """An int (``-1`` for lazy initialisation) or a pair of them."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if isinstance(value, (tuple, list)) and len(value) != 2:
+        raise ValueError(f"{name} must be an int or a (source, destination) pair; got {value!r}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be an int or a pair of ints; got {value!r}")
+        if v < 1 and v != -1:
+            raise ValueError(f"{name} must be >= 1 (or -1 for lazy initialisation); got {value!r}")
+
+
+def check_probability(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float in [0, 1); got {type(value).__name__}")
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1); got {value}")
+    return float(value)
+
+
+def check_real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number; got {type(value).__name__}")
+    return float(value)
+
+
+_FILL_REDUCTIONS = ("add", "sum", "mean", "min", "max", "mul")
+
+
+def check_fill_value(value, edge_dim: Optional[int]) -> None:
+    if isinstance(value, str):
+        if value not in _FILL_REDUCTIONS:
+            raise ValueError(f"fill_value must be a number, a tensor or one of {_FILL_REDUCTIONS}; "
+                             f"got {value!r}")
+    elif isinstance(value, Tensor):
+        if edge_dim is not None and value.numel() not in (1, edge_dim):
+            raise ValueError(f"fill_value tensor must have 1 or edge_dim={edge_dim} elements; "
+                             f"got shape {tuple(value.shape)}")
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"fill_value must be a float, a tensor or a reduction name; "
+                        f"got {type(value).__name__}")
+
+
+def check_features(name: str, x, expected: int, weight: Optional[Tensor]) -> Tensor:
+    """A ``[N, F]`` floating tensor whose width and dtype match the layer."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor; got dtype {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must have shape [num_nodes, num_features] (2-D); "
+                         f"got {x.dim()}-D shape {tuple(x.shape)}")
+    if expected != -1 and x.size(1) != expected:
+        raise ValueError(f"{name} must have {expected} features (the layer's in_channels); "
+                         f"got shape {tuple(x.shape)}")
+    if weight is not None and not isinstance(weight, torch.nn.parameter.UninitializedParameter):
+        if x.dtype != weight.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but the layer's parameters are "
+                            f"{weight.dtype}: cast one to the other (e.g. layer.to({x.dtype}))")
+        if x.device != weight.device:
+            raise ValueError(f"{name} is on {x.device} but the layer's parameters are on "
+                             f"{weight.device}")
+    return x
+
+
+def check_edge_index(edge_index, num_src: int, num_dst: Optional[int],
+                     device: torch.device) -> Tensor:
+    """A ``[2, E]`` integer tensor with ``0 <= src < num_src``, ``0 <= dst < num_dst``.
+
+    ``num_dst=None`` leaves the destination's upper bound unchecked. Returns
+    the index as int64 (int32 input is accepted and widened).
+    """
+    if not isinstance(edge_index, Tensor):
+        raise TypeError(f"edge_index must be a torch.Tensor of shape [2, num_edges]; "
+                        f"got {type(edge_index).__name__}")
+    if edge_index.is_sparse or edge_index.layout != torch.strided:
+        raise TypeError("edge_index must be a dense [2, num_edges] index tensor; "
+                        f"got layout {edge_index.layout}")
+    if edge_index.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"edge_index must have dtype torch.int64 (or int32); got {edge_index.dtype}")
+    if edge_index.dim() != 2 or edge_index.size(0) != 2:
+        raise ValueError(f"edge_index must have shape [2, num_edges]; got {tuple(edge_index.shape)}")
+    if edge_index.device != device:
+        raise ValueError(f"edge_index is on {edge_index.device} but x is on {device}")
+    # Cached on the tensor: training reuses one edge_index, so the host sync of
+    # the range check happens once, not at every layer of every epoch.
+    memo(edge_index, ("in_range", num_src, num_dst),
+         lambda: _check_range(edge_index, num_src, num_dst))
+    return memo(edge_index, "int64", edge_index.long)
+
+
+def _check_range(edge_index: Tensor, num_src: int, num_dst: Optional[int]) -> bool:
+    if edge_index.numel() == 0:
+        return True
+    lo, hi_src, hi_dst = torch.stack(  # one host sync for all three bounds
+        [edge_index.min(), edge_index[0].max(), edge_index[1].max()]).tolist()
+    if lo < 0:
+        raise IndexError(f"edge_index contains a negative index ({lo}); indices must be >= 0")
+    if hi_src >= num_src:
+        raise IndexError(f"edge_index[0] (source) contains index {hi_src}, out of range "
+                         f"for {num_src} source nodes")
+    if num_dst is not None and hi_dst >= num_dst:
+        raise IndexError(f"edge_index[1] (destination) contains index {hi_dst}, out of range "
+                         f"for {num_dst} destination nodes")
+    return True
+
+
+def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tensor) -> Optional[Tensor]:
+    """``[E, edge_dim]`` (or ``[E]`` when ``edge_dim == 1``) floating features."""
+    if edge_dim is None:
+        if edge_attr is not None:
+            raise ValueError("edge_attr was given but the layer was built with edge_dim=None; "
+                             "pass edge_dim=<number of edge features> to use edge features")
+        return None
+    if edge_attr is None:
+        raise ValueError(f"edge_attr is required: the layer was built with edge_dim={edge_dim}")
+    if not isinstance(edge_attr, Tensor):
+        raise TypeError(f"edge_attr must be a torch.Tensor; got {type(edge_attr).__name__}")
+    if not edge_attr.is_floating_point():
+        raise TypeError(f"edge_attr must be a floating-point tensor; got dtype {edge_attr.dtype}")
+    if edge_attr.dim() == 1 and edge_dim == 1:
+        edge_attr = edge_attr.view(-1, 1)
+    if edge_attr.dim() != 2:
+        raise ValueError(f"edge_attr must have shape [num_edges, edge_dim={edge_dim}]; "
+                         f"got {tuple(edge_attr.shape)}")
+    if edge_attr.size(0) != num_edges:
+        raise ValueError(f"edge_attr must have one row per edge ({num_edges} edges in edge_index); "
+                         f"got {edge_attr.size(0)} rows")
+    if edge_attr.size(1) != edge_dim:
+        raise ValueError(f"edge_attr must have edge_dim={edge_dim} columns; "
+                         f"got shape {tuple(edge_attr.shape)}")
+    if edge_attr.dtype != x.dtype:
+        raise TypeError(f"edge_attr has dtype {edge_attr.dtype} but x has {x.dtype}")
+    if edge_attr.device != x.device:
+        raise ValueError(f"edge_attr is on {edge_attr.device} but x is on {x.device}")
+    return edge_attr

@@ -1,0 +1,526 @@
+r"""GATConv, GATv2Conv and TransformerConv: thin layers over the attention core.
+
+Each layer owns its parameters — with the names, shapes and initialisation of
+PyTorch Geometric 2.8's layer of the same name, so a PyG ``state_dict`` loads
+as it is — computes the per-node terms of its edge score, and hands them to
+:func:`gatlib._core.graph_attention`. No layer holds softmax or scatter code.
+
+Differences from PyG, on purpose:
+
+* Bad input raises ``TypeError``/``ValueError``/``IndexError`` naming the
+  argument before anything is computed (PyG asserts or crashes in an indexing
+  kernel). That includes ``edge_attr`` passed to a layer built with
+  ``edge_dim=None`` (PyG ignores it, or in ``TransformerConv`` adds the raw
+  features to the values) and a missing ``edge_attr`` when ``edge_dim`` is set.
+* ``return_attention_weights`` returns ``(out, (edge_index, alpha))`` exactly
+  when it is truthy, for all three layers (PyG's ``TransformerConv`` also does
+  so for ``False``). ``alpha`` is the softmax *before* attention dropout in all
+  three layers (PyG's GAT layers return it after dropout); in eval mode the
+  two agree.
+* ``edge_index`` must be a ``[2, E]`` index tensor; ``SparseTensor``
+  adjacencies are not accepted.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+from torch_geometric.nn.dense.linear import Linear
+from torch_geometric.nn.inits import glorot, zeros
+from torch_geometric.utils import add_self_loops as _add_self_loops
+from torch_geometric.utils import remove_self_loops as _remove_self_loops
+
+from . import _validate as V
+from ._backend import check_backend_name
+from ._graph import memo
+from ._core import DotProductScore, GATScore, GATv2Score, graph_attention, scaled_dot_product_scale
+
+PairTensor = Tuple[Tensor, Optional[Tensor]]
+
+
+class _AttentionConv(torch.nn.Module):
+    """Shared plumbing: argument checks, input splitting, self-loops, output."""
+
+    def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend):
+        V.check_in_channels("in_channels", in_channels)
+        V.check_positive_int("out_channels", out_channels)
+        V.check_positive_int("heads", heads)
+        V.check_probability("dropout", dropout)
+        if edge_dim is not None:
+            V.check_positive_int("edge_dim", edge_dim)
+        check_backend_name(backend)
+
+    def _split(self, x, weight: Tensor, allow_missing_dst: bool = False) -> PairTensor:
+        """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels``."""
+        in_src, in_dst = ((self.in_channels, self.in_channels)
+                          if isinstance(self.in_channels, int) else self.in_channels)
+        if isinstance(x, Tensor):
+            V.check_features("x", x, in_src, weight)
+            V.check_features("x", x, in_dst, weight)
+            return x, x
+        if not isinstance(x, (tuple, list)) or len(x) != 2:
+            raise TypeError("x must be a tensor [N, F] or a pair (x_src, x_dst) of tensors; "
+                            f"got {type(x).__name__}")
+        x_src = V.check_features("x[0] (source features)", x[0], in_src, weight)
+        if x[1] is None and allow_missing_dst:
+            return x_src, None
+        x_dst = V.check_features("x[1] (destination features)", x[1], in_dst, weight)
+        return x_src, x_dst
+
+    def _graph(self, edge_index, edge_attr, num_src: int, num_dst: int, x: Tensor,
+               self_loops: bool, fill_value=None, loop_nodes: Optional[int] = None):
+        """Checked int64 ``edge_index`` (with self-loops if asked) and ``edge_attr``.
+
+        The self-loop'ed index is cached on the input ``edge_index`` (see
+        :mod:`gatlib._graph`), so repeated calls reuse one tensor and whatever
+        backends derive from it.
+        """
+        edge_index = V.check_edge_index(edge_index, num_src, num_dst, x.device)
+        edge_attr = V.check_edge_attr(edge_attr, edge_index.size(1), self.edge_dim, x)
+        if not self_loops:
+            return edge_index, edge_attr
+        n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
+        looped = memo(edge_index, ("self_loops", n), lambda: _add_self_loops(
+            _remove_self_loops(edge_index)[0], num_nodes=n)[0])
+        if edge_attr is not None:
+            ei, edge_attr = _remove_self_loops(edge_index, edge_attr)
+            edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
+        return looped, edge_attr
+
+    @staticmethod
+    def _output(out, alpha, edge_index, return_attention_weights):
+        return (out, (edge_index, alpha)) if return_attention_weights else out
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
+
+
+class GATConv(_AttentionConv):
+    r"""The graph attention layer of `Veličković et al. (2018)
+    <https://arxiv.org/abs/1710.10903>`_.
+
+    .. math::
+        \mathbf{x}'_i = \big\Vert_{h=1}^{H}\ \sum_{j \in \mathcal{N}(i) \cup \{ i \}}
+        \alpha^{h}_{ij} \mathbf{\Theta}^{h}_s \mathbf{x}_j, \qquad
+        \alpha^{h}_{ij} = \operatorname{softmax}_j\Big(\mathrm{LeakyReLU}\big(
+        \mathbf{a}^{h\top}_{s} \mathbf{\Theta}^{h}_s \mathbf{x}_j
+        + \mathbf{a}^{h\top}_{t} \mathbf{\Theta}^{h}_t \mathbf{x}_i
+        + \mathbf{a}^{h\top}_{e} \mathbf{\Theta}^{h}_e \mathbf{e}_{ij}\big)\Big)
+
+    With ``concat=False`` the heads are averaged instead (the paper's output
+    layer). Drop-in for ``torch_geometric.nn.GATConv`` (same arguments, defaults
+    and parameter names).
+
+    Args:
+        in_channels (int or (int, int)): input width, ``-1`` for lazy
+            initialisation, or a (source, destination) pair for bipartite graphs.
+        out_channels (int): channels per head ``C``.
+        heads (int): number of heads ``H``. (default: ``1``)
+        concat (bool): concatenate heads to ``H * C`` outputs, else average
+            them to ``C``. (default: ``True``)
+        negative_slope (float): LeakyReLU slope. (default: ``0.2``)
+        dropout (float): dropout probability of the attention weights.
+            (default: ``0.0``)
+        add_self_loops (bool): replace existing self-loops by one per node.
+            (default: ``True``)
+        edge_dim (int, optional): edge feature width; enables the edge term.
+            (default: ``None``)
+        fill_value (float, Tensor or str): edge features of added self-loops,
+            or how to reduce a node's in-edge features to get them
+            (``"add"``, ``"mean"``, ``"min"``, ``"max"``, ``"mul"``). (default: ``"mean"``)
+        bias (bool): learn an additive bias. (default: ``True``)
+        residual (bool): add a learnable linear skip connection. (default: ``False``)
+        backend (str): attention backend, see :func:`gatlib.available_backends`.
+            (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
+          ``edge_index`` ``[2, E]``, ``edge_attr`` ``[E, D]`` *(optional)*
+        - **output:** ``[N_t, H * C]`` (``[N_t, C]`` if ``concat=False``); with
+          ``return_attention_weights=True`` also ``(edge_index [2, E'], alpha [E', H])``
+          where ``E'`` counts the added self-loops.
+    """
+
+    def __init__(
+        self,
+        in_channels: Union[int, Tuple[int, int]],
+        out_channels: int,
+        heads: int = 1,
+        concat: bool = True,
+        negative_slope: float = 0.2,
+        dropout: float = 0.0,
+        add_self_loops: bool = True,
+        edge_dim: Optional[int] = None,
+        fill_value: Union[float, Tensor, str] = "mean",
+        bias: bool = True,
+        residual: bool = False,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
+        V.check_real("negative_slope", negative_slope)
+        V.check_fill_value(fill_value, edge_dim)
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.heads = heads
+        self.concat = concat
+        self.negative_slope = negative_slope
+        self.dropout = dropout
+        self.add_self_loops = add_self_loops
+        self.edge_dim = edge_dim
+        self.fill_value = fill_value
+        self.residual = residual
+        self.backend = backend
+
+        HC = heads * out_channels
+        self.lin = self.lin_src = self.lin_dst = None
+        if isinstance(in_channels, int):
+            self.lin = Linear(in_channels, HC, bias=False, weight_initializer="glorot")
+        else:
+            self.lin_src = Linear(in_channels[0], HC, False, weight_initializer="glorot")
+            self.lin_dst = Linear(in_channels[1], HC, False, weight_initializer="glorot")
+        self.att_src = Parameter(torch.empty(1, heads, out_channels))
+        self.att_dst = Parameter(torch.empty(1, heads, out_channels))
+        if edge_dim is not None:
+            self.lin_edge = Linear(edge_dim, HC, bias=False, weight_initializer="glorot")
+            self.att_edge = Parameter(torch.empty(1, heads, out_channels))
+        else:
+            self.lin_edge = None
+            self.register_parameter("att_edge", None)
+        total = out_channels * (heads if concat else 1)
+        if residual:
+            in_dst = in_channels if isinstance(in_channels, int) else in_channels[1]
+            self.res = Linear(in_dst, total, bias=False, weight_initializer="glorot")
+        else:
+            self.register_parameter("res", None)
+        if bias:
+            self.bias = Parameter(torch.empty(total))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for lin in (self.lin, self.lin_src, self.lin_dst, self.lin_edge, self.res):
+            if lin is not None:
+                lin.reset_parameters()
+        glorot(self.att_src)
+        glorot(self.att_dst)
+        glorot(self.att_edge)
+        zeros(self.bias)
+
+    def forward(
+        self,
+        x: Union[Tensor, PairTensor],
+        edge_index: Tensor,
+        edge_attr: Optional[Tensor] = None,
+        size: Optional[Tuple[int, int]] = None,
+        return_attention_weights: Optional[bool] = None,
+    ):
+        """Args: ``x``, ``edge_index``, ``edge_attr`` as in the class docstring;
+        ``size`` ``(N_s, N_t)`` overrides the node counts (needed only when
+        ``x_dst`` is ``None``); ``return_attention_weights`` also returns
+        ``(edge_index, alpha)``."""
+        H, C = self.heads, self.out_channels
+        lin_src = self.lin if self.lin is not None else self.lin_src
+        lin_dst = self.lin if self.lin is not None else self.lin_dst
+        x_src, x_dst = self._split(x, lin_src.weight, allow_missing_dst=True)
+        num_src = x_src.size(0)
+        if size is not None:
+            if (not isinstance(size, (tuple, list)) or len(size) != 2
+                    or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in size)):
+                raise ValueError(f"size must be a pair of non-negative ints (N_src, N_dst); got {size!r}")
+            if size[0] != num_src or (x_dst is not None and size[1] != x_dst.size(0)):
+                raise ValueError(f"size={tuple(size)} does not match the inputs' node counts")
+        if x_dst is not None:
+            num_dst = x_dst.size(0)
+        elif size is not None:
+            num_dst = size[1]
+        else:  # (x_src, None) without size: destinations are those edge_index names
+            ei = V.check_edge_index(edge_index, num_src, None, x_src.device)
+            num_dst = int(ei[1].max()) + 1 if ei.numel() > 0 else 0
+            # PyG adds self-loops for all N_s source nodes in this case.
+            num_dst = max(num_dst, num_src) if self.add_self_loops else num_dst
+        # Self-loops go on the first min(N_s, N_t) nodes, as in PyG.
+        loop_nodes = min(size) if size is not None else min(num_src, num_dst)
+        edge_index, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
+                                            self.add_self_loops, self.fill_value, loop_nodes)
+
+        res = self.res(x_dst) if self.res is not None and x_dst is not None else None
+        h_src = lin_src(x_src).view(-1, H, C)  # [N_s, H, C]
+        if x_dst is None:
+            h_dst = None
+        elif x_dst is x_src and lin_dst is lin_src:
+            h_dst = h_src
+        else:
+            h_dst = lin_dst(x_dst).view(-1, H, C)  # [N_t, H, C]
+
+        # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node.
+        a_src = (h_src * self.att_src).sum(-1)  # [N_s, H]
+        a_dst = None if h_dst is None else (h_dst * self.att_dst).sum(-1)  # [N_t, H]
+        a_edge = None
+        if self.lin_edge is not None:
+            e = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C] (edge features only)
+            a_edge = (e * self.att_edge).sum(-1)  # [E, H]
+        out, alpha = graph_attention(
+            GATScore(a_src, a_dst, a_edge, self.negative_slope), h_src, edge_index, num_dst,
+            dropout=self.dropout, training=self.training, concat=self.concat,
+            backend=self.backend, return_attention=True)
+        if res is not None:
+            out = out + res
+        if self.bias is not None:
+            out = out + self.bias
+        return self._output(out, alpha, edge_index, return_attention_weights)
+
+
+class GATv2Conv(_AttentionConv):
+    r"""GATv2, the dynamic attention layer of `Brody et al. (2022)
+    <https://arxiv.org/abs/2105.14491>`_.
+
+    .. math::
+        \mathbf{x}'_i = \big\Vert_{h=1}^{H} \sum_{j \in \mathcal{N}(i) \cup \{ i \}}
+        \alpha^{h}_{ij}\mathbf{\Theta}^{h}_{s}\mathbf{x}_{j}, \qquad
+        \alpha^{h}_{ij} = \operatorname{softmax}_j\Big(\mathbf{a}^{h\top}
+        \mathrm{LeakyReLU}\big(\mathbf{\Theta}^{h}_{s} \mathbf{x}_j
+        + \mathbf{\Theta}^{h}_{t} \mathbf{x}_{i} + \mathbf{\Theta}^{h}_{e}
+        \mathbf{e}_{ij}\big)\Big)
+
+    Drop-in for ``torch_geometric.nn.GATv2Conv``: ``lin_l`` is
+    :math:`\Theta_s` (sources, also the values), ``lin_r`` is
+    :math:`\Theta_t` (destinations).
+
+    Args:
+        in_channels (int or (int, int)): input width(s), ``-1`` for lazy.
+        out_channels (int): channels per head ``C``.
+        heads (int): number of heads. (default: ``1``)
+        concat (bool): concatenate (``True``) or average heads. (default: ``True``)
+        negative_slope (float): LeakyReLU slope. (default: ``0.2``)
+        dropout (float): attention dropout probability. (default: ``0.0``)
+        add_self_loops (bool): add one self-loop per node. (default: ``True``)
+        edge_dim (int, optional): edge feature width. (default: ``None``)
+        fill_value (float, Tensor or str): self-loop edge features. (default: ``"mean"``)
+        bias (bool): biases in ``lin_l``/``lin_r`` and on the output. (default: ``True``)
+        share_weights (bool): use one matrix for sources and destinations
+            (:math:`\Theta_s = \Theta_t`). (default: ``False``)
+        residual (bool): learnable linear skip connection. (default: ``False``)
+        backend (str): attention backend. (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
+          ``edge_index`` ``[2, E]``, ``edge_attr`` ``[E, D]`` *(optional)*
+        - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally
+          ``(edge_index [2, E'], alpha [E', H])``.
+    """
+
+    def __init__(
+        self,
+        in_channels: Union[int, Tuple[int, int]],
+        out_channels: int,
+        heads: int = 1,
+        concat: bool = True,
+        negative_slope: float = 0.2,
+        dropout: float = 0.0,
+        add_self_loops: bool = True,
+        edge_dim: Optional[int] = None,
+        fill_value: Union[float, Tensor, str] = "mean",
+        bias: bool = True,
+        share_weights: bool = False,
+        residual: bool = False,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
+        V.check_real("negative_slope", negative_slope)
+        V.check_fill_value(fill_value, edge_dim)
+        if share_weights and isinstance(in_channels, (tuple, list)) and in_channels[0] != in_channels[1]:
+            raise ValueError(f"share_weights=True needs equal source and destination widths; "
+                             f"got in_channels={in_channels!r}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.heads = heads
+        self.concat = concat
+        self.negative_slope = negative_slope
+        self.dropout = dropout
+        self.add_self_loops = add_self_loops
+        self.edge_dim = edge_dim
+        self.fill_value = fill_value
+        self.residual = residual
+        self.share_weights = share_weights
+        self.backend = backend
+
+        HC = heads * out_channels
+        in_src, in_dst = ((in_channels, in_channels) if isinstance(in_channels, int)
+                          else in_channels)
+        self.lin_l = Linear(in_src, HC, bias=bias, weight_initializer="glorot")
+        self.lin_r = self.lin_l if share_weights else Linear(in_dst, HC, bias=bias,
+                                                             weight_initializer="glorot")
+        self.att = Parameter(torch.empty(1, heads, out_channels))
+        self.lin_edge = (Linear(edge_dim, HC, bias=False, weight_initializer="glorot")
+                         if edge_dim is not None else None)
+        total = out_channels * (heads if concat else 1)
+        if residual:
+            self.res = Linear(in_dst, total, bias=False, weight_initializer="glorot")
+        else:
+            self.register_parameter("res", None)
+        if bias:
+            self.bias = Parameter(torch.empty(total))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for lin in (self.lin_l, self.lin_r, self.lin_edge, self.res):
+            if lin is not None:
+                lin.reset_parameters()
+        glorot(self.att)
+        zeros(self.bias)
+
+    def forward(
+        self,
+        x: Union[Tensor, Tuple[Tensor, Tensor]],
+        edge_index: Tensor,
+        edge_attr: Optional[Tensor] = None,
+        return_attention_weights: Optional[bool] = None,
+    ):
+        H, C = self.heads, self.out_channels
+        x_src, x_dst = self._split(x, self.lin_l.weight)
+        num_src, num_dst = x_src.size(0), x_dst.size(0)
+        edge_index, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
+                                            self.add_self_loops, self.fill_value)
+        res = self.res(x_dst) if self.res is not None else None
+        h_src = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
+        if self.share_weights and x_dst is x_src:
+            h_dst = h_src
+        else:
+            h_dst = self.lin_r(x_dst).view(-1, H, C)  # [N_t, H, C]
+        h_edge = None
+        if self.lin_edge is not None:
+            h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
+        out, alpha = graph_attention(
+            GATv2Score(h_src, h_dst, h_edge, self.att.view(H, C), self.negative_slope),
+            h_src, edge_index, num_dst, dropout=self.dropout, training=self.training,
+            concat=self.concat, backend=self.backend, return_attention=True)
+        if res is not None:
+            out = out + res
+        if self.bias is not None:
+            out = out + self.bias
+        return self._output(out, alpha, edge_index, return_attention_weights)
+
+
+class TransformerConv(_AttentionConv):
+    r"""The graph Transformer attention layer of `Shi et al. (2021)
+    <https://arxiv.org/abs/2009.03509>`_ (UniMP): scaled dot-product attention
+    restricted to the graph's edges.
+
+    .. math::
+        \mathbf{x}'_i = \mathbf{W}_1 \mathbf{x}_i + \big\Vert_{h=1}^{H}
+        \sum_{j \in \mathcal{N}(i)} \alpha^{h}_{ij} \left(\mathbf{W}^{h}_2 \mathbf{x}_{j}
+        + \mathbf{W}^{h}_6 \mathbf{e}_{ij}\right), \qquad
+        \alpha^{h}_{ij} = \operatorname{softmax}_j\left(
+        \frac{(\mathbf{W}^{h}_3\mathbf{x}_i)^{\top} (\mathbf{W}^{h}_4\mathbf{x}_j
+        + \mathbf{W}^{h}_6 \mathbf{e}_{ij})}{\sqrt{C}} \right)
+
+    With ``beta=True`` the root term is gated:
+    :math:`\mathbf{x}'_i = \beta_i \mathbf{W}_1 \mathbf{x}_i + (1 - \beta_i)\,\mathbf{m}_i`,
+    :math:`\beta_i = \sigma(\mathbf{w}_5^{\top}[\mathbf{W}_1 \mathbf{x}_i,\ \mathbf{m}_i,\
+    \mathbf{W}_1 \mathbf{x}_i - \mathbf{m}_i])` with :math:`\mathbf{m}_i` the
+    attention output. Drop-in for ``torch_geometric.nn.TransformerConv``
+    (``lin_query``, ``lin_key``, ``lin_value``, ``lin_edge``, ``lin_skip``,
+    ``lin_beta``). No self-loops are added.
+
+    Args:
+        in_channels (int or (int, int)): input width(s), ``-1`` for lazy.
+        out_channels (int): channels per head ``C``.
+        heads (int): number of heads. (default: ``1``)
+        concat (bool): concatenate (``True``) or average heads. (default: ``True``)
+        beta (bool): gate the root connection (only with ``root_weight``).
+            (default: ``False``)
+        dropout (float): attention dropout probability. (default: ``0.0``)
+        edge_dim (int, optional): edge feature width, added to keys and values.
+            (default: ``None``)
+        bias (bool): biases of the query/key/value/skip projections. (default: ``True``)
+        root_weight (bool): add the skip term :math:`\mathbf{W}_1 \mathbf{x}_i`.
+            (default: ``True``)
+        backend (str): attention backend. (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
+          ``edge_index`` ``[2, E]``, ``edge_attr`` ``[E, D]`` *(optional)*
+        - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally
+          ``(edge_index [2, E], alpha [E, H])``.
+    """
+
+    def __init__(
+        self,
+        in_channels: Union[int, Tuple[int, int]],
+        out_channels: int,
+        heads: int = 1,
+        concat: bool = True,
+        beta: bool = False,
+        dropout: float = 0.0,
+        edge_dim: Optional[int] = None,
+        bias: bool = True,
+        root_weight: bool = True,
+        backend: str = "auto",
+    ):
+        super().__init__()
+        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.heads = heads
+        self.beta = beta and root_weight
+        self.root_weight = root_weight
+        self.concat = concat
+        self.dropout = dropout
+        self.edge_dim = edge_dim
+        self.backend = backend
+
+        HC = heads * out_channels
+        in_src, in_dst = ((in_channels, in_channels) if isinstance(in_channels, int)
+                          else in_channels)
+        self.lin_key = Linear(in_src, HC, bias=bias)
+        self.lin_query = Linear(in_dst, HC, bias=bias)
+        self.lin_value = Linear(in_src, HC, bias=bias)
+        self.lin_edge = Linear(edge_dim, HC, bias=False) if edge_dim is not None else None
+        width = HC if concat else out_channels
+        # PyG builds lin_skip even with root_weight=False; keep it for state_dict parity.
+        self.lin_skip = Linear(in_dst, width, bias=bias)
+        self.lin_beta = Linear(3 * width, 1, bias=False) if self.beta else None
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for lin in (self.lin_key, self.lin_query, self.lin_value, self.lin_edge,
+                    self.lin_skip, self.lin_beta):
+            if lin is not None:
+                lin.reset_parameters()
+
+    def forward(
+        self,
+        x: Union[Tensor, Tuple[Tensor, Tensor]],
+        edge_index: Tensor,
+        edge_attr: Optional[Tensor] = None,
+        return_attention_weights: Optional[bool] = None,
+    ):
+        H, C = self.heads, self.out_channels
+        x_src, x_dst = self._split(x, self.lin_key.weight)
+        edge_index, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
+                                            x_src, self_loops=False)
+        query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
+        key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
+        value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
+        h_edge = None
+        if self.lin_edge is not None:
+            h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
+        out, alpha = graph_attention(
+            DotProductScore(query, key, h_edge, scaled_dot_product_scale(C)), value, edge_index,
+            x_dst.size(0), value_edge=h_edge, dropout=self.dropout, training=self.training,
+            concat=self.concat, backend=self.backend, return_attention=True)
+        if self.root_weight:
+            x_r = self.lin_skip(x_dst)
+            if self.lin_beta is not None:
+                beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1)).sigmoid()
+                out = beta * x_r + (1 - beta) * out
+            else:
+                out = out + x_r
+        return self._output(out, alpha, edge_index, return_attention_weights)
