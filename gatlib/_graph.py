@@ -26,7 +26,7 @@ def memo(tensor: Tensor, key: Hashable, fn: Callable[[], Any]) -> Any:
     tid = id(tensor)
     entry = _MEMO.get(tid)
     if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
-        ref = weakref.ref(tensor, lambda _, tid=tid: _MEMO.pop(tid, None))
+        ref = weakref.ref(tensor, lambda _, tid=tid, m=_MEMO: m.pop(tid, None))
         entry = (ref, tensor._version, {})
         _MEMO[tid] = entry
     values = entry[2]

@@ -1,0 +1,158 @@
+"""Valid edge cases through the layers, on every backend: finite, correct shapes,
+and equal to the reference backend."""
+import pytest
+import torch
+
+import gatlib
+
+from testing import backends, hub_graph, random_graph
+
+LAYERS = ["GATConv", "GATv2Conv", "TransformerConv"]
+
+
+def build(layer, backend, in_ch=8, out=4, heads=2, **kw):
+    torch.manual_seed(0)
+    return getattr(gatlib, layer)(in_ch, out, heads=heads, backend=backend, **kw)
+
+
+def graphs():
+    n = 50
+    ring = torch.stack([torch.arange(n), (torch.arange(n) + 1) % n])
+    return {
+        "empty": (n, torch.empty(2, 0, dtype=torch.long)),
+        "isolated": (n, random_graph(n, 100, seed=1)[:, :40].clamp(max=n - 11)),  # last 10 unreached
+        "duplicates": (n, torch.cat([ring, ring, ring[:, :5]], dim=1)),
+        "hub": (2000, hub_graph(2000, 5000)),
+        "unsorted": (n, random_graph(n, 300, seed=2)[:, torch.randperm(300)]),
+    }
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("case", list(graphs()))
+@pytest.mark.parametrize("self_loops", [True, False])
+def test_edge_cases_finite_and_match_reference(layer, backend, case, self_loops):
+    n, ei = graphs()[case]
+    kw = {} if layer == "TransformerConv" else dict(add_self_loops=self_loops)
+    x = torch.randn(n, 8, requires_grad=True)
+    ref = build(layer, "torch", **kw)
+    m = build(layer, backend, **kw)
+    m.load_state_dict(ref.state_dict())
+    out_ref = ref(x, ei)
+    out = m(x, ei)
+    assert out.shape == (n, 8)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
+    gx, = torch.autograd.grad(out.square().sum(), x)
+    gx_ref, = torch.autograd.grad(out_ref.square().sum(), x)
+    assert torch.isfinite(gx).all()
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-5)
+    if case == "isolated" and not self_loops and layer != "TransformerConv":
+        # no in-edges: the attention term is zero, only the bias remains
+        torch.testing.assert_close(out[-10:], m.bias.expand(10, -1))
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("layer", LAYERS)
+def test_huge_features_do_not_overflow(layer, backend):
+    n = 30
+    ei = random_graph(n, 120, seed=3)
+    x = torch.randn(n, 8) * 1e4
+    out, (_, alpha) = build(layer, backend)(x, ei, return_attention_weights=True)
+    assert torch.isfinite(out).all() and torch.isfinite(alpha).all()
+    assert alpha.min() >= 0 and alpha.max() <= 1
+
+
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_float64_and_bfloat16(layer, backend, dtype):
+    n = 40
+    ei = random_graph(n, 200, seed=4)
+    x = torch.randn(n, 8)
+    ref = build(layer, "torch").double()
+    m = build(layer, backend).to(dtype)
+    out = m(x.to(dtype), ei)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    exact = ref(x.double(), ei)
+    tol = 1e-10 if dtype == torch.float64 else 0.1
+    assert (out.double() - exact).abs().max() < tol
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_attention_weights_are_a_softmax_per_destination(layer):
+    n = 25
+    ei = random_graph(n, 100, seed=5)
+    out, (ei_out, alpha) = build(layer, "torch", heads=3)(torch.randn(n, 8), ei,
+                                                          return_attention_weights=True)
+    assert alpha.shape == (ei_out.size(1), 3)
+    sums = torch.zeros(n, 3).index_add_(0, ei_out[1], alpha)
+    has_in = torch.bincount(ei_out[1], minlength=n) > 0
+    torch.testing.assert_close(sums[has_in], torch.ones_like(sums[has_in]))
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.parametrize("flag", [None, False])
+def test_return_attention_weights_only_when_truthy(layer, flag):
+    """Unlike PyG's TransformerConv, False returns the output alone, like None."""
+    n = 10
+    out = build(layer, "torch")(torch.randn(n, 8), random_graph(n, 30),
+                                return_attention_weights=flag)
+    assert isinstance(out, torch.Tensor)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_concat_false_averages_heads(layer):
+    n = 12
+    ei = random_graph(n, 40, seed=6)
+    x = torch.randn(n, 8)
+    kw = {} if layer == "TransformerConv" else dict(bias=False)
+    cat = build(layer, "torch", heads=3, concat=True, **kw)
+    avg = build(layer, "torch", heads=3, concat=False, **kw)
+    shared = {k: v for k, v in cat.state_dict().items() if "skip" not in k}
+    avg.load_state_dict(shared, strict=False)
+    if layer == "TransformerConv":  # the skip term differs in width; compare without it
+        cat.root_weight = avg.root_weight = False
+    out_cat, out_avg = cat(x, ei), avg(x, ei)
+    assert out_avg.shape == (n, 4)
+    torch.testing.assert_close(out_avg, out_cat.view(n, 3, 4).mean(1), rtol=1e-5, atol=1e-6)
+
+
+def test_edge_index_reused_across_calls_is_cached():
+    """Self-loops are added once per edge_index object, not at every call."""
+    n = 20
+    ei = random_graph(n, 60, seed=7)
+    m = build("GATConv", "torch")
+    x = torch.randn(n, 8)
+    _, (e1, _) = m(x, ei, return_attention_weights=True)
+    _, (e2, _) = m(x, ei, return_attention_weights=True)
+    assert e1 is e2
+    _, (e3, _) = m(x, ei.clone(), return_attention_weights=True)
+    assert e3 is not e1 and torch.equal(e3, e1)
+
+
+def test_layers_in_a_pyg_model_train():
+    """gatlib layers inside a PyG Sequential learn a simple task."""
+    from torch_geometric.nn import Sequential
+
+    torch.manual_seed(0)
+    n = 60
+    ei = random_graph(n, 400, seed=8)
+    x = torch.randn(n, 8)
+    y = (x[:, 0] > 0).long()
+    model = Sequential("x, edge_index", [
+        (gatlib.GATConv(8, 8, heads=2), "x, edge_index -> x"),
+        torch.nn.ELU(),
+        (gatlib.GATv2Conv(16, 8), "x, edge_index -> x"),
+        torch.nn.ELU(),
+        (gatlib.TransformerConv(8, 2), "x, edge_index -> x"),
+    ])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x, ei), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
