@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates ./.venv (if missing) and installs gatlib with everything its tests,
+# benchmarks and notebooks use. Safe to re-run: finished steps are no-ops.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# CPU torch first and pinned: an unpinned torch (or any range admitting a newer
+# release) pulls the newest CUDA build, several GB. Override with TORCH_VERSION.
+python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+python -m pip install -q -e ".[test,bench,ogb,triton]"
+# torch_scatter ships no wheel for this torch: it compiles (~5 min on 2 cores)
+# against the installed torch, hence no build isolation. pip's wheel cache
+# makes a second install instant.
+python -c "import torch_scatter" 2>/dev/null || python -m pip install -q --no-build-isolation torch-scatter
+python -c "import torch, torch_geometric, torch_scatter, ogb, triton, gatlib; print('gatlib env ready: torch', torch.__version__, '| torch_geometric', torch_geometric.__version__, '| torch_scatter', torch_scatter.__version__, '| ogb', ogb.__version__, '| triton', triton.__version__)"
