@@ -56,7 +56,7 @@ def test_dot_product_matches_dense_masked_softmax(n_src, n_dst, H):
     w = torch.randn_like(out)
     g1 = torch.autograd.grad((out * w).sum(), (q, k, v))
     g2 = torch.autograd.grad((ref.mean(1) * w).sum(), (q, k, v))
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -73,7 +73,7 @@ def test_gat_matches_dense_masked_softmax(H):
     torch.testing.assert_close(out, ref.reshape(n_dst, -1))
     g1 = torch.autograd.grad(out.square().sum(), (a_src, a_dst, v))
     g2 = torch.autograd.grad(ref.square().sum(), (a_src, a_dst, v))
-    for a, b in zip(g1, g2):
+    for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -110,7 +110,7 @@ def test_gradcheck_float64(kind, backend):
     names = [k for k, t in vars(score).items() if isinstance(t, torch.Tensor)]
 
     def f(v, ve, *ts):
-        s = type(score)(**{**vars(score), **dict(zip(names, ts))})
+        s = type(score)(**{**vars(score), **dict(zip(names, ts, strict=True))})
         return graph_attention(s, v, ei, n_dst, value_edge=ve, backend=backend)
 
     assert torch.autograd.gradcheck(f, (v, ve, *leaves(score)))
@@ -153,7 +153,7 @@ def test_backend_matches_reference(backend, kind, dtype, graph):
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else {}
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(alpha, alpha_ref, **tol)
-    for a, b in zip(g, g_ref):
+    for a, b in zip(g, g_ref, strict=True):
         if b is None:
             assert a is None or a.abs().max() == 0
         else:

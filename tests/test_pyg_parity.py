@@ -51,7 +51,7 @@ def check_parity(ours, theirs, x, ei, ea, **fw):
     torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)
     assert torch.equal(e2, e1)
     torch.testing.assert_close(a2, a1, rtol=1e-4, atol=1e-6)
-    for a, b in zip(g2, g1):
+    for a, b in zip(g2, g1, strict=True):
         if a is None or b is None:
             assert a is None and b is None or (a if a is not None else b).abs().max() == 0
         else:
