@@ -1,0 +1,879 @@
+r"""Fused sparse attention in Triton: score, softmax and aggregate in one pass.
+
+The three stages of :mod:`gatlib._core` run inside one kernel per direction,
+so no ``[E, H, C]`` tensor is ever built or saved (the reference gathers
+``value[src]`` into one):
+
+* **forward** (destination-major, CSR): a program owns ``BLOCK_R`` lanes, each
+  a (work item, head) pair — a work item is a destination row or a piece of a
+  hub's row — walks their in-edges ``BLOCK_E`` at a time, scores each edge
+  inside the kernel and keeps FlashAttention's online softmax: running max
+  ``m``, running sum ``l`` and an accumulator rescaled by ``exp(m_old - m_new)``
+  whenever the max grows. It saves ``out`` and a ``[N, H]`` log-sum-exp,
+  nothing per edge.
+* **backward**: a destination-major kernel recomputes the scores from the
+  log-sum-exp and produces the score gradients (``[E, H]``, CSR order), the
+  destination-side gradients (query / ``x_dst`` / ``a_dst``) and the per-edge
+  gradients of per-edge *inputs*; a source-major kernel walks the CSC view
+  and sums, per source node, the value and key/source-term gradients by
+  gathering those ``[E, H]`` buffers — every output row is written by exactly
+  one program, so there are no atomics.
+
+**Degree-aware scheduling.** Rows of real graphs range from degree 0 to tens
+of thousands. Work items are rows cut into pieces of at most ``_SPLIT`` edges
+(a hub becomes several items whose partial results — ``(out, lse)`` in the
+forward, plain sums in the backward — are merged afterwards, as in
+flash-decoding's split-K), sorted longest first (so the longest items start
+first and no hub is left running alone at the end), and bucketed by length:
+each bucket is launched with its own edge-tile width (4, 16 or 64, narrower
+for wide channels) and packs as many lanes per program as fit the register
+budget, so a block of similar-degree rows wastes few lanes and a program's
+loop runs as long as its longest item. The schedule is computed once per
+graph and cached on ``edge_index`` (:func:`gatlib._graph.memo`).
+
+Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
+channels are padded to a power of two and masked. Attention dropout draws
+Philox numbers keyed by ``(seed, CSR edge position * H + head)``, so the
+backward regenerates the forward's mask from the saved seed.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import _core, _graph
+
+# Longest run of edges one work item handles; longer rows are split.
+_SPLIT = 256
+# Elements of the [BLOCK_R, BLOCK_E, BLOCK_C] tile a program holds per step and
+# the most lanes per program. 1024 (8 per thread at 4 warps) keeps the kernels
+# at ~70-150 registers on sm_90 without spills — several [R, E, C] temporaries
+# and 64-bit pointer tiles are live at once; 4096 spilled (ptxas, C=8). The
+# CPU interpreter pays per program and per op, not per element: it gets few
+# wide programs instead.
+_TILE, _MAX_ROWS = 1024, 16
+_TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
+# Wider channel dimensions fall back to the reference.
+_MAX_C = 1024
+# (item length above which, edge-tile width) — longest bucket first.
+_BUCKETS = ((16, 64), (4, 16), (-1, 4))
+_KINDS = {_core.GATScore: 0, _core.GATv2Score: 1, _core.DotProductScore: 2}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+# ---------------------------------------------------------------------------
+# Scheduling: work items over the segments of a CSR-like ``ptr``.
+# ---------------------------------------------------------------------------
+@dataclass
+class _Schedule:
+    """Work items over the segments of a CSR ``ptr``, in launch order.
+
+    Item ``w`` covers positions ``start[w] : start[w] + length[w]`` of segment
+    ``row[w]``; ``slot[w]`` is ``-1`` when that is the whole segment (the item
+    writes the final result) or its partial-result slot when the segment was
+    split (slots ``piece_group == g`` belong to ``split_rows[g]``).
+    """
+
+    row: Tensor  # [W]
+    start: Tensor  # [W]
+    length: Tensor  # [W]
+    slot: Tensor  # [W]
+    buckets: Tuple[Tuple[int, int, int], ...]  # (first item, item count, BLOCK_E)
+    split_rows: Tensor  # [S] int64
+    piece_group: Tensor  # [P] int64
+    num_pieces: int
+
+
+def _build_schedule(ptr: Tensor, split: int) -> _Schedule:
+    p = ptr.long()
+    n = p.numel() - 1
+    dev = p.device
+    deg = p[1:] - p[:-1]  # [n]
+    pieces = ((deg + split - 1) // split).clamp_(min=1)  # a row without edges is one empty item
+    row = torch.repeat_interleave(torch.arange(n, device=dev), pieces)  # [W]
+    j = torch.arange(row.numel(), device=dev) - (torch.cumsum(pieces, 0) - pieces)[row]
+    start = p[:-1][row] + j * split
+    length = torch.clamp(deg[row] - j * split, max=split)
+    is_split = pieces[row] > 1
+    slot = torch.where(is_split, torch.cumsum(is_split, 0) - 1, -1)
+    split_rows = (pieces > 1).nonzero().flatten()
+    piece_group = (torch.cumsum(pieces > 1, 0) - 1)[row[is_split]]
+    # Longest first: hub pieces start before the short rows fill the gaps.
+    order = torch.argsort(length, descending=True, stable=True)
+    row, start, length, slot = row[order], start[order], length[order], slot[order]
+    counts = [int(c) for c in torch.stack([(length > lo).sum() for lo, _ in _BUCKETS]).tolist()]
+    buckets, first = [], 0
+    for count, (_, block_e) in zip(counts, _BUCKETS, strict=True):
+        if count > first:
+            buckets.append((first, count - first, block_e))
+        first = max(first, count)
+    idt = _graph._index_dtype(int(p[-1]), n, row.numel())
+    return _Schedule(row.to(idt), start.to(idt), length.to(idt), slot.to(idt), tuple(buckets),
+                     split_rows, piece_group, int(is_split.sum()))
+
+
+@dataclass
+class _Plan:
+    """Everything the kernels need about one graph, cached on its ``edge_index``."""
+
+    layout: _graph.Layout
+    csr_eid: Tensor  # [E] original edge id of each CSR position
+    csc_eid: Tensor  # [E] original edge id of each CSC position
+    dst_items: _Schedule  # over destinations (CSR)
+    src_items: _Schedule  # over sources (CSC)
+
+
+def _plan(edge_index: Tensor, num_src: int, num_dst: int) -> _Plan:
+    def build():
+        lay = _graph.layout(edge_index, num_src, num_dst)
+        idt = lay.src.dtype
+        return _Plan(lay, lay.perm.to(idt), lay.perm[lay.csc_edge.long()].to(idt),
+                     _build_schedule(lay.ptr, _SPLIT), _build_schedule(lay.csc_ptr, _SPLIT))
+
+    return _graph.memo(edge_index, ("triton-plan", num_src, num_dst, _SPLIT), build)
+
+
+def _tile(device: torch.device) -> Tuple[int, int]:
+    """(tile elements, max rows per program) for kernels running on ``device``."""
+    if device.type == "cuda":
+        return _TILE, _MAX_ROWS
+    return _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER
+
+
+def _rows_per_program(block_e: int, width: int, device: torch.device) -> int:
+    tile, max_rows = _tile(device)
+    r = max(1, min(max_rows, tile // (block_e * width)))
+    return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
+
+
+def _launch(kernel, items: _Schedule, H: int, width: int, device: torch.device, *args,
+            **consts) -> None:
+    """Launch ``kernel`` once per length bucket of ``items`` (longest first); the
+    kernel's leading arguments are the bucket's item arrays, its item count and
+    the global index of its first lane (for per-lane partial sums)."""
+    tile = _tile(device)[0]
+    for first, count, block_e in items.buckets:
+        block_e = min(block_e, 1 << (max(1, tile // width).bit_length() - 1))  # wide channels
+        lanes = _rows_per_program(block_e, width, device)
+        kernel[(triton.cdiv(count * H, lanes),)](
+            items.row[first:], items.start[first:], items.length[first:], items.slot[first:],
+            count, first * H, *args, BLOCK_R=lanes, BLOCK_E=block_e, **consts)
+
+
+def _merge_sums(final: Tensor, part: Tensor, items: _Schedule) -> None:
+    """``final[row] = sum of its pieces`` for the rows that were split."""
+    if items.num_pieces:
+        total = part.new_zeros((items.split_rows.numel(),) + part.shape[1:])
+        total.index_add_(0, items.piece_group, part)
+        final[items.split_rows] = total.to(final.dtype)
+
+
+def _merge_softmax(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor,
+                   items: _Schedule) -> None:
+    """Combine per-piece ``(out_p, lse_p)`` of split rows:
+    ``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``."""
+    if not items.num_pieces:
+        return
+    grp = items.piece_group
+    S = items.split_rows.numel()
+    mx = part_lse.new_full((S,) + part_lse.shape[1:], float("-inf"))
+    mx = mx.scatter_reduce(0, grp[:, None].expand_as(part_lse), part_lse, "amax")  # [S, H]
+    w = (part_lse - mx[grp]).exp()  # [P, H]
+    denom = torch.zeros_like(mx).index_add_(0, grp, w)
+    o = part_out.new_zeros((S,) + part_out.shape[1:]).index_add_(0, grp, w[..., None] * part_out)
+    out[items.split_rows] = (o / denom[..., None]).to(out.dtype)
+    lse[items.split_rows] = mx + denom.log()
+
+
+# ---------------------------------------------------------------------------
+# Kernels. A program owns BLOCK_R *lanes*, each one (work item, head) pair —
+# lane l is item l // H, head l % H — so the heads of a row sit side by side
+# and their loads of a source's [H, C] row are contiguous.
+# ---------------------------------------------------------------------------
+@triton.jit
+def _lanes(item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R: tl.constexpr):
+    """This program's lanes (lanes past the last item are empty)."""
+    lane = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    it = lane // H
+    valid = it < n_items
+    h = (lane % H).to(tl.int64)
+    row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+    start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+    length = tl.load(item_len + it, mask=valid, other=0)
+    slot = tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64)
+    final = valid & (slot < 0)
+    piece = valid & (slot >= 0)
+    slot = tl.where(piece, slot, 0)
+    return lane, valid, row, h, start, length, final, piece, slot, tl.max(length, 0)
+
+
+@triton.jit
+def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m_edge,
+           scale, slope, KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr,
+           ACC: tl.constexpr, BLOCK_CK: tl.constexpr):
+    """Scores of a 2-D tile of edges ``src -> dst`` (original ids ``eid``), head ``h``.
+
+    ``h``, ``src``, ``dst`` and ``eid`` are int64 tiles that broadcast to the
+    edge tile (e.g. ``[R, E]`` and ``[R, 1]``), each with a mask of its shape;
+    per-node terms are loaded at their own shape, so a row's query is read
+    once per tile, not once per edge.
+
+    Returns ``(score, z, xs, xd, xe)``: the ``[R, E]`` scores; ``z`` the
+    pre-activation (GAT ``[R, E]``, GATv2 ``[R, E, CK]``) or ``k_j + e_ij``
+    (dot product ``[R, E, CK]``); and the loaded channel tiles of the source,
+    destination and edge terms (placeholders where a kind has none), which
+    callers reuse instead of loading them again.
+    """
+    if KIND == 0:  # GAT: z = a_src[j] + a_dst[i] + a_edge[ij], per-node scalars
+        z = tl.load(s_src + src * H + h, mask=m_src, other=0).to(ACC)
+        if HAS_DST:
+            z = z + tl.load(s_dst + dst * H + h, mask=m_dst, other=0).to(ACC)
+        if HAS_EDGE:
+            z = z + tl.load(s_edge + eid * H + h, mask=m_edge, other=0).to(ACC)
+        score = tl.where(z > 0, z, z * slope)  # LeakyReLU
+        xs = z
+        xd = z
+        xe = z
+    else:
+        ck = tl.arange(0, BLOCK_CK)[None, None, :]
+        cm = ck < CK
+        xs = tl.load(s_src + (src * H + h)[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
+                     other=0).to(ACC)
+        xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
+                     other=0).to(ACC)
+        if HAS_EDGE:
+            xe = tl.load(s_edge + (eid * H + h)[:, :, None] * CK + ck,
+                         mask=m_edge[:, :, None] & cm, other=0).to(ACC)
+        else:
+            xe = xs
+        if KIND == 1:  # GATv2: att . leaky(x_src[j] + x_dst[i] + e_ij)
+            z = xs + xd
+            if HAS_EDGE:
+                z = z + xe
+            att = tl.load(s_att + h[:, :, None] * CK + ck, mask=cm, other=0).to(ACC)
+            score = tl.sum(tl.where(z > 0, z, z * slope) * att, 2)
+        else:  # dot product: q_i . (k_j + e_ij) * scale
+            z = xs
+            if HAS_EDGE:
+                z = z + xe
+            score = tl.sum(xd * z, 2) * scale
+    return score, z, xs, xd, xe
+
+
+@triton.jit
+def _fwd_kernel(
+    item_row, item_start, item_len, item_slot, n_items, lane_base,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, params,
+    out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+):
+    lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+        item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
+    scale = tl.load(params).to(ACC)
+    slope = tl.load(params + 1).to(ACC)
+    keep_scale = tl.load(params + 2).to(ACC)
+    h2 = h[:, None]  # [R, 1]
+    dst = row[:, None]
+    m_dst = valid[:, None]
+    cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
+    m_i = tl.full([BLOCK_R], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_R], ACC)
+    acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
+    for off in range(0, max_len, BLOCK_E):
+        pos = off + tl.arange(0, BLOCK_E)[None, :]
+        emask = pos < length[:, None]  # [R, E]
+        k = start[:, None] + pos  # CSR positions
+        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+        if HAS_EDGE or HAS_VEDGE:  # per-edge inputs are in original edge order
+            eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+        else:
+            eid = k
+        score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                      emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                      HAS_EDGE, ACC, BLOCK_CK)
+        score = tl.where(emask, score, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(score, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
+        p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
+        corr = tl.exp(m_i - m_safe)
+        l_i = l_i * corr + tl.sum(p, 1)
+        if DROPOUT:
+            keep = tl.rand(seed, k * H + h2) >= p_drop
+            p = tl.where(keep, p * keep_scale, 0.0)
+        # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
+        # value_edge (Transformer layers) is the same tensor
+        vmask = emask[:, :, None] & (cv3 < CV)
+        if SHARE_V:
+            v = xs
+        else:
+            v = tl.load(value + (src * H + h2)[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
+        if HAS_VEDGE:
+            if SHARE_VE:
+                v = v + xe
+            else:
+                v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                other=0).to(ACC)
+        acc = acc * corr[:, None] + tl.sum(p[:, :, None] * v, 1)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
+    row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+    cv = tl.arange(0, BLOCK_CV)[None, :]
+    cm = cv < CV
+    orow = row * H + h
+    prow = slot * H + h
+    tl.store(out + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
+    tl.store(lse + orow, row_lse, mask=final)
+    tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
+    tl.store(part_lse + prow, row_lse, mask=piece)
+
+
+@triton.jit
+def _alpha_kernel(
+    csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, params, lse, alpha, H, CK,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr,
+):
+    """``alpha[eid, h] = exp(e_ij - lse_i)``, one lane per (CSR position, head)."""
+    lane = (tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)[:, None]  # [K, 1]
+    k = lane // H
+    h = lane % H
+    m = k < E
+    src = tl.load(csr_src + k, mask=m, other=0).to(tl.int64)
+    dst = tl.load(csr_dst + k, mask=m, other=0).to(tl.int64)
+    eid = tl.load(csr_eid + k, mask=m, other=0).to(tl.int64)
+    scale = tl.load(params).to(ACC)
+    slope = tl.load(params + 1).to(ACC)
+    score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m, m, m,
+                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ACC, BLOCK_CK)
+    row_lse = tl.load(lse + dst * H + h, mask=m, other=0)
+    tl.store(alpha + eid * H + h, tl.exp(score - row_lse), mask=m)
+
+
+@triton.jit
+def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
+    """The dropout mask the fused kernels apply, as ``[E, H]`` in original order
+    (the random stream is indexed by ``CSR position * H + head``)."""
+    lane = (tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    k = lane // H
+    m = k < E
+    eid = tl.load(csr_eid + k, mask=m, other=0).to(tl.int64)
+    kept = tl.rand(seed, lane) >= p_drop
+    tl.store(keep + eid * H + lane % H, kept.to(tl.int8), mask=m)
+
+
+@triton.jit
+def _bwd_dst_kernel(
+    item_row, item_start, item_len, item_slot, n_items, lane_base,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, params,
+    grad_out, lse, delta, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, part_att,
+    seed, p_drop, H, CK, CV,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+    NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
+    NEED_ATT: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+):
+    lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+        item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
+    scale = tl.load(params).to(ACC)
+    slope = tl.load(params + 1).to(ACC)
+    keep_scale = tl.load(params + 2).to(ACC)
+    h2 = h[:, None]
+    dst = row[:, None]
+    m_dst = valid[:, None]
+    orow = row * H + h  # [R]
+    cv = tl.arange(0, BLOCK_CV)
+    cvm = cv < CV
+    cv3 = cv[None, None, :]
+    ck = tl.arange(0, BLOCK_CK)
+    ckm = ck < CK
+    ck3 = ck[None, None, :]
+    g = tl.load(grad_out + orow[:, None] * CV + cv[None, :], mask=valid[:, None] & cvm[None, :],
+                other=0).to(ACC)[:, None, :]  # [R, 1, CV]
+    row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
+    row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+    row_delta = tl.load(delta + orow, mask=valid, other=0).to(ACC)
+    if KIND == 0:
+        d_acc = tl.zeros([BLOCK_R], ACC)
+    else:
+        d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+        att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
+                      other=0).to(ACC)  # [R, 1, CK]
+    att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    for off in range(0, max_len, BLOCK_E):
+        pos = off + tl.arange(0, BLOCK_E)[None, :]
+        emask = pos < length[:, None]
+        k = start[:, None] + pos
+        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+        if HAS_EDGE or HAS_VEDGE or GALPHA:
+            eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+        else:
+            eid = k
+        score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                      emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                      HAS_EDGE, ACC, BLOCK_CK)
+        p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
+        vmask = emask[:, :, None] & (cv3 < CV)
+        if SHARE_V:
+            v = xs
+        else:
+            v = tl.load(value + (src * H + h2)[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
+        if HAS_VEDGE:
+            if SHARE_VE:
+                v = v + xe
+            else:
+                v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                other=0).to(ACC)
+        dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
+        if DROPOUT:
+            keep = tl.rand(seed, k * H + h2) >= p_drop
+            drop = tl.where(keep, keep_scale, 0.0)
+            a = p * drop
+            dp = dp * drop
+        else:
+            a = p
+        if GALPHA:
+            dp = dp + tl.load(grad_alpha + eid * H + h2, mask=emask, other=0).to(ACC)
+        ds = p * (dp - row_delta[:, None])  # softmax backward, [R, E]
+        eoff = k * H + h2
+        tl.store(a_buf + eoff, a, mask=emask)
+        if NEED_VEDGE:
+            tl.store(d_vedge + (eid * H + h2)[:, :, None] * CV + cv3, a[:, :, None] * g, mask=vmask)
+        if KIND == 0:
+            dz = ds * tl.where(z > 0, 1.0, slope)
+            tl.store(ds_buf + eoff, dz, mask=emask)
+            d_acc += tl.sum(dz, 1)
+            if NEED_EDGE:
+                tl.store(d_edge + eid * H + h2, dz, mask=emask)
+        elif KIND == 1:
+            tl.store(ds_buf + eoff, ds, mask=emask)
+            dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
+            d_acc += tl.sum(dz, 1)
+            if NEED_ATT:
+                att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
+            if NEED_EDGE:
+                tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
+                         mask=emask[:, :, None] & (ck3 < CK))
+        else:
+            tl.store(ds_buf + eoff, ds, mask=emask)
+            d_acc += tl.sum(ds[:, :, None] * z, 1)  # dq_i, scaled below
+            if NEED_EDGE:
+                tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
+                         mask=emask[:, :, None] & (ck3 < CK))
+    prow = slot * H + h
+    if NEED_DST:
+        if KIND == 0:
+            tl.store(d_dst + orow, d_acc, mask=final)
+            tl.store(part_dst + prow, d_acc, mask=piece)
+        else:
+            if KIND == 2:
+                d_acc = d_acc * scale
+            km = ckm[None, :]
+            tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
+            tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
+    if NEED_ATT:  # one partial per lane, summed by the caller
+        tl.store(part_att + (lane_base + lane)[:, None] * CK + ck[None, :], att_acc,
+                 mask=valid[:, None] & ckm[None, :])
+
+
+@triton.jit
+def _bwd_src_kernel(
+    item_row, item_start, item_len, item_slot, n_items, lane_base,
+    csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, params,
+    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
+    KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+):
+    lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+        item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
+    slope = tl.load(params + 1).to(ACC)
+    h2 = h[:, None]
+    orow = row * H + h  # this lane's source node and head
+    cv = tl.arange(0, BLOCK_CV)
+    cvm = cv < CV
+    cv3 = cv[None, None, :]
+    ck = tl.arange(0, BLOCK_CK)
+    ckm = ck < CK
+    ck3 = ck[None, None, :]
+    dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
+    if KIND == 0:
+        ds_acc = tl.zeros([BLOCK_R], ACC)
+    else:
+        ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    if KIND == 1:
+        rmask = valid[:, None, None] & (ck3 < CK)
+        att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)  # [R, 1, CK]
+        xs = tl.load(s_src + orow[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)
+    for off in range(0, max_len, BLOCK_E):
+        pos = off + tl.arange(0, BLOCK_E)[None, :]
+        emask = pos < length[:, None]
+        t = start[:, None] + pos  # CSC positions
+        k = tl.load(csc_edge + t, mask=emask, other=0).to(tl.int64)  # CSR positions
+        i = tl.load(csc_dst + t, mask=emask, other=0).to(tl.int64)  # destinations
+        if NEED_VALUE:
+            a = tl.load(a_buf + k * H + h2, mask=emask, other=0)
+            gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
+                         mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
+            dv_acc += tl.sum(a[:, :, None] * gi, 1)
+        if NEED_SRC:
+            ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
+            if KIND == 0:
+                ds_acc += tl.sum(ds, 1)
+            else:
+                cmask = emask[:, :, None] & (ck3 < CK)
+                xd = tl.load(s_dst + (i * H + h2)[:, :, None] * CK + ck3, mask=cmask,
+                             other=0).to(ACC)
+                if KIND == 1:
+                    z = xs + xd
+                    if HAS_EDGE:
+                        eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
+                        z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * CK + ck3, mask=cmask,
+                                        other=0).to(ACC)
+                    ds_acc += tl.sum(ds[:, :, None] * att * tl.where(z > 0, 1.0, slope), 1)
+                else:
+                    ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
+    prow = slot * H + h
+    if NEED_VALUE:
+        vm = cvm[None, :]
+        tl.store(d_value + orow[:, None] * CV + cv[None, :], dv_acc, mask=final[:, None] & vm)
+        tl.store(part_value + prow[:, None] * CV + cv[None, :], dv_acc, mask=piece[:, None] & vm)
+    if NEED_SRC:
+        if KIND == 0:
+            tl.store(d_src + orow, ds_acc, mask=final)
+            tl.store(part_src + prow, ds_acc, mask=piece)
+        else:
+            if KIND == 2:
+                ds_acc = ds_acc * tl.load(params).to(ACC)
+            km = ckm[None, :]
+            tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
+            tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
+
+
+# ---------------------------------------------------------------------------
+# Autograd function and entry point.
+# ---------------------------------------------------------------------------
+@dataclass
+class _Meta:
+    """The non-tensor arguments of one fused call."""
+
+    plan: _Plan
+    kind: int
+    H: int
+    CK: int  # channels of the scorer's per-node terms (1 for GAT)
+    CV: int  # channels of the values
+    scale: float
+    slope: float
+    p: float  # dropout probability, 0 when inactive
+    seed: int
+    need_alpha: bool
+    alpha_dtype: torch.dtype
+    acc: torch.dtype  # accumulation dtype: float32, or float64 for float64 inputs
+    share_v: bool  # value is the scorer's x_src (GATv2 layers)
+    share_ve: bool  # value_edge is the scorer's edge term (Transformer layers)
+
+
+def _tl_acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _device(t: Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _params(meta: _Meta, device: torch.device) -> Tensor:
+    """``[scale, negative_slope, 1 / (1 - p)]`` in the accumulation dtype."""
+    keep = 1.0 / (1.0 - meta.p) if meta.p > 0 else 1.0
+    return _params_tensor(meta.scale, meta.slope, keep, meta.acc, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _params_tensor(scale: float, slope: float, keep: float, dtype: torch.dtype,
+                   device: torch.device) -> Tensor:
+    # Loaded in-kernel so that float64 runs use exact constants (scalar kernel
+    # arguments are float32); cached to skip a host-to-device copy per call.
+    return torch.tensor([scale, slope, keep], dtype=dtype, device=device)
+
+
+class _FusedAttention(torch.autograd.Function):
+    r"""Fused attention over CSR segments (one head shown; ``D`` the dropout mask).
+
+    Forward, per destination ``i`` (online softmax over tiles of in-edges)::
+
+        m, l, acc = -inf, 0, 0
+        for each tile of edges j -> i:
+            s_j   = score(i, j)                       # GAT / GATv2 / dot, in-kernel
+            m'    = max(m, max_j s_j)
+            p_j   = exp(s_j - m')
+            l     = l * exp(m - m') + sum_j p_j
+            acc   = acc * exp(m - m') + sum_j p_j * D_ij / (1 - p) * (v_j + u_ij)
+            m     = m'
+        out_i = acc / l;  lse_i = m + log(l)          # saved: out [N, H, C], lse [N, H]
+        alpha_ij = exp(s_ij - lse_i)                  # only when asked for
+
+    Backward, with ``g_i = dL/dout_i`` and ``A_ij = alpha_ij D_ij / (1 - p)``::
+
+        Delta_i = <g_i, out_i> + sum_j alpha_ij * dL/dalpha_ij     # [N, H]
+        # destination-major (CSR) kernel, recomputing s_ij and alpha_ij from lse_i:
+        dP_ij  = D_ij / (1 - p) * <g_i, v_j + u_ij> + dL/dalpha_ij
+        dS_ij  = alpha_ij * (dP_ij - Delta_i)                      # softmax gradient
+        du_ij  = A_ij g_i                                          # value_edge
+        GAT:   dz_ij = dS_ij * leaky'(z_ij);  da_dst_i = sum_j dz_ij;  da_edge_ij = dz_ij
+        GATv2: dz_ij = dS_ij * att ⊙ leaky'(z_ij);  dx_dst_i = sum_j dz_ij;  de_ij = dz_ij
+               datt  = sum_ij dS_ij * leaky(z_ij)                   (per-lane partials)
+        dot:   dq_i  = scale * sum_j dS_ij (k_j + e_ij);  de_ij = scale * dS_ij q_i
+        # source-major (CSC) kernel, gathering A and dS (GAT: dz) saved as [E, H]:
+        dv_j = sum_i A_ij g_i
+        GAT: da_src_j = sum_i dz_ij;  GATv2: dx_src_j = sum_i dS_ij att ⊙ leaky'(z_ij);
+        dot: dk_j = scale * sum_i dS_ij q_i
+
+    Inputs: ``value [N_src, H, CV]``, ``value_edge [E, H, CV]`` or None, and the
+    scorer's tensors ``s_src`` (a_src / x_src / key), ``s_dst`` (a_dst / x_dst /
+    query), ``s_edge`` and ``s_att`` (GATv2's ``att [H, CK]``).
+    """
+
+    @staticmethod
+    def forward(ctx, meta: _Meta, value, value_edge, s_src, s_dst, s_edge, s_att):
+        plan, lay = meta.plan, meta.plan.layout
+        H, CK, CV, dev = meta.H, meta.CK, meta.CV, value.device
+        acc = meta.acc
+        N_dst, E = lay.num_dst, lay.num_edges
+        items = plan.dst_items
+        out = torch.empty(N_dst, H, CV, dtype=value.dtype, device=dev)
+        lse = torch.empty(N_dst, H, dtype=acc, device=dev)
+        part_out = torch.empty(items.num_pieces, H, CV, dtype=acc, device=dev)
+        part_lse = torch.empty(items.num_pieces, H, dtype=acc, device=dev)
+        params = _params(meta, dev)
+        dummy = value
+        consts = _consts(meta, s_dst, s_edge, value_edge)
+        with _device(value):
+            _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]), dev,
+                    lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
+                    _or(s_att, dummy), value, _or(value_edge, dummy), params,
+                    out, lse, part_out, part_lse, meta.seed, meta.p, H, CK, CV,
+                    DROPOUT=meta.p > 0, **consts)
+            _merge_softmax(out, lse, part_out, part_lse, items)
+            alpha = None
+            if meta.need_alpha:
+                alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
+                if E:
+                    # independent (edge, head) lanes: as many as fill the tile
+                    block_k = min(1024, max(16, _tile(dev)[0] // consts["BLOCK_CK"]))
+                    _alpha_kernel[(triton.cdiv(E * H, block_k),)](
+                        lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
+                        _or(s_edge, dummy), _or(s_att, dummy), params, lse, alpha, H, CK,
+                        KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
+                        ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"])
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(value, value_edge, s_src, s_dst, s_edge, s_att, out, lse, alpha)
+        return out, alpha
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_alpha):
+        meta = ctx.meta
+        value, value_edge, s_src, s_dst, s_edge, s_att, out, lse, alpha = ctx.saved_tensors
+        plan, lay = meta.plan, meta.plan.layout
+        H, CK, CV, dev, acc = meta.H, meta.CK, meta.CV, value.device, meta.acc
+        E = lay.num_edges
+        need = ctx.needs_input_grad  # (meta, value, value_edge, s_src, s_dst, s_edge, s_att)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        g = grad_out.contiguous()
+        delta = (g.to(acc) * out.to(acc)).sum(-1)  # [N_dst, H]
+        galpha = grad_alpha is not None
+        if galpha:
+            grad_alpha = grad_alpha.contiguous()
+            ag = (alpha.to(acc) * grad_alpha.to(acc)).index_select(0, lay.perm)  # CSR order
+            delta.index_add_(0, lay.dst.long(), ag)
+        consts = _consts(meta, s_dst, s_edge, value_edge)
+        dummy = value
+        params = _params(meta, dev)
+        a_buf = torch.empty(E, H, dtype=acc, device=dev)
+        ds_buf = torch.empty(E, H, dtype=acc, device=dev)
+        need_vedge = value_edge is not None and need[2]
+        need_edge = s_edge is not None and need[5]
+        need_dst = s_dst is not None and need[4]
+        need_att = s_att is not None and need[6]
+        d_vedge = torch.empty_like(value_edge) if need_vedge else None
+        d_edge = torch.empty_like(s_edge) if need_edge else None
+        d_dst = torch.empty_like(s_dst) if need_dst else None
+        items = plan.dst_items
+        part_dst = torch.empty(items.num_pieces, H, *([CK] if meta.kind else []), dtype=acc,
+                               device=dev) if need_dst else None
+        width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
+        # GATv2's att gradient: one partial per (item, head) lane, summed below
+        part_att = torch.empty(items.row.numel(), H, CK, dtype=acc, device=dev) if need_att else None
+        with _device(value):
+            _launch(_bwd_dst_kernel, items, H, width, dev,
+                    lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
+                    _or(s_att, dummy), value, _or(value_edge, dummy), params,
+                    g, lse, delta, _or(grad_alpha, dummy), a_buf, ds_buf, _or(d_vedge, dummy),
+                    _or(d_edge, dummy), _or(d_dst, dummy), _or(part_dst, dummy),
+                    _or(part_att, dummy), meta.seed, meta.p, H, CK, CV,
+                    DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
+                    NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
+            if need_dst:
+                _merge_sums(d_dst, part_dst, items)
+            need_value, need_src = need[1], need[3]
+            d_value = d_src = None
+            if need_value or need_src:
+                sitems = plan.src_items
+                d_value = torch.empty_like(value) if need_value else None
+                d_src = torch.empty_like(s_src) if need_src else None
+                part_value = torch.empty(sitems.num_pieces, H, CV, dtype=acc, device=dev) \
+                    if need_value else None
+                part_src = torch.empty(sitems.num_pieces, H, *([CK] if meta.kind else []),
+                                       dtype=acc, device=dev) if need_src else None
+                _launch(_bwd_src_kernel, sitems, H, width, dev,
+                        lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
+                        _or(s_edge, dummy), _or(s_att, dummy), params, g, a_buf, ds_buf,
+                        _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
+                        _or(part_src, dummy), H, CK, CV,
+                        KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
+                        NEED_SRC=need_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
+                        BLOCK_CV=consts["BLOCK_CV"])
+                if need_value:
+                    _merge_sums(d_value, part_value, sitems)
+                if need_src:
+                    _merge_sums(d_src, part_src, sitems)
+        d_att = part_att.sum(0).to(s_att.dtype) if need_att else None
+        return None, d_value, d_vedge, d_src, d_dst, d_edge, d_att
+
+
+def _or(t: Optional[Tensor], default: Tensor) -> Tensor:
+    # Kernels take a pointer for every optional tensor; an absent one is never read.
+    return default if t is None else t
+
+
+def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
+    return dict(
+        KIND=meta.kind, HAS_DST=s_dst is not None, HAS_EDGE=s_edge is not None,
+        HAS_VEDGE=value_edge is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
+        ACC=_tl_acc(meta.acc), BLOCK_CK=triton.next_power_of_2(meta.CK),
+        BLOCK_CV=triton.next_power_of_2(meta.CV),
+    )
+
+
+def _draw_seed() -> int:
+    """A dropout seed from torch's default CPU generator (no device sync), so
+    ``torch.manual_seed`` makes fused dropout reproducible."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def _check_interpreter() -> None:
+    """CPU tensors need every jit function — ours and triton.language's own
+    (``tl.sum``, ``tl.rand``) — built for the interpreter, which happens only
+    if ``TRITON_INTERPRET=1`` was set before triton was first imported."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not (isinstance(_fwd_kernel, InterpretedFunction) and isinstance(tl.sum, InterpretedFunction)):
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before triton is first "
+            "imported (note that torch_geometric imports triton); set it at the very start of "
+            "the process")
+
+
+def _usable(t: Optional[Tensor], device: torch.device) -> bool:
+    return t is None or (t.device == device and t.dtype in _FLOATS)
+
+
+def attention(
+    score: _core.Scorer,
+    value: Tensor,
+    edge_index: Tensor,
+    num_dst: int,
+    *,
+    value_edge: Optional[Tensor],
+    dropout: float,
+    training: bool,
+    need_alpha: bool,
+) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
+    """Fused attention (see :class:`_FusedAttention`), or ``None`` to decline.
+
+    Args:
+        score: a :class:`~gatlib.GATScore`, :class:`~gatlib.GATv2Score` or
+            :class:`~gatlib.DotProductScore`.
+        value: ``[N_src, H, C]`` source values.
+        edge_index: validated int64 ``[2, E]``; its CSR/CSC schedule is cached on it.
+        num_dst: ``N_dst``.
+        value_edge: optional ``[E, H, C]`` per-edge value term.
+        dropout: attention dropout probability, applied when ``training``.
+        training: whether dropout is active.
+        need_alpha: also return the ``[E, H]`` weights (before dropout).
+
+    Returns:
+        ``(out [N_dst, H, C], alpha [E, H] or None)`` with ``out`` in
+        ``value``'s dtype and ``alpha`` in original edge order; ``None`` for
+        inputs the kernels do not handle (other scorers, devices or dtypes,
+        more than ``_MAX_C`` channels), which then run on the reference.
+    """
+    kind = _KINDS.get(type(score))
+    dev = value.device
+    if dev.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return None
+        _check_interpreter()
+    if kind is None or value.dim() != 3 or dev.type not in ("cpu", "cuda"):
+        return None
+    if kind == 0:
+        s_src, s_dst, s_edge, s_att = score.src, score.dst, score.edge, None
+        scale, slope = 1.0, score.negative_slope
+    elif kind == 1:
+        s_src, s_dst, s_edge, s_att = score.x_src, score.x_dst, score.edge, score.att
+        scale, slope = 1.0, score.negative_slope
+    else:
+        s_src, s_dst, s_edge, s_att = score.key, score.query, score.edge, None
+        scale, slope = score.scale, 0.0
+    tensors = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    if not all(_usable(t, dev) for t in tensors):
+        return None
+    N_src, H, CV = value.shape
+    CK = 1 if kind == 0 else s_src.size(-1)
+    if CV > _MAX_C or CK > _MAX_C or CV == 0 or H == 0:
+        return None
+    share_v = kind == 1 and s_src is value
+    share_ve = value_edge is not None and value_edge is s_edge and kind != 0
+    plan = _plan(edge_index, N_src, num_dst)
+    p = float(dropout) if (training and dropout > 0) else 0.0
+    seed = _draw_seed() if p > 0 else 0
+    floats = [t for t in tensors if t is not None]
+    acc = torch.float64 if any(t.dtype == torch.float64 for t in floats) else torch.float32
+    score_tensors = [t for t in (s_src, s_dst, s_edge, s_att) if t is not None]
+    alpha_dtype = score_tensors[0].dtype
+    for t in score_tensors[1:]:
+        alpha_dtype = torch.promote_types(alpha_dtype, t.dtype)
+    meta = _Meta(plan, kind, H, CK, CV, float(scale), float(slope), p, seed, need_alpha,
+                 alpha_dtype, acc, share_v, share_ve)
+    ins = [t.contiguous() if t is not None else None for t in tensors]
+    if share_v:
+        ins[2] = ins[0]
+    if share_ve:
+        ins[4] = ins[1]
+    out, alpha = _FusedAttention.apply(meta, *ins)
+    return out, alpha
+
+
+def dropout_keep_mask(edge_index: Tensor, num_src: int, num_dst: int, heads: int, p: float,
+                      seed: int) -> Tensor:
+    """The ``[E, H]`` bool mask of kept attention weights that the fused kernels
+    apply for ``seed`` (original edge order) — for tests and debugging."""
+    plan = _plan(edge_index, num_src, num_dst)
+    E = plan.layout.num_edges
+    keep = torch.zeros(E, heads, dtype=torch.int8, device=edge_index.device)
+    if E:
+        with _device(edge_index):
+            _keep_kernel[(triton.cdiv(E * heads, 1024),)](plan.csr_eid, E, keep, seed, float(p),
+                                                          heads, BLOCK_K=1024)
+    return keep.bool()

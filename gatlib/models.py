@@ -1,0 +1,292 @@
+"""Node-classification models built from gatlib's attention layers.
+
+* :class:`GAT` / :class:`GATv2` — the two-layer transductive model of the GAT
+  paper (Veličković et al. 2018), with GATConv or GATv2Conv.
+* :class:`GraphTransformer` — Dwivedi & Bresson (2021): neighbourhood
+  multi-head attention, residual connections, normalisation and a
+  position-wise feed-forward network, with optional positional encodings.
+* :class:`DeepGAT` — the residual, batch-normalised GAT of DGL's ogbn-arxiv
+  example.
+* :class:`UniMP` — the gated graph Transformer of Shi et al. (2021), without
+  the label embedding.
+
+Every model takes ``backend=`` and hands it to all of its attention layers.
+Input features may be a sparse CSR tensor (see :func:`input_dropout`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import BatchNorm1d, LayerNorm, Linear, ModuleList
+
+from .layers import GATConv, GATv2Conv, TransformerConv
+
+POSITIONAL_ENCODINGS = ("laplacian", "random_walk")
+
+
+def input_dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """``F.dropout(x, p, training)`` that also takes sparse CSR features.
+
+    A zero stays zero under dropout, so for sparse ``x`` only the stored
+    values are dropped: the same distribution, at O(nnz) cost.
+    """
+    if x.layout == torch.sparse_csr and training and p > 0.0:
+        return torch.sparse_csr_tensor(x.crow_indices(), x.col_indices(),
+                                       F.dropout(x.values(), p, True), x.shape,
+                                       check_invariants=False)
+    return F.dropout(x, p, training)
+
+
+class GAT(torch.nn.Module):
+    r"""The transductive GAT of `Veličković et al. (2018)
+    <https://arxiv.org/abs/1710.10903>`_.
+
+    .. math::
+        \mathbf{h} = \mathrm{ELU}\big(\mathrm{GAT}_{8 \times 8}(\mathrm{drop}(\mathbf{x}))\big),
+        \qquad \mathbf{y} = \mathrm{mean\ of\ heads}\;\mathrm{GAT}_{K \times C}(\mathrm{drop}(\mathbf{h}))
+
+    Dropout acts on each layer's input and on the attention weights. The
+    paper uses one output head (``out_heads=1``), eight on PubMed.
+
+    Args:
+        in_channels (int): input features ``F``.
+        out_channels (int): classes ``C``.
+        hidden_channels (int): channels per hidden head. (default: ``8``)
+        heads (int): hidden heads. (default: ``8``)
+        out_heads (int): output heads, averaged. (default: ``1``)
+        dropout (float): input and attention dropout. (default: ``0.6``)
+        backend (str): attention backend of both layers. (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F]``, ``edge_index`` ``[2, E]``
+        - **output:** logits ``[N, C]``
+    """
+
+    conv = GATConv
+
+    def __init__(self, in_channels: int, out_channels: int, hidden_channels: int = 8,
+                 heads: int = 8, out_heads: int = 1, dropout: float = 0.6, backend: str = "auto"):
+        super().__init__()
+        self.dropout = dropout
+        self.conv1 = self.conv(in_channels, hidden_channels, heads=heads, dropout=dropout,
+                               backend=backend)
+        self.conv2 = self.conv(hidden_channels * heads, out_channels, heads=out_heads, concat=False,
+                               dropout=dropout, backend=backend)
+
+    def reset_parameters(self):
+        self.conv1.reset_parameters()
+        self.conv2.reset_parameters()
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        x = input_dropout(x, self.dropout, self.training)
+        x = F.elu(self.conv1(x, edge_index))
+        x = F.dropout(x, self.dropout, self.training)
+        return self.conv2(x, edge_index)
+
+
+class GATv2(GAT):
+    r""":class:`GAT` with the dynamic attention of `Brody et al. (2022)
+    <https://arxiv.org/abs/2105.14491>`_ (:class:`~gatlib.GATv2Conv`); same
+    arguments and shapes."""
+
+    conv = GATv2Conv
+
+
+class GraphTransformer(torch.nn.Module):
+    r"""The graph Transformer of `Dwivedi & Bresson (2021)
+    <https://arxiv.org/abs/2012.09699>`_: each layer is
+
+    .. math::
+        \hat{\mathbf{h}} = \mathrm{Norm}\big(\mathbf{h} + \mathbf{O}\,
+        \Vert_{k=1}^{H} \textstyle\sum_{j \in \mathcal{N}(i)} \alpha^k_{ij} \mathbf{V}^k \mathbf{h}_j\big),
+        \qquad \mathbf{h}' = \mathrm{Norm}\big(\hat{\mathbf{h}} + \mathbf{W}_2\,
+        \mathrm{ReLU}(\mathbf{W}_1 \hat{\mathbf{h}})\big)
+
+    with :math:`\alpha` the scaled dot-product attention over the graph's
+    edges (:class:`~gatlib.TransformerConv` without its root term) and a
+    feed-forward network ``ffn_ratio`` times as wide. The input projection
+    adds a linear map of the positional encoding when one is given: Laplacian
+    eigenvectors (their signs are flipped at random in training, as in the
+    paper, since an eigenvector's sign is arbitrary) or random-walk landing
+    probabilities (:func:`positional_encoding`).
+
+    Args:
+        in_channels (int): input features ``F``.
+        out_channels (int): classes ``C``.
+        hidden_channels (int): model width ``D`` (divisible by ``heads``). (default: ``64``)
+        num_layers (int): Transformer layers. (default: ``2``)
+        heads (int): attention heads. (default: ``8``)
+        dropout (float): dropout after attention and feed-forward blocks and
+            before the classifier. (default: ``0.5``)
+        input_dropout (float): dropout on the input features. (default: ``0.6``)
+        attn_dropout (float): attention-weight dropout. (default: ``0.5``)
+        norm (str): ``"batch"`` or ``"layer"``. (default: ``"batch"``)
+        ffn_ratio (int): feed-forward width over ``D``. (default: ``2``)
+        pe (str, optional): ``"laplacian"``, ``"random_walk"`` or ``None``. (default: ``None``)
+        pe_dim (int): positional-encoding width. (default: ``0``)
+        backend (str): attention backend. (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F]``, ``edge_index`` ``[2, E]``, ``pe`` ``[N, pe_dim]``
+        - **output:** logits ``[N, C]``
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, hidden_channels: int = 64,
+                 num_layers: int = 2, heads: int = 8, dropout: float = 0.5,
+                 input_dropout: float = 0.6, attn_dropout: float = 0.5, norm: str = "batch",
+                 ffn_ratio: int = 2, pe: Optional[str] = None, pe_dim: int = 0,
+                 backend: str = "auto"):
+        super().__init__()
+        if hidden_channels % heads:
+            raise ValueError(f"hidden_channels={hidden_channels} must be divisible by heads={heads}")
+        if norm not in ("batch", "layer"):
+            raise ValueError(f"norm must be 'batch' or 'layer'; got {norm!r}")
+        if pe is not None and (pe not in POSITIONAL_ENCODINGS or pe_dim < 1):
+            raise ValueError(f"pe must be one of {POSITIONAL_ENCODINGS} with pe_dim >= 1, or None; "
+                             f"got pe={pe!r}, pe_dim={pe_dim}")
+        self.dropout, self.input_dropout, self.pe = dropout, input_dropout, pe
+        self.input = Linear(in_channels, hidden_channels)
+        self.pe_lin = Linear(pe_dim, hidden_channels) if pe is not None else None
+        Norm = BatchNorm1d if norm == "batch" else LayerNorm
+        D = hidden_channels
+        self.attns = ModuleList(TransformerConv(D, D // heads, heads=heads, dropout=attn_dropout,
+                                                root_weight=False, backend=backend)
+                                for _ in range(num_layers))
+        self.outs = ModuleList(Linear(D, D) for _ in range(num_layers))
+        self.ffns = ModuleList(torch.nn.Sequential(Linear(D, ffn_ratio * D), torch.nn.ReLU(),
+                                                   torch.nn.Dropout(dropout), Linear(ffn_ratio * D, D))
+                               for _ in range(num_layers))
+        self.norms1 = ModuleList(Norm(D) for _ in range(num_layers))
+        self.norms2 = ModuleList(Norm(D) for _ in range(num_layers))
+        self.classifier = Linear(D, out_channels)
+
+    def forward(self, x: Tensor, edge_index: Tensor, pe: Optional[Tensor] = None) -> Tensor:
+        h = self.input(input_dropout(x, self.input_dropout, self.training))  # [N, D]
+        if self.pe_lin is not None:
+            if pe is None:
+                raise ValueError(f"this model was built with pe={self.pe!r}: pass pe=[N, pe_dim]")
+            if self.pe == "laplacian" and self.training:
+                pe = pe * (torch.randint(0, 2, (1, pe.size(1)), device=pe.device) * 2 - 1)
+            h = h + self.pe_lin(pe)
+        for attn, out, ffn, norm1, norm2 in zip(self.attns, self.outs, self.ffns, self.norms1,
+                                                self.norms2, strict=True):
+            h = norm1(h + F.dropout(out(attn(h, edge_index)), self.dropout, self.training))
+            h = norm2(h + F.dropout(ffn(h), self.dropout, self.training))
+        return self.classifier(F.dropout(h, self.dropout, self.training))
+
+
+class DeepGAT(torch.nn.Module):
+    r"""A deep GAT with residual connections and batch normalisation, after
+    DGL's ogbn-arxiv example (3 layers of 3 heads x 250 channels).
+
+    Each hidden layer is
+    :math:`\mathbf{h}' = \mathrm{drop}(\mathrm{ReLU}(\mathrm{BN}(\mathrm{GAT}(\mathbf{h})
+    + \mathbf{W}_{res}\mathbf{h})))`; the last layer has one head. Unlike
+    DGL's example the attention keeps its destination term, and there is no
+    symmetric degree normalisation or edge dropout.
+
+    Args:
+        in_channels (int): input features ``F``.
+        out_channels (int): classes ``C``.
+        hidden_channels (int): channels per head. (default: ``250``)
+        num_layers (int): layers. (default: ``3``)
+        heads (int): heads per hidden layer. (default: ``3``)
+        dropout (float): dropout after each hidden layer. (default: ``0.75``)
+        input_dropout (float): dropout on the input features. (default: ``0.1``)
+        attn_dropout (float): attention-weight dropout. (default: ``0.0``)
+        conv (str): ``"gat"`` or ``"gatv2"``. (default: ``"gat"``)
+        backend (str): attention backend. (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F]``, ``edge_index`` ``[2, E]``
+        - **output:** logits ``[N, C]``
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, hidden_channels: int = 250,
+                 num_layers: int = 3, heads: int = 3, dropout: float = 0.75,
+                 input_dropout: float = 0.1, attn_dropout: float = 0.0, conv: str = "gat",
+                 backend: str = "auto"):
+        super().__init__()
+        Conv = {"gat": GATConv, "gatv2": GATv2Conv}[conv]
+        self.dropout, self.input_dropout = dropout, input_dropout
+        self.convs, self.norms = ModuleList(), ModuleList()
+        for i in range(num_layers):
+            last = i == num_layers - 1
+            self.convs.append(Conv(in_channels if i == 0 else heads * hidden_channels,
+                                   out_channels if last else hidden_channels,
+                                   heads=1 if last else heads, concat=not last,
+                                   dropout=attn_dropout, residual=True, backend=backend))
+            if not last:
+                self.norms.append(BatchNorm1d(heads * hidden_channels))
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        h = input_dropout(x, self.input_dropout, self.training)
+        for conv, norm in zip(self.convs[:-1], self.norms, strict=True):
+            h = F.dropout(F.relu(norm(conv(h, edge_index))), self.dropout, self.training)
+        return self.convs[-1](h, edge_index)
+
+
+class UniMP(torch.nn.Module):
+    r"""The graph Transformer of UniMP (`Shi et al. 2021
+    <https://arxiv.org/abs/2009.03509>`_) without label propagation: gated
+    (``beta=True``) :class:`~gatlib.TransformerConv` layers with LayerNorm
+    and ReLU in between, the last one averaging its heads.
+
+    Args:
+        in_channels (int): input features ``F``.
+        out_channels (int): classes ``C``.
+        hidden_channels (int): width of the hidden layers (divisible by ``heads``).
+            (default: ``128``)
+        num_layers (int): layers. (default: ``3``)
+        heads (int): heads. (default: ``2``)
+        dropout (float): attention dropout and dropout between layers. (default: ``0.3``)
+        backend (str): attention backend. (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F]``, ``edge_index`` ``[2, E]``
+        - **output:** logits ``[N, C]``
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, hidden_channels: int = 128,
+                 num_layers: int = 3, heads: int = 2, dropout: float = 0.3, backend: str = "auto"):
+        super().__init__()
+        if hidden_channels % heads:
+            raise ValueError(f"hidden_channels={hidden_channels} must be divisible by heads={heads}")
+        self.dropout = dropout
+        self.convs, self.norms = ModuleList(), ModuleList()
+        for i in range(num_layers):
+            last = i == num_layers - 1
+            self.convs.append(TransformerConv(
+                in_channels if i == 0 else hidden_channels,
+                out_channels if last else hidden_channels // heads, heads=heads,
+                concat=not last, beta=True, dropout=dropout, backend=backend))
+            if not last:
+                self.norms.append(LayerNorm(hidden_channels))
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        for conv, norm in zip(self.convs[:-1], self.norms, strict=True):
+            x = F.dropout(F.relu(norm(conv(x, edge_index))), self.dropout, self.training)
+        return self.convs[-1](x, edge_index)
+
+
+def positional_encoding(kind: str, dim: int):
+    """The PyG transform that stores a ``[N, dim]`` positional encoding as ``data.pe``.
+
+    Args:
+        kind: ``"laplacian"`` (:class:`~torch_geometric.transforms.AddLaplacianEigenvectorPE`,
+            the ``dim`` eigenvectors of the normalised Laplacian after the
+            trivial one) or ``"random_walk"``
+            (:class:`~torch_geometric.transforms.AddRandomWalkPE`, return
+            probabilities of walks of length 1..``dim``).
+        dim: encoding width.
+    """
+    from torch_geometric.transforms import AddLaplacianEigenvectorPE, AddRandomWalkPE
+
+    if kind == "laplacian":
+        return AddLaplacianEigenvectorPE(dim, attr_name="pe", is_undirected=True)
+    if kind == "random_walk":
+        return AddRandomWalkPE(dim, attr_name="pe")
+    raise ValueError(f"positional encoding must be one of {POSITIONAL_ENCODINGS}; got {kind!r}")

@@ -1,0 +1,378 @@
+"""Full-batch training recipes, one training run, and the multi-seed benchmark.
+
+A :class:`Recipe` is everything that defines an experiment besides the seed:
+model and its arguments, optimiser, epochs and the model-selection rule.
+:func:`recipe` holds the published set-ups:
+
+* Planetoid + ``gat``/``gatv2`` — the GAT paper: Adam (lr 0.005, weight decay
+  5e-4; PubMed: 8 output heads, lr 0.01, weight decay 1e-3) and the early
+  stopping of its reference code (``"gat"`` rule, patience 100).
+* Planetoid + ``transformer`` — :class:`~gatlib.models.GraphTransformer` with
+  the same optimiser and stopping rule.
+* OGB + ``gat``/``gatv2`` — :class:`~gatlib.models.DeepGAT` as in DGL's
+  ogbn-arxiv example (RMSprop lr 0.002 with a 50-epoch warm-up, 2000 epochs,
+  bidirected graph); OGB + ``transformer`` — :class:`~gatlib.models.UniMP` as in
+  PyG's UniMP example (Adam lr 0.001, weight decay 5e-4, 500 epochs). Both keep
+  the epoch with the best validation metric.
+
+Model selection only ever looks at the validation split.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import platform
+import statistics
+import subprocess
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch_geometric.data import Data
+
+from . import models
+from .data import PLANETOID, NodeDataset
+
+MODELS = ("gat", "gatv2", "transformer")
+_GAT_CLASS = {"gat": "GAT", "gatv2": "GATv2"}
+_SPARSE_FEATURES = 0.1  # density below which prepare_graph stores features as sparse CSR
+
+
+@dataclass
+class Recipe:
+    """How to train one model on one dataset.
+
+    Attributes:
+        model: class name in :mod:`gatlib.models`.
+        model_kwargs: its constructor arguments besides the sizes and ``backend``.
+        optimizer: ``"adam"`` or ``"rmsprop"``.
+        lr: learning rate.
+        weight_decay: L2 penalty (coupled, as ``torch.optim.Adam`` applies it).
+        epochs: maximum number of epochs.
+        patience: epochs without improvement before stopping (``None``: never).
+        stopping: ``"gat"`` — the GAT reference code's rule: an epoch counts as
+            an improvement when the validation loss does not rise above its
+            minimum *or* the validation accuracy does not fall below its
+            maximum; the weights kept are those of the last epoch that matched
+            both, restored at the end. ``"best_val"`` — keep the epoch with the
+            best validation metric.
+        warmup_epochs: linear learning-rate warm-up.
+        undirected: add reverse edges before training (OGB graphs are directed).
+        pe: positional encoding stored as ``data.pe`` (see
+            :func:`gatlib.models.positional_encoding`), or ``None``.
+        pe_dim: its width.
+    """
+
+    model: str
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "adam"
+    lr: float = 0.005
+    weight_decay: float = 5e-4
+    epochs: int = 100_000
+    patience: Optional[int] = 100
+    stopping: str = "gat"
+    warmup_epochs: int = 0
+    undirected: bool = False
+    pe: Optional[str] = None
+    pe_dim: int = 0
+
+
+@dataclass
+class RunResult:
+    """One training run. Metrics are percentages.
+
+    Attributes:
+        seed: the run's seed.
+        test_acc: test metric of the selected weights (accuracy, or ROC-AUC
+            for ogbn-proteins).
+        val_acc: validation metric of the selected weights.
+        epochs: epochs trained.
+        best_epoch: epoch (1-based) whose weights were selected.
+        seconds_per_epoch: wall time per epoch (training step + validation).
+        peak_memory_mib: process peak RSS (CPU) or peak allocated (CUDA) so far.
+    """
+
+    seed: int
+    test_acc: float
+    val_acc: float
+    epochs: int
+    best_epoch: int
+    seconds_per_epoch: float
+    peak_memory_mib: Optional[float]
+
+
+def recipe(model: str, dataset: str) -> Recipe:
+    """The published recipe for ``model`` (one of :data:`MODELS`) on ``dataset``."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; available: {', '.join(MODELS)}")
+    if dataset in PLANETOID:
+        if model in ("gat", "gatv2"):
+            if dataset == "pubmed":
+                return Recipe(_GAT_CLASS[model], {"out_heads": 8}, lr=0.01, weight_decay=1e-3)
+            return Recipe(_GAT_CLASS[model])
+        return Recipe("GraphTransformer", {"hidden_channels": 64, "num_layers": 1, "heads": 8,
+                                           "dropout": 0.5, "input_dropout": 0.6,
+                                           "attn_dropout": 0.5, "norm": "layer"})
+    if model in ("gat", "gatv2"):
+        return Recipe("DeepGAT", {"conv": model}, optimizer="rmsprop", lr=0.002,
+                      weight_decay=0.0, epochs=2000, patience=None, stopping="best_val",
+                      warmup_epochs=50, undirected=True)
+    return Recipe("UniMP", {}, lr=0.001, weight_decay=5e-4, epochs=500, patience=None,
+                  stopping="best_val", undirected=True)
+
+
+def prepare_graph(dataset: NodeDataset, rcp: Recipe, device: torch.device | str) -> Data:
+    """The graph a recipe trains on (reverse edges, positional encoding), on
+    ``device``; features that are mostly zeros become a sparse CSR tensor."""
+    from torch_geometric.utils import to_undirected
+
+    data = copy.copy(dataset.data)
+    if rcp.undirected:
+        data.edge_index = to_undirected(data.edge_index, num_nodes=data.num_nodes)
+    if rcp.pe is not None:
+        data = models.positional_encoding(rcp.pe, rcp.pe_dim)(data)
+    keep = ["x", "edge_index", "y"] + (["pe"] if rcp.pe is not None else [])
+    data = Data(**{k: data[k] for k in keep}, num_nodes=data.num_nodes)
+    if data.x.layout == torch.strided and data.x.count_nonzero() < _SPARSE_FEATURES * data.x.numel():
+        # Bag-of-words features (Planetoid: ~1% nonzero) as CSR make the first
+        # layer's matmul and the input dropout O(nnz): 2-5x faster epochs on CPU.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+            data.x = data.x.to_sparse_csr()
+    return data.to(device)
+
+
+def build_model(rcp: Recipe, dataset: NodeDataset, backend: str = "auto") -> torch.nn.Module:
+    """A freshly initialised model for ``rcp`` (seed the RNG first)."""
+    kwargs = dict(rcp.model_kwargs, backend=backend)
+    if rcp.pe is not None:
+        kwargs.update(pe=rcp.pe, pe_dim=rcp.pe_dim)
+    return getattr(models, rcp.model)(dataset.num_features, dataset.num_classes, **kwargs)
+
+
+def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.device | str = "cpu",
+              backend: str = "auto", graph: Optional[Data] = None) -> RunResult:
+    """Train one model from scratch and evaluate the selected weights.
+
+    Args:
+        dataset: the dataset (its split and metric).
+        rcp: the recipe.
+        seed: seeds Python, NumPy and torch before the model is built.
+        device: where to train.
+        backend: attention backend of every layer.
+        graph: the output of :func:`prepare_graph` (built here if ``None``;
+            pass it to reuse one across runs).
+
+    Returns:
+        The :class:`RunResult`.
+    """
+    from torch_geometric import seed_everything
+
+    device = torch.device(device)
+    graph = prepare_graph(dataset, rcp, device) if graph is None else graph
+    split = {k: v.to(device) for k, v in dataset.split_idx.items()}
+    seed_everything(seed)
+    model = build_model(rcp, dataset, backend).to(device)
+    Opt = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[rcp.optimizer]
+    opt = Opt(model.parameters(), lr=rcp.lr, weight_decay=rcp.weight_decay)
+    loss_fn = F.binary_cross_entropy_with_logits if dataset.multilabel else F.cross_entropy
+    inputs = {"pe": graph.pe} if rcp.pe is not None else {}
+
+    def forward():
+        return model(graph.x, graph.edge_index, **inputs)
+
+    stop = _Stopping(rcp)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, epoch = time.perf_counter(), 0
+    for epoch in range(1, rcp.epochs + 1):
+        if epoch <= rcp.warmup_epochs:
+            for group in opt.param_groups:
+                group["lr"] = rcp.lr * epoch / rcp.warmup_epochs
+        model.train()
+        opt.zero_grad()
+        out = forward()
+        loss_fn(out[split["train"]], graph.y[split["train"]]).backward()
+        opt.step()
+
+        model.eval()
+        with torch.no_grad():
+            out = forward()
+            val_loss = float(loss_fn(out[split["valid"]], graph.y[split["valid"]]))
+        if stop.update(epoch, val_loss, dataset.evaluate(out, "valid"), model):
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+
+    model.load_state_dict(stop.state)
+    model.eval()
+    with torch.no_grad():
+        out = forward()
+    return RunResult(seed=seed, test_acc=100 * dataset.evaluate(out, "test"),
+                     val_acc=100 * dataset.evaluate(out, "valid"), epochs=epoch,
+                     best_epoch=stop.best_epoch, seconds_per_epoch=seconds / max(epoch, 1),
+                     peak_memory_mib=peak_memory_mib(device))
+
+
+class _Stopping:
+    """Model selection and early stopping on the validation split (see :class:`Recipe`)."""
+
+    def __init__(self, rcp: Recipe):
+        if rcp.stopping not in ("gat", "best_val"):
+            raise ValueError(f"stopping must be 'gat' or 'best_val'; got {rcp.stopping!r}")
+        self.rule, self.patience = rcp.stopping, rcp.patience
+        self.min_loss, self.max_acc = math.inf, -math.inf
+        self.bad_epochs, self.best_epoch, self.state = 0, 0, None
+
+    def update(self, epoch: int, val_loss: float, val_acc: float, model: torch.nn.Module) -> bool:
+        """Record an epoch; ``True`` when training should stop."""
+        if self.rule == "gat":
+            improved = val_acc >= self.max_acc or val_loss <= self.min_loss
+            save = val_acc >= self.max_acc and val_loss <= self.min_loss
+        else:
+            improved = save = val_acc > self.max_acc
+        if save:
+            self.best_epoch = epoch
+            self.state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if improved:
+            self.max_acc, self.min_loss = max(self.max_acc, val_acc), min(self.min_loss, val_loss)
+            self.bad_epochs = 0
+        else:
+            self.bad_epochs += 1
+        return self.patience is not None and self.bad_epochs >= self.patience
+
+
+def peak_memory_mib(device: torch.device | str = "cpu") -> Optional[float]:
+    """Peak memory in MiB: ``torch.cuda.max_memory_allocated`` on CUDA, the
+    process's peak resident set (``VmHWM``) on CPU; ``None`` where unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def environment() -> Dict[str, Any]:
+    """Library versions and the git commit of the gatlib source, for result files."""
+    import torch_geometric
+
+    from . import __version__
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "torch_geometric": torch_geometric.__version__, "gatlib": __version__}
+    try:
+        import ogb
+
+        versions["ogb"] = ogb.__version__
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parent
+    sha = _git(root, "rev-parse", "HEAD")
+    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {"versions": versions, "git_sha": sha,
+            "git_dirty": None if sha is None or dirty is None else bool(dirty)}
+
+
+def _git(cwd: Path, *args: str) -> Optional[str]:
+    try:
+        res = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.device | str = "cpu",
+              backend: str = "auto", seed: int = 0, epochs: Optional[int] = None,
+              patience: Optional[int] = None, pe: Optional[str] = None, progress: bool = True,
+              on_update: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Train ``runs`` models with seeds ``seed, seed+1, ...`` and summarise them.
+
+    Ctrl-C stops after the run in progress is discarded; the report then holds
+    the finished runs and ``"interrupted": True``.
+
+    Args:
+        dataset: the dataset.
+        model: one of :data:`MODELS`.
+        runs: number of seeds.
+        device: where to train.
+        backend: attention backend.
+        seed: first seed.
+        epochs: override the recipe's maximum epochs.
+        patience: override the recipe's early-stopping patience.
+        pe: override the positional encoding of the transformer
+            (``"laplacian"``, ``"random_walk"`` or ``"none"``).
+        progress: show a tqdm progress bar.
+        on_update: called with the report after every finished run (e.g. to
+            save it, so a killed benchmark keeps its results).
+
+    Returns:
+        The report: ``runs`` (one :class:`RunResult` dict each), ``test_acc``
+        (list), ``test_acc_mean``/``_std``, ``val_acc_mean``/``_std`` (in %,
+        sample std), the config, device, versions and git SHA.
+    """
+    from tqdm.auto import tqdm
+
+    rcp = recipe(model, dataset.name)
+    if epochs is not None:
+        rcp = replace(rcp, epochs=epochs)
+    if patience is not None:
+        rcp = replace(rcp, patience=patience)
+    if pe is not None:
+        if rcp.model != "GraphTransformer":
+            raise ValueError(f"--pe applies to the Planetoid transformer, not to {rcp.model}")
+        rcp = replace(rcp, pe=None if pe == "none" else pe,
+                      pe_dim={"none": 0, "laplacian": 8, "random_walk": 16}[pe])
+    device = torch.device(device)
+    graph = prepare_graph(dataset, rcp, device)
+    report: Dict[str, Any] = {
+        "dataset": dataset.name, "model": model, "metric": dataset.metric, "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else platform.processor() or platform.machine()),
+        "threads": torch.get_num_threads(), "backend": backend, "runs_requested": runs,
+        "config": {"seed": seed, **asdict(rcp)}, **environment(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "interrupted": False, "runs": [],
+    }
+    results: List[RunResult] = []
+    bar = tqdm(range(runs), desc=f"{dataset.name} {model}", unit="run", disable=not progress)
+    try:
+        for i in bar:
+            res = train_run(dataset, rcp, seed=seed + i, device=device, backend=backend, graph=graph)
+            results.append(res)
+            _summarise(report, results)
+            bar.set_postfix(test=f"{res.test_acc:.1f}", mean=f"{report['test_acc_mean']:.2f}")
+            if on_update is not None:
+                on_update(report)
+    except KeyboardInterrupt:
+        report["interrupted"] = True
+    finally:
+        bar.close()
+    _summarise(report, results)
+    return report
+
+
+def _summarise(report: Dict[str, Any], results: List[RunResult]) -> None:
+    def mean_std(xs):
+        if not xs:
+            return None, None
+        return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+    test, val = [r.test_acc for r in results], [r.val_acc for r in results]
+    report["runs"] = [asdict(r) for r in results]
+    report["runs_completed"] = len(results)
+    report["test_acc"] = test
+    report["test_acc_mean"], report["test_acc_std"] = mean_std(test)
+    report["val_acc_mean"], report["val_acc_std"] = mean_std(val)
+    report["epochs_mean"] = mean_std([r.epochs for r in results])[0]
+    report["seconds_per_epoch_mean"] = mean_std([r.seconds_per_epoch for r in results])[0]
+    peaks = [r.peak_memory_mib for r in results if r.peak_memory_mib is not None]
+    report["peak_memory_mib"] = max(peaks) if peaks else None
