@@ -89,6 +89,17 @@ class _AttentionConv(torch.nn.Module):
             edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return looped, edge_attr
 
+    def _attend(self, score, value, edge_index, num_dst, want_alpha, value_edge=None):
+        """Run the attention core with this layer's dropout, head mode and backend.
+
+        ``alpha`` is only asked for when the caller wants it: a fused backend
+        then skips the extra ``[E, H]`` pass.
+        """
+        res = graph_attention(score, value, edge_index, num_dst, value_edge=value_edge,
+                              dropout=self.dropout, training=self.training, concat=self.concat,
+                              backend=self.backend, return_attention=bool(want_alpha))
+        return res if want_alpha else (res, None)
+
     @staticmethod
     def _output(out, alpha, edge_index, return_attention_weights):
         return (out, (edge_index, alpha)) if return_attention_weights else out
@@ -263,10 +274,8 @@ class GATConv(_AttentionConv):
         if self.lin_edge is not None:
             e = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C] (edge features only)
             a_edge = (e * self.att_edge).sum(-1)  # [E, H]
-        out, alpha = graph_attention(
-            GATScore(a_src, a_dst, a_edge, self.negative_slope), h_src, edge_index, num_dst,
-            dropout=self.dropout, training=self.training, concat=self.concat,
-            backend=self.backend, return_attention=True)
+        out, alpha = self._attend(GATScore(a_src, a_dst, a_edge, self.negative_slope), h_src,
+                                  edge_index, num_dst, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
@@ -397,10 +406,9 @@ class GATv2Conv(_AttentionConv):
         h_edge = None
         if self.lin_edge is not None:
             h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
-        out, alpha = graph_attention(
+        out, alpha = self._attend(
             GATv2Score(h_src, h_dst, h_edge, self.att.view(H, C), self.negative_slope),
-            h_src, edge_index, num_dst, dropout=self.dropout, training=self.training,
-            concat=self.concat, backend=self.backend, return_attention=True)
+            h_src, edge_index, num_dst, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
@@ -512,10 +520,9 @@ class TransformerConv(_AttentionConv):
         h_edge = None
         if self.lin_edge is not None:
             h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
-        out, alpha = graph_attention(
-            DotProductScore(query, key, h_edge, scaled_dot_product_scale(C)), value, edge_index,
-            x_dst.size(0), value_edge=h_edge, dropout=self.dropout, training=self.training,
-            concat=self.concat, backend=self.backend, return_attention=True)
+        out, alpha = self._attend(DotProductScore(query, key, h_edge, scaled_dot_product_scale(C)),
+                                  value, edge_index, x_dst.size(0), return_attention_weights,
+                                  value_edge=h_edge)
         if self.root_weight:
             x_r = self.lin_skip(x_dst)
             if self.lin_beta is not None:
