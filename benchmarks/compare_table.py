@@ -39,6 +39,11 @@ def _x(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _spread(row: Dict) -> str:
+    r = row.get("speedup_rounds") or []
+    return f"{min(r):.2f}–{max(r):.2f}" if r else "-"
+
+
 def _is_target(rep: Dict) -> bool:
     c = rep["config"]
     return (c["graph"] == TARGET["graph"] and c["device"] == TARGET["device"]
@@ -84,8 +89,8 @@ def _section(name: str, rep: Dict) -> List[str]:
             if "forward_rel_err" in ch else "")
         for k, ch in rep["checks"].items())
     lines += [f"Agreement with PyG (norm-wise relative error): {checks}", ""]
-    header = ["layer", "pass", "PyG ms", "gatlib ms", "speedup", "PyG MiB", "gatlib MiB",
-              "mem ratio"]
+    header = ["layer", "pass", "PyG ms", "gatlib ms", "speedup", "per-round", "PyG MiB",
+              "gatlib MiB", "mem ratio"]
     target = _is_target(rep)
     if target:
         header.append(f"target (≥{TARGET['speedup']:g}x, ≤{TARGET['mem_ratio']:g}x)")
@@ -93,7 +98,7 @@ def _section(name: str, rep: Dict) -> List[str]:
     for r in rep["summary"]:
         a, b = by[(r["layer"], "pyg", r["pass"])], by[(r["layer"], "gatlib", r["pass"])]
         row = [LAYER_NAMES[r["layer"]], r["pass"], _ms(a["time"]), _ms(b["time"]),
-               _x(r["speedup"]), _mib(a.get("memory")), _mib(b.get("memory")),
+               _x(r["speedup"]), _spread(r), _mib(a.get("memory")), _mib(b.get("memory")),
                _x(r["mem_ratio"])]
         if target:
             row.append(_verdict(r) if r["pass"] == "forward+backward" else "")
@@ -114,13 +119,14 @@ def render(paths: List[Path]) -> str:
         "memory: CUDA `max_memory_allocated` minus what was allocated before the call; CPU "
         "`VmHWM` − `VmRSS` before the call in a fresh process per measurement. Times on the "
         "shared 2-core CPU machines are noisy; the ratios are measured interleaved "
-        "(A B B A) in one process.",
+        "(A B B A) in one process; *per-round* is the range of the PyG/gatlib ratios of the "
+        "individual rounds.",
         "",
         "## Summary: forward+backward",
         "",
     ]
     rows = []
-    for name, rep in reps:
+    for _, rep in reps:
         c = rep["config"]
         for r in rep["summary"]:
             if r["pass"] != "forward+backward":

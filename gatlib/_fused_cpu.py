@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,13 @@ from ._graph import Layout, layout, memo
 # Transient per-edge blocks ([chunk, H, C] in the compute dtype) stay this small:
 # large enough that Python overhead per block is noise, small enough to stay in
 # cache and under glibc's mmap threshold (see benchmarks/NOTES.md).
-_CHUNK_BYTES = 2 << 20
+_CHUNK_BYTES = 1 << 20
+# Below this many edges per thread, a second thread is not worth starting.
+_MIN_PART_EDGES = 4096
+# Sparse kernels with fewer multiply-adds (E*H*C) run on one thread: waking
+# OpenMP's second thread costs 20-30 ms on an oversubscribed CPU, against
+# 0.02 ms for a small product (benchmarks/NOTES.md).
+_PARALLEL_WORK = 1 << 22
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -121,6 +129,20 @@ def _head_layout(edge_index: Tensor, num_src: int, num_dst: int, heads: int) -> 
                 lambda: _build_head_layout(lay, heads))
 
 
+@contextmanager
+def _serial_if(small: bool) -> Iterator[None]:
+    """One intra-op thread inside the block when ``small``."""
+    if not small:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _csr(ptr: Tensor, col: Tensor, values: Tensor, shape: Tuple[int, int]) -> Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "sparse CSR support is in beta state"
@@ -144,7 +166,8 @@ def _spmm(hl: _HeadLayout, weight: Tensor, dense: Tensor, transpose: bool = Fals
         a = _csr(hl.t_ptr, hl.t_col, weight.view(-1).index_select(0, hl.t2eh), (rows * H, cols * H))
     else:
         a = _csr(hl.ptr, hl.col, weight.view(-1).index_select(0, hl.bh2eh), (rows * H, cols * H))
-    return (a @ dense.reshape(cols * H, C)).view(rows, H, C)
+    with _serial_if(lay.num_edges * H * C < _PARALLEL_WORK):
+        return (a @ dense.reshape(cols * H, C)).view(rows, H, C)
 
 
 def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
@@ -162,33 +185,93 @@ def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
         # More entries than the matrix has cells (duplicate edges on a tiny graph):
         # sampled_addmm rejects that pattern, so take the edge blocks.
         out = a.new_empty(E, H)
-        for e0, e1 in _chunks(lay, H * C * a.element_size()):
+
+        def block(e0, e1, part):
             torch.linalg.vecdot(a.index_select(0, lay.dst[e0:e1]),
                                 b.index_select(0, lay.src[e0:e1]), out=out[e0:e1])
+
+        _for_blocks(lay, H * C * a.element_size(), block)
         return out.mul_(scale)
     # sampled_addmm reads the pattern's values even with beta=0 (NaN * 0 = NaN): zeros.
     pattern = _csr(hl.ptr, hl.col, a.new_zeros(E * H), (lay.num_dst * H, lay.num_src * H))
     # b.t() is a view: the kernel wants rows of b contiguous, which they are.
-    vals = torch.sparse.sampled_addmm(pattern, a.reshape(-1, C), b.reshape(-1, C).t(),
-                                      beta=0.0, alpha=scale).values()  # [E*H] block order
+    with _serial_if(E * H * C < _PARALLEL_WORK):
+        vals = torch.sparse.sampled_addmm(pattern, a.reshape(-1, C), b.reshape(-1, C).t(),
+                                          beta=0.0, alpha=scale).values()  # [E*H] block order
     return vals.index_select(0, hl.eh2bh).view(E, H)
 
 
 # ---------------------------------------------------------------------------
 # Edge blocks for what does not factor into node terms.
 # ---------------------------------------------------------------------------
-def _chunks(lay: Layout, row_bytes: int) -> Iterator[Tuple[int, int]]:
-    """Consecutive ``[e0, e1)`` ranges of CSR edges, each ~:data:`_CHUNK_BYTES` of rows."""
+def _num_parts(lay: Layout) -> int:
+    """How many threads :func:`_for_blocks` splits the edges of ``lay`` over."""
+    return max(1, min(torch.get_num_threads(), lay.num_edges // _MIN_PART_EDGES))
+
+
+def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]) -> None:
+    """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges.
+
+    The edges are split at destination-row boundaries into ``parts =
+    torch.get_num_threads()`` ranges of about equal size; each range runs on its
+    own Python thread (torch releases the GIL in its ops), block after block of
+    about :data:`_CHUNK_BYTES` of ``row_bytes``-sized rows, with single-threaded
+    torch ops. One OpenMP region per block op would be ~1000s of regions a pass,
+    and on a shared, oversubscribed CPU each region waits for a descheduled
+    thread (measured 16 ms per 2 MB op with 2 threads vs 0.1 ms with 1,
+    benchmarks/NOTES.md). Parts never share a destination row, so ``fn`` may
+    update rows of ``[N_dst, ...]`` outputs in place; anything indexed by source
+    needs one accumulator per ``part``.
+
+    """
+    E = lay.num_edges
+    parts = _num_parts(lay)
     step = max(1, _CHUNK_BYTES // max(1, row_bytes))
-    for e0 in range(0, lay.num_edges, step):
-        yield e0, min(lay.num_edges, e0 + step)
+    if E == 0:
+        return
+    # part k starts at the first row boundary at or after k*E/parts
+    targets = torch.arange(parts + 1, dtype=torch.float64) * (E / parts)
+    rows = torch.searchsorted(lay.ptr.double(), targets)
+    bounds = lay.ptr.long()[rows.clamp_(max=lay.ptr.numel() - 1)].tolist()
+    bounds[0], bounds[-1] = 0, E
+    errors = []
+
+    def run(part: int) -> None:
+        try:
+            torch.set_num_threads(1)  # this OS thread only (OpenMP and MKL settings are per thread)
+            with torch.no_grad():  # grad mode is per thread too: no graph from the workers
+                for e0 in range(bounds[part], bounds[part + 1], step):
+                    fn(e0, min(bounds[part + 1], e0 + step), part)
+        except BaseException as exc:  # re-raised on the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(1, parts)]
+    n_threads = torch.get_num_threads()
+    for t in threads:
+        t.start()
+    try:
+        run(0)
+    finally:
+        for t in threads:
+            t.join()
+        torch.set_num_threads(n_threads)  # restore the calling thread's (and the default) setting
+    if errors:
+        raise errors[0]
+
+
+def _sum_(parts: list) -> Tensor:
+    """Sum of per-thread accumulators, in place into the first."""
+    for t in parts[1:]:
+        parts[0] += t
+    return parts[0]
 
 
 def _add_row_sums(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
     """``out[i] += sum of x over the edges of block [e0, e1) into i`` (rows may be partial)."""
-    i0, i1 = int(lay.dst[e0]), int(lay.dst[e1 - 1]) + 1
-    off = lay.ptr[i0:i1 + 1].clamp(e0, e1) - e0  # [i1 - i0 + 1]
-    out[i0:i1] += torch.segment_reduce(x, "sum", offsets=off, axis=0)
+    i0 = int(lay.dst[e0])
+    # the block's rows are few and adjacent: index_add_ into them stays in cache
+    # (measured 2-4x faster than segment_reduce on [1024, 4, 64] blocks)
+    out[i0:int(lay.dst[e1 - 1]) + 1].index_add_(0, lay.dst[e0:e1] - i0, x)
 
 
 def _scatter_rows(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
@@ -246,9 +329,12 @@ class _SoftmaxAggregate(torch.autograd.Function):
         out = _spmm(hl, a, value)  # [N_dst, H, C]
         if value_edge is not None:
             H, C = value.shape[1:]
-            for e0, e1 in _chunks(lay, H * C * out.element_size()):
+
+            def block(e0, e1, part):
                 u = value_edge.index_select(0, lay.perm[e0:e1]).to(out.dtype)  # [n, H, C]
                 _add_row_sums(out, u.mul_(a[e0:e1, :, None]), lay, e0, e1)
+
+            _for_blocks(lay, H * C * out.element_size(), block)
         ctx.hl, ctx.p = hl, p
         ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
         ctx.save_for_backward(alpha, mask, value, value_edge)
@@ -270,12 +356,15 @@ class _SoftmaxAggregate(torch.autograd.Function):
                 H, C = g.shape[1:]
                 if ctx.needs_input_grad[2]:
                     du = torch.empty_like(value_edge)
-                for e0, e1 in _chunks(lay, H * C * g.element_size()):
+
+                def block(e0, e1, part):
                     g_e = g.index_select(0, lay.dst[e0:e1])  # [n, H, C]
                     u = value_edge.index_select(0, lay.perm[e0:e1]).to(g.dtype)
-                    dot[e0:e1] += (g_e * u).sum(-1)
+                    dot[e0:e1] += torch.linalg.vecdot(g_e, u)
                     if du is not None:
                         _scatter_rows(du, g_e.mul_(a[e0:e1, :, None]), lay, e0, e1)
+
+                _for_blocks(lay, H * C * g.element_size(), block)
             d_alpha += dot if mask is None else dot * mask * keep
             if ctx.needs_input_grad[1]:
                 dv = _spmm(hl, a, g, transpose=True)  # [N_src, H, C]
@@ -354,8 +443,8 @@ class _GATv2EdgeScore(torch.autograd.Function):
 
         z_ij    = x_j + y_i + w_ij              # recomputed
         dz_ij   = de_ij * att * (1 if z_ij > 0 else slope)   # [|B|, H, C]
-        dy_i   += sum_j dz_ij                   # segment sum (rows of the block)
-        dx_j   += dz_ij                         # index_add_ over the sources
+        dy_i   += sum_j dz_ij                   # index_add_ into the block's rows
+        dx_j   += dz_ij                         # index_add_ over sources, one buffer per thread
         dw_ij   = dz_ij
         datt   += sum_ij de_ij leaky_relu(z_ij)
 
@@ -375,9 +464,12 @@ class _GATv2EdgeScore(torch.autograd.Function):
                 slope: float):
         H, C = att.shape
         e = x.new_empty(lay.num_edges, H)  # [E, H]
-        for e0, e1 in _chunks(lay, H * C * x.element_size()):
-            z = _GATv2EdgeScore._z(x, y, w, lay, e0, e1)
+
+        def block(e0, e1, part):
+            z = _GATv2EdgeScore._z(x, y, w, lay, e0, e1)  # [n, H, C]
             torch.linalg.vecdot(F.leaky_relu_(z, slope), att, out=e[e0:e1])
+
+        _for_blocks(lay, H * C * x.element_size(), block)
         ctx.lay, ctx.slope = lay, slope
         ctx.save_for_backward(x, y, w, att)
         return e
@@ -388,24 +480,32 @@ class _GATv2EdgeScore(torch.autograd.Function):
         lay, slope = ctx.lay, ctx.slope
         H, C = att.shape
         need_x, need_y, need_w, need_att = ctx.needs_input_grad[:4]
-        dx = torch.zeros_like(x) if need_x else None
+        parts = _num_parts(lay)
+        # sources are shared between parts: one accumulator each
+        dx = [torch.zeros_like(x) for _ in range(parts)] if need_x else None
         dy = torch.zeros_like(y) if need_y else None
         dw = torch.empty_like(w) if need_w else None
-        datt = torch.zeros_like(att) if need_att else None
-        att_neg = att * slope
-        for e0, e1 in _chunks(lay, H * C * x.element_size()):
+        datt = [torch.zeros_like(att) for _ in range(parts)] if need_att else None
+
+        def block(e0, e1, part):
             z = _GATv2EdgeScore._z(x, y, w, lay, e0, e1)  # [n, H, C]
-            d = de[e0:e1, :, None]  # [n, H, 1]
-            pos = z > 0
+            g = de[e0:e1, :, None] * att  # [n, H, C]  dL/d leaky_relu(z)
             if need_att:
-                datt += torch.einsum("nh,nhc->hc", de[e0:e1], F.leaky_relu_(z, slope))
-            dz = torch.where(pos, att, att_neg).mul_(d)  # [n, H, C]
+                datt[part] += torch.einsum("nh,nhc->hc", de[e0:e1], F.leaky_relu(z, slope))
+            # g * (1 if z > 0 else slope) in one pass (where() with broadcasting is 10x slower)
+            dz = torch.ops.aten.leaky_relu_backward(g, z, slope, False)  # [n, H, C]
             if need_y:
                 _add_row_sums(dy, dz, lay, e0, e1)
             if need_x:
-                dx.index_add_(0, lay.src[e0:e1], dz)
+                dx[part].index_add_(0, lay.src[e0:e1], dz)
             if need_w:
                 _scatter_rows(dw, dz, lay, e0, e1)
+
+        _for_blocks(lay, H * C * x.element_size(), block)
+        if need_x:
+            dx = _sum_(dx)
+        if need_att:
+            datt = _sum_(datt)
         return dx, dy, dw, datt, None, None
 
 
@@ -433,10 +533,13 @@ class _DotEdgeScore(torch.autograd.Function):
         e = _sddmm(hl, q, k, scale)  # [E, H]
         if w is not None:
             H, C = q.shape[1:]
-            for e0, e1 in _chunks(lay, H * C * q.element_size()):
+
+            def block(e0, e1, part):
                 q_e = q.index_select(0, lay.dst[e0:e1])  # [n, H, C]
                 u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)
                 e[e0:e1] += torch.linalg.vecdot(q_e, u).mul_(scale)
+
+            _for_blocks(lay, H * C * q.element_size(), block)
         ctx.hl, ctx.scale = hl, scale
         ctx.save_for_backward(q, k, w)
         return e
@@ -455,13 +558,16 @@ class _DotEdgeScore(torch.autograd.Function):
         if w is not None and (dq is not None or ctx.needs_input_grad[2]):
             H, C = q.shape[1:]
             dw = torch.empty_like(w) if ctx.needs_input_grad[2] else None
-            for e0, e1 in _chunks(lay, H * C * q.element_size()):
+
+            def block(e0, e1, part):
                 d = ds[e0:e1, :, None]  # [n, H, 1]
                 if dq is not None:
                     u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)
                     _add_row_sums(dq, u.mul_(d), lay, e0, e1)
                 if dw is not None:
                     _scatter_rows(dw, q.index_select(0, lay.dst[e0:e1]).mul_(d), lay, e0, e1)
+
+            _for_blocks(lay, H * C * q.element_size(), block)
         return dq, dk, dw, None, None
 
 

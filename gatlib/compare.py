@@ -17,12 +17,19 @@ pyg.state_dict())``) and run on the same graph and features:
    that computes something else is meaningless;
 3. **time** of both passes: warm-up, then ``--repeats`` rounds in A B B A
    order (so drift on a shared machine hits both sides alike), each a
-   ``torch.utils.benchmark.Timer`` block (CUDA-synchronised); medians reported.
+   ``torch.utils.benchmark.Timer`` block of at least ``--block-seconds``
+   (CUDA-synchronised). Reported: medians, speedup = PyG / gatlib median, and
+   the per-round ratios, whose spread says how much the machine's load moved
+   the numbers.
 
 Out-of-memory is a result ("OOM"), not a crash: a CUDA ``OutOfMemoryError``, a
-CPU allocation failure, or a CPU child killed by the OOM killer. On CPU, the
-memory children run first and an implementation that ran out of memory there
-is not run in this process (it would take the whole comparison down).
+CPU allocation failure, or a CPU child killed by the OOM killer. On CPU, every
+process runs under :func:`memory_budget` (the free memory, or
+``--mem-budget-gb``), so an allocation beyond it fails where it can be
+reported instead of summoning the OOM killer; the memory children run first,
+and an implementation that ran out of memory there is not run again in the
+parent. Results are written to ``--json`` after every layer, so a long run
+that dies keeps what it measured (``"complete": false``).
 
 The gatlib layer keeps what it derives from an ``edge_index`` (self-loops,
 CSR layout) cached on that tensor, as in training where every epoch reuses
@@ -38,6 +45,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import importlib.metadata
@@ -258,11 +266,12 @@ def check_agreement(layers: Dict[str, torch.nn.Module], x: Tensor, edge_index: T
 # Time
 # ---------------------------------------------------------------------------
 def time_interleaved(fns: Dict[str, Callable], device: torch.device, repeats: int,
-                     warmup: int = 1, min_block_s: float = 0.05) -> Dict[str, Dict]:
+                     warmup: int = 1, min_block_s: float = 0.5) -> Dict[str, Dict]:
     """Median seconds per call of each function, measured in A B B A rounds.
 
     Each function is warmed up ``warmup`` times; the last warm-up call sizes its
-    timing block (enough calls to last ``min_block_s``, so small graphs are not
+    timing block (enough calls to last ``min_block_s``, so that one block
+    averages over short bursts of load on a shared machine and small graphs are not
     all launch overhead). A function that raises is recorded as ``"OOM"`` or
     ``"error"`` and left out of later rounds; the others carry on.
     """
@@ -319,7 +328,8 @@ def peak_cuda(p: _Pass, device: torch.device) -> Dict:
         peak = torch.cuda.max_memory_allocated(device) - before
         del out
         p.clear()
-        return {"status": "ok", "peak_extra_bytes": int(peak), "allocated_before_bytes": int(before)}
+        return {"status": "ok", "peak_extra_bytes": int(peak),
+                "allocated_before_bytes": int(before)}
     except Exception as exc:  # noqa: BLE001
         p.clear()
         _release(device)
@@ -327,9 +337,13 @@ def peak_cuda(p: _Pass, device: torch.device) -> Dict:
 
 
 def _proc_status() -> Dict[str, int]:
-    """VmRSS / VmHWM / VmSize of this process in bytes (Linux)."""
-    with open("/proc/self/status") as f:
-        return {k: int(v) * 1024 for k, v in re.findall(r"^(Vm\w+):\s+(\d+) kB", f.read(), re.M)}
+    """VmRSS / VmHWM / VmSize of this process in bytes (Linux; empty elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    return {k: int(v) * 1024 for k, v in re.findall(r"^(Vm\w+):\s+(\d+) kB", text, re.M)}
 
 
 def _reset_hwm() -> bool:
@@ -351,16 +365,43 @@ def _mem_available() -> Optional[int]:
         return None
 
 
+@contextlib.contextmanager
+def memory_budget(budget: Optional[int] = None):
+    """Cap this process's address space at its current size plus ``budget`` bytes.
+
+    Default budget: the free memory (``MemAvailable``) less 1 GiB. Going over
+    then fails an allocation here — reported as OOM — instead of waking the
+    kernel's OOM killer, which on a shared machine may pick someone else's
+    process. Restores the previous limit on exit; a no-op off Linux. Yields the
+    budget in bytes (``None`` when no limit was set).
+    """
+    if budget is None:
+        avail = _mem_available()
+        budget = None if avail is None else max(avail - 2**30, 2**30)
+    size = _proc_status().get("VmSize")
+    if budget is None or size is None:
+        yield None
+        return
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    limit = size + int(budget)
+    if old[1] != resource.RLIM_INFINITY:
+        limit = min(limit, old[1])
+    resource.setrlimit(resource.RLIMIT_AS, (limit, old[1]))
+    try:
+        yield int(budget)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, old)
+
+
 def measure_peak_rss(spec: Dict) -> Dict:
     """Peak extra RSS of one (implementation, layer, pass), in *this* process.
 
     Meant to run in a fresh process (:func:`peak_rss_child`): loads the inputs
     written by the parent, builds the layer, runs one warm-up call, resets the
     high-water mark, and reports ``VmHWM`` after the measured call minus
-    ``VmRSS`` before it. ``spec["limit_memory"]`` caps the address space at
-    its size with the inputs loaded plus the free memory (or
-    ``spec["mem_budget_bytes"]``), so that running out raises here instead of
-    waking the OOM killer (which might pick another process).
+    ``VmRSS`` before it. With ``spec["limit_memory"]``, the call runs under
+    :func:`memory_budget` (``spec["mem_budget_bytes"]``), so that running out
+    is reported instead of waking the OOM killer.
     """
     torch.set_num_threads(spec["threads"])
     dtype = DTYPES[spec["dtype"]]
@@ -374,23 +415,23 @@ def measure_peak_rss(spec: Dict) -> Dict:
     p = _make_pass(layer, x, edge_index, grad_out, spec["pass"])
     gc.collect()
     rss_inputs = _proc_status()["VmRSS"]
-    budget = spec.get("mem_budget_bytes") or _mem_available()
-    if spec.get("limit_memory") and budget:
-        limit = _proc_status()["VmSize"] + int(budget)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     res = {"rss_inputs_bytes": rss_inputs}
+    limit = (memory_budget(spec.get("mem_budget_bytes")) if spec.get("limit_memory")
+             else contextlib.nullcontext())
     try:
-        hwm_reset = _reset_hwm()
-        if hwm_reset:  # without a reset, a warm-up call would set the high-water mark itself
+        with limit as budget:
+            res["mem_budget_bytes"] = budget
+            hwm_reset = _reset_hwm()
+            if hwm_reset:  # without a reset, a warm-up call would set the high-water mark
+                out = p()
+                del out
+            p.clear()
+            gc.collect()
+            _reset_hwm()
+            before = _proc_status()["VmRSS"]
             out = p()
+            hwm = _proc_status()["VmHWM"]
             del out
-        p.clear()
-        gc.collect()
-        _reset_hwm()
-        before = _proc_status()["VmRSS"]
-        out = p()
-        hwm = _proc_status()["VmHWM"]
-        del out
     except Exception as exc:  # noqa: BLE001
         if not _is_oom(exc):
             raise
@@ -516,6 +557,11 @@ def _ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _spread(row: Dict) -> str:
+    r = row.get("speedup_rounds") or []
+    return f"{min(r):.2f}-{max(r):.2f}" if r else "-"
+
+
 def summarize(measurements: List[Dict]) -> List[Dict]:
     """Per (layer, pass): speedup = PyG time / gatlib time, mem_ratio = gatlib / PyG memory."""
     by = {(m["layer"], m["impl"], m["pass"]): m for m in measurements}
@@ -529,10 +575,18 @@ def summarize(measurements: List[Dict]) -> List[Dict]:
             ma, mb = a.get("memory"), b.get("memory")
             speed = (ta["median_s"] / tb["median_s"]
                      if ta.get("median_s") and tb.get("median_s") else None)
+            # Per-round ratios pair measurements taken seconds apart, under the same
+            # load; their spread shows how far to trust the speedup on a shared machine.
+            paired = speed is not None and len(ta["times_s"]) == len(tb["times_s"])
+            rounds = ([x / y for x, y in zip(ta["times_s"], tb["times_s"], strict=True)]
+                      if paired else [])
             mem = (mb["peak_extra_bytes"] / ma["peak_extra_bytes"]
                    if ma and mb and ma.get("status") == mb.get("status") == "ok"
                    and ma["peak_extra_bytes"] > 0 else None)
-            rows.append({"layer": layer, "pass": p, "speedup": speed, "mem_ratio": mem})
+            rows.append({"layer": layer, "pass": p, "speedup": speed,
+                         "speedup_rounds": rounds,
+                         "speedup_paired_median": statistics.median(rounds) if rounds else None,
+                         "mem_ratio": mem})
     return rows
 
 
@@ -544,20 +598,22 @@ def format_table(report: Dict) -> str:
         f"(undirected, no self-loops), E+N={g['num_edges_with_self_loops']:,} attended, "
         f"F={g['num_features']}",
         f"H={c['heads']} C={c['channels']} {c['dtype']} on {env['device_name']} "
-        f"({env['num_threads']} threads); gatlib backend={c['backend']} "
+        f"(threads={env['num_threads']}); gatlib backend={c['backend']} "
         f"(resolves to {c['backend_resolved']})",
-        "speedup = PyG time / gatlib time; mem = gatlib peak extra / PyG peak extra",
+        "speedup = PyG time / gatlib time (medians; rounds: range of the per-round ratios); "
+        "mem = gatlib peak extra / PyG peak extra",
         "",
     ]
     head = (f"{'layer':<16}{'pass':<18}{'PyG ms':>11}{'gatlib ms':>11}{'speedup':>9}"
-            f"{'PyG MiB':>10}{'gatlib MiB':>12}{'mem':>8}")
+            f"{'rounds':>12}{'PyG MiB':>10}{'gatlib MiB':>12}{'mem':>8}")
     lines += [head, "-" * len(head)]
     by = {(m["layer"], m["impl"], m["pass"]): m for m in report["measurements"]}
     for row in report["summary"]:
         a, b = by[(row["layer"], "pyg", row["pass"])], by[(row["layer"], "gatlib", row["pass"])]
         lines.append(
             f"{LAYERS[row['layer']]:<16}{row['pass']:<18}{_fmt_ms(a['time']):>11}"
-            f"{_fmt_ms(b['time']):>11}{_ratio(row['speedup']):>9}{_fmt_mib(a.get('memory')):>10}"
+            f"{_fmt_ms(b['time']):>11}{_ratio(row['speedup']):>9}{_spread(row):>12}"
+            f"{_fmt_mib(a.get('memory')):>10}"
             f"{_fmt_mib(b.get('memory')):>12}{_ratio(row['mem_ratio']):>8}")
     return "\n".join(lines)
 
@@ -589,6 +645,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed rounds per implementation and pass (default: 5)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed calls before timing, at least 1 (default: 1)")
+    parser.add_argument("--block-seconds", type=float, default=0.5, metavar="S",
+                        help="each timed block repeats the call until it lasts S seconds "
+                             "(default: 0.5)")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                         help="measure peak extra memory (default: on)")
     parser.add_argument("--pass", dest="passes", default="both",
@@ -603,8 +662,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{torch.get_num_threads()} here)")
     parser.add_argument("--seed", type=int, default=0, help="weights, features, graph (default: 0)")
     parser.add_argument("--mem-budget-gb", type=float, default=None,
-                        help="CPU: cap each memory-measuring child at this many GB above its "
-                             "inputs; more counts as OOM (default: the free memory)")
+                        help="CPU: let each process grow by at most this many GB; more "
+                             "counts as OOM (default: the free memory less 1 GB)")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
 
@@ -624,6 +683,8 @@ def _config(args: argparse.Namespace) -> Dict:
         torch.set_num_threads(args.threads)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1; got {args.repeats}")
+    if args.block_seconds < 0:
+        raise ValueError(f"--block-seconds must be >= 0; got {args.block_seconds}")
     device = torch.device(args.device)
     heads, channels = DEFAULT_HC[device.type]
     heads = args.heads if args.heads is not None else heads
@@ -635,7 +696,8 @@ def _config(args: argparse.Namespace) -> Dict:
         "layers": list(LAYERS) if args.layer == "all" else [args.layer],
         "graph": args.graph, "device": args.device, "heads": heads, "channels": channels,
         "dtype": args.dtype, "backend": args.backend, "backend_resolved": resolved,
-        "repeats": args.repeats, "warmup": max(1, args.warmup), "memory": args.memory,
+        "repeats": args.repeats, "block_s": args.block_seconds, "warmup": max(1, args.warmup),
+        "memory": args.memory,
         "passes": list(PASSES) if args.passes == "both" else [args.passes],
         "seed": args.seed, "threads": torch.get_num_threads(),
         "data_dir": str(resolve_data_dir(args.data_dir)),
@@ -666,7 +728,7 @@ def run(args: argparse.Namespace) -> int:
     ei_loops = _with_self_loops(ei, N)
     report = {
         "schema": SCHEMA,
-        "command": shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "command": _command_line(),
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": cfg,
         "environment": environment(device),
@@ -679,30 +741,55 @@ def run(args: argparse.Namespace) -> int:
                           "the same self-loops added, so every layer attends over "
                           "num_edges_with_self_loops edges",
         },
-        "checks": {}, "measurements": [],
+        "checks": {}, "measurements": [], "parent_mem_budget_bytes": {},
     }
     _log(f"graph {graph.name}: N={N:,} E={ei.size(1):,} (+{N:,} self-loops) F={F}; "
          f"H={cfg['heads']} C={cfg['channels']} {cfg['dtype']} {device}, "
          f"gatlib backend {cfg['backend']} -> {cfg['backend_resolved']}")
     status = 0
+    report["summary"] = []
     with tempfile.TemporaryDirectory(prefix="gatlib-compare-") as tmp:
         workdir = Path(tmp)
         if cfg["memory"] and device.type == "cpu":
             torch.save({"x": graph.x.to(dtype), "edge_index": graph.edge_index,
                         "edge_index_loops": ei_loops.cpu()}, workdir / "inputs.pt")
         for layer in cfg["layers"]:
-            rc = _compare_layer(layer, cfg, report, x, ei, ei_loops, device, dtype, workdir)
+            # On CPU this process, too, stays within the free memory: a PyG layer that
+            # does not fit is then an OOM result instead of a SIGKILL for the whole run.
+            with (memory_budget(cfg["mem_budget_bytes"]) if device.type == "cpu"
+                  else contextlib.nullcontext()) as budget:
+                report["parent_mem_budget_bytes"][layer] = budget
+                rc = _compare_layer(layer, cfg, report, x, ei, ei_loops, device, dtype, workdir)
             status = max(status, rc)
+            if args.json:  # after every layer: a long run that dies keeps what it measured
+                _write_json(report, args.json, complete=False)
             if rc == 1 and report["checks"].get(layer, {}).get("status") != "ok":
                 break  # a disagreement aborts the run
     report["summary"] = summarize(report["measurements"])
     print(format_table(report))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        _log(f"wrote {path}")
+        _write_json(report, args.json, complete=True)
+        _log(f"wrote {args.json}")
     return status
+
+
+def _command_line() -> str:
+    prog = Path(sys.argv[0]).name
+    if prog == "compare.py":  # python -m gatlib.compare
+        prog = "python -m gatlib.compare"
+    elif prog in ("cli.py", "__main__.py"):
+        prog = "python -m gatlib.cli"
+    return " ".join([prog, shlex.join(sys.argv[1:])])
+
+
+def _write_json(report: Dict, path: str, complete: bool) -> None:
+    report["summary"] = summarize(report["measurements"])
+    report["complete"] = complete
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
@@ -750,10 +837,12 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
             _release(device)
     report["checks"][layer] = check
     if check["status"] in ("mismatch", "error"):
-        detail = (f"output rel. error {check['forward_rel_err']:.2e} (tol {check['tol_forward']:.1e}), "
-                  f"input-gradient rel. error {check['input_grad_rel_err']:.2e} "
-                  f"(tol {check['tol_input_grad']:.1e})" if check["status"] == "mismatch"
-                  else check["error"])
+        if check["status"] == "mismatch":
+            detail = (f"output rel. error {check['forward_rel_err']:.2e} "
+                      f"(tol {check['tol_forward']:.1e}), input-gradient rel. error "
+                      f"{check['input_grad_rel_err']:.2e} (tol {check['tol_input_grad']:.1e})")
+        else:
+            detail = check["error"]
         print(f"gatlib compare: gatlib.{name}(backend={cfg['backend']!r}) does not agree with "
               f"torch_geometric.nn.{name} on {report['graph']['name']} "
               f"({cfg['dtype']}, {device}): {detail}. Not timing it.", file=sys.stderr)
@@ -763,7 +852,8 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
     for p in cfg["passes"]:
         fns = {impl: passes[impl, p] for impl in IMPLS if (impl, p) not in too_big}
         _log(f"{name}: timing {p} ({', '.join(fns) or 'nothing fits'}), {cfg['repeats']} rounds")
-        times = time_interleaved(fns, device, cfg["repeats"], cfg["warmup"]) if fns else {}
+        times = (time_interleaved(fns, device, cfg["repeats"], cfg["warmup"], cfg["block_s"])
+                 if fns else {})
         for impl in IMPLS:
             t = times.get(impl) or {"status": "OOM", "error": "not run in this process: out of "
                                     "memory in its fresh-process memory measurement"}

@@ -79,7 +79,7 @@ class NodeDataset:
         idx = self.split_idx[split]
         out, y = out[idx].detach().cpu(), self.data.y[idx].cpu()
         if self.evaluator is None:
-            return float((out.argmax(-1) == y).float().mean())
+            return float((out.argmax(-1) == y).double().mean())
         y_pred = out if self.multilabel else out.argmax(-1, keepdim=True)
         y_true = y if self.multilabel else y.view(-1, 1)
         return float(self.evaluator.eval({"y_true": y_true, "y_pred": y_pred})[self.metric])

@@ -43,6 +43,8 @@ PairTensor = Tuple[Tensor, Optional[Tensor]]
 class _AttentionConv(torch.nn.Module):
     """Shared plumbing: argument checks, input splitting, self-loops, output."""
 
+    value_dropout: float = 0.0
+
     def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend):
         V.check_in_channels("in_channels", in_channels)
         V.check_positive_int("out_channels", out_channels)
@@ -95,6 +97,8 @@ class _AttentionConv(torch.nn.Module):
         ``alpha`` is only asked for when the caller wants it: a fused backend
         then skips the extra ``[E, H]`` pass.
         """
+        if self.value_dropout > 0.0:  # scores above came from the undropped features
+            value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
         res = graph_attention(score, value, edge_index, num_dst, value_edge=value_edge,
                               dropout=self.dropout, training=self.training, concat=self.concat,
                               backend=self.backend, return_attention=bool(want_alpha))
@@ -143,6 +147,10 @@ class GATConv(_AttentionConv):
             (``"add"``, ``"mean"``, ``"min"``, ``"max"``, ``"mul"``). (default: ``"mean"``)
         bias (bool): learn an additive bias. (default: ``True``)
         residual (bool): add a learnable linear skip connection. (default: ``False``)
+        value_dropout (float): dropout on the projected source features
+            :math:`\Theta_s x_j` before they are aggregated (scores see them
+            undropped), as the GAT paper's reference code does; a gatlib
+            addition, not in PyG. (default: ``0.0``)
         backend (str): attention backend, see :func:`gatlib.available_backends`.
             (default: ``"auto"``)
 
@@ -168,6 +176,7 @@ class GATConv(_AttentionConv):
         bias: bool = True,
         residual: bool = False,
         backend: str = "auto",
+        value_dropout: float = 0.0,
     ):
         super().__init__()
         self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
@@ -184,6 +193,8 @@ class GATConv(_AttentionConv):
         self.fill_value = fill_value
         self.residual = residual
         self.backend = backend
+        V.check_probability("value_dropout", value_dropout)
+        self.value_dropout = value_dropout
 
         HC = heads * out_channels
         self.lin = self.lin_src = self.lin_dst = None
@@ -313,6 +324,10 @@ class GATv2Conv(_AttentionConv):
         share_weights (bool): use one matrix for sources and destinations
             (:math:`\Theta_s = \Theta_t`). (default: ``False``)
         residual (bool): learnable linear skip connection. (default: ``False``)
+        value_dropout (float): dropout on the projected source features
+            :math:`\Theta_s x_j` before they are aggregated (scores see them
+            undropped), as the GAT paper's reference code does; a gatlib
+            addition, not in PyG. (default: ``0.0``)
         backend (str): attention backend. (default: ``"auto"``)
 
     Shapes:
@@ -337,6 +352,7 @@ class GATv2Conv(_AttentionConv):
         share_weights: bool = False,
         residual: bool = False,
         backend: str = "auto",
+        value_dropout: float = 0.0,
     ):
         super().__init__()
         self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
@@ -357,6 +373,8 @@ class GATv2Conv(_AttentionConv):
         self.residual = residual
         self.share_weights = share_weights
         self.backend = backend
+        V.check_probability("value_dropout", value_dropout)
+        self.value_dropout = value_dropout
 
         HC = heads * out_channels
         in_src, in_dst = ((in_channels, in_channels) if isinstance(in_channels, int)

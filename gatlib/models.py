@@ -48,7 +48,9 @@ class GAT(torch.nn.Module):
         \mathbf{h} = \mathrm{ELU}\big(\mathrm{GAT}_{8 \times 8}(\mathrm{drop}(\mathbf{x}))\big),
         \qquad \mathbf{y} = \mathrm{mean\ of\ heads}\;\mathrm{GAT}_{K \times C}(\mathrm{drop}(\mathbf{h}))
 
-    Dropout acts on each layer's input and on the attention weights. The
+    Dropout acts on each layer's input, on the attention weights and — as in
+    the paper's reference code (``utils/layers.py`` of PetarV-/GAT) — on the
+    projected features before they are aggregated (``value_dropout``). The
     paper uses one output head (``out_heads=1``), eight on PubMed.
 
     Args:
@@ -58,6 +60,8 @@ class GAT(torch.nn.Module):
         heads (int): hidden heads. (default: ``8``)
         out_heads (int): output heads, averaged. (default: ``1``)
         dropout (float): input and attention dropout. (default: ``0.6``)
+        value_dropout (float): dropout on the projected features that are
+            aggregated. (default: ``0.6``)
         backend (str): attention backend of both layers. (default: ``"auto"``)
 
     Shapes:
@@ -68,13 +72,14 @@ class GAT(torch.nn.Module):
     conv = GATConv
 
     def __init__(self, in_channels: int, out_channels: int, hidden_channels: int = 8,
-                 heads: int = 8, out_heads: int = 1, dropout: float = 0.6, backend: str = "auto"):
+                 heads: int = 8, out_heads: int = 1, dropout: float = 0.6, value_dropout: float = 0.6,
+                 backend: str = "auto"):
         super().__init__()
         self.dropout = dropout
         self.conv1 = self.conv(in_channels, hidden_channels, heads=heads, dropout=dropout,
-                               backend=backend)
+                               value_dropout=value_dropout, backend=backend)
         self.conv2 = self.conv(hidden_channels * heads, out_channels, heads=out_heads, concat=False,
-                               dropout=dropout, backend=backend)
+                               dropout=dropout, value_dropout=value_dropout, backend=backend)
 
     def reset_parameters(self):
         self.conv1.reset_parameters()
@@ -171,6 +176,7 @@ class GraphTransformer(torch.nn.Module):
             if self.pe == "laplacian" and self.training:
                 pe = pe * (torch.randint(0, 2, (1, pe.size(1)), device=pe.device) * 2 - 1)
             h = h + self.pe_lin(pe)
+        h = F.dropout(h, self.dropout, self.training)
         for attn, out, ffn, norm1, norm2 in zip(self.attns, self.outs, self.ffns, self.norms1,
                                                 self.norms2, strict=True):
             h = norm1(h + F.dropout(out(attn(h, edge_index)), self.dropout, self.training))

@@ -213,8 +213,8 @@ def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.dev
     model.eval()
     with torch.no_grad():
         out = forward()
-    return RunResult(seed=seed, test_acc=100 * dataset.evaluate(out, "test"),
-                     val_acc=100 * dataset.evaluate(out, "valid"), epochs=epoch,
+    return RunResult(seed=seed, test_acc=round(100 * dataset.evaluate(out, "test"), 6),
+                     val_acc=round(100 * dataset.evaluate(out, "valid"), 6), epochs=epoch,
                      best_epoch=stop.best_epoch, seconds_per_epoch=seconds / max(epoch, 1),
                      peak_memory_mib=peak_memory_mib(device))
 
@@ -278,9 +278,19 @@ def environment() -> Dict[str, Any]:
         pass
     root = Path(__file__).resolve().parent
     sha = _git(root, "rev-parse", "HEAD")
-    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    dirty = _git(root, "status", "--porcelain")
     return {"versions": versions, "git_sha": sha,
             "git_dirty": None if sha is None or dirty is None else bool(dirty)}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _git(cwd: Path, *args: str) -> Optional[str]:
@@ -337,7 +347,7 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
     report: Dict[str, Any] = {
         "dataset": dataset.name, "model": model, "metric": dataset.metric, "device": str(device),
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else platform.processor() or platform.machine()),
+                        else _cpu_name()),
         "threads": torch.get_num_threads(), "backend": backend, "runs_requested": runs,
         "config": {"seed": seed, **asdict(rcp)}, **environment(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "interrupted": False, "runs": [],

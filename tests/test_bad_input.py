@@ -136,6 +136,13 @@ def test_bad_constructor(layer, kw, exc, match):
         make(layer, 4, 3, **kw)
 
 
+@pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv"])
+@pytest.mark.parametrize("p,exc", [(1.0, ValueError), (-0.5, ValueError), ("0.5", TypeError)])
+def test_bad_value_dropout(layer, p, exc):
+    with pytest.raises(exc, match=r"value_dropout must be"):
+        make(layer, 4, 3, value_dropout=p)
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("args,exc,match", [
     ((0, 3), ValueError, r"in_channels must be >= 1 \(or -1"),

@@ -118,6 +118,28 @@ def test_concat_false_averages_heads(layer):
     torch.testing.assert_close(out_avg, out_cat.view(n, 3, 4).mean(1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv"])
+def test_value_dropout_drops_aggregated_features_only(layer, backend):
+    """One in-edge per destination, so alpha = 1 and out_i - bias = Θ_s x_j:
+    with value dropout each entry is either 0 or Θ_s x_j / (1 - p); in eval
+    mode the layer is the plain one."""
+    n, p = 40, 0.5
+    ei = torch.stack([torch.randperm(n), torch.arange(n)])
+    x = torch.randn(n, 8)
+    m = build(layer, backend, add_self_loops=False, value_dropout=p)
+    lin = m.lin if layer == "GATConv" else m.lin_l  # GATv2: lin_l's bias is in the value, as in PyG
+    value = lin(x)[ei[0]].detach()  # Θ_s x_j of each destination's one source
+    m.eval()
+    torch.testing.assert_close((m(x, ei) - m.bias).detach(), value, rtol=1e-5, atol=1e-6)
+    m.train()
+    torch.manual_seed(1)
+    got = (m(x, ei) - m.bias).detach()
+    kept = got != 0
+    assert 0.3 < kept.float().mean() < 0.7
+    torch.testing.assert_close(got[kept], (value / (1 - p))[kept], rtol=1e-5, atol=1e-6)
+
+
 def test_edge_index_reused_across_calls_is_cached():
     """Self-loops are added once per edge_index object, not at every call."""
     n = 20
