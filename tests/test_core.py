@@ -258,3 +258,13 @@ def test_dropout_only_in_training():
     torch.manual_seed(0)
     dropped = graph_attention(s, v, ei, n, dropout=0.5, training=True)
     assert not torch.allclose(dropped, base)
+
+
+def test_auto_backend_rule():
+    """The measured rule (benchmarks/NOTES.md): the fused path on CPU; the
+    reference on CUDA until the Triton kernels are measured on a GPU."""
+    from gatlib._backend import _IMPLS, resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu")) is _IMPLS["fused"]
+    assert resolve_backend("auto", torch.device("cuda")) is _IMPLS["torch"]
+    assert resolve_backend("auto", torch.device("meta")) is _IMPLS["torch"]

@@ -121,7 +121,7 @@ def test_gradcheck_end_to_end_with_dropout(kind):
 
     def f(v, ve, *ts):
         torch.manual_seed(0)
-        sc = type(s)(**{**vars(s), **dict(zip(names, ts))})
+        sc = type(s)(**{**vars(s), **dict(zip(names, ts, strict=True))})
         out, alpha = fc.attention(sc, v, ei, n_dst, value_edge=ve, dropout=0.3, training=True,
                                   need_alpha=True)
         return out, alpha
@@ -201,7 +201,7 @@ def test_matches_reference(blocks, kind, dtype, H, graph):
     torch.testing.assert_close(out, ref, **tol)
     torch.testing.assert_close(alpha, alpha_ref, **tol)
     for name, a, b in zip(["v", "ve"] + [k for k, t in vars(s).items() if torch.is_tensor(t)],
-                          grads, g_ref):
+                          grads, g_ref, strict=True):
         if b is None:
             assert a is None or a.abs().max() == 0, name
         else:
@@ -248,7 +248,7 @@ def test_low_precision_rule(kind):
                                ve.detach().double().requires_grad_()))
         ref = run("torch", s, v, ve)
         got = run("fused", s, v, ve)
-        for i, (x, r, ex) in enumerate(zip(got, ref, exact)):
+        for i, (x, r, ex) in enumerate(zip(got, ref, exact, strict=True)):
             err, err_ref = (x - ex).abs().max(), (r - ex).abs().max()
             assert err <= 2 * err_ref + 1e-6 * ex.abs().max(), (dtype, i, err, err_ref)
 
@@ -314,7 +314,7 @@ def test_layers_fused_equal_torch(layer, edge_dim, concat):
     torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(a2, a1, rtol=1e-4, atol=1e-5)
     assert torch.equal(e1, e2)
-    for a, b in zip(g2, g1):
+    for a, b in zip(g2, g1, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
