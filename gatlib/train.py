@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch_geometric.data import Data
 
 from . import models
+from ._backend import resolve_backend
 from .data import PLANETOID, NodeDataset
 
 MODELS = ("gat", "gatv2", "transformer")
@@ -348,7 +349,8 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
         "dataset": dataset.name, "model": model, "metric": dataset.metric, "device": str(device),
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else _cpu_name()),
-        "threads": torch.get_num_threads(), "backend": backend, "runs_requested": runs,
+        "threads": torch.get_num_threads(), "backend": backend,
+        "backend_resolved": resolve_backend(backend, torch.device(device)).name, "runs_requested": runs,
         "config": {"seed": seed, **asdict(rcp)}, **environment(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "interrupted": False, "runs": [],
     }

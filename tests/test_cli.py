@@ -44,7 +44,7 @@ def test_bench_writes_json_and_prints_table(data_dir, tmp_path, capsys):
     assert _bench(data_dir, out, "--seed", "7", "--backend", "torch") == 0
     report = json.loads(out.read_text())
     assert report["dataset"] == "cora" and report["model"] == "gat" and report["device"] == "cpu"
-    assert report["backend"] == "torch" and report["metric"] == "acc"
+    assert report["backend"] == report["backend_resolved"] == "torch" and report["metric"] == "acc"
     assert report["runs_requested"] == report["runs_completed"] == 2 and not report["interrupted"]
     assert [r["seed"] for r in report["runs"]] == [7, 8]
     assert report["test_acc"] == [r["test_acc"] for r in report["runs"]]
