@@ -96,7 +96,7 @@ class _FusedCPUBackend(_Backend):
     def available(device: torch.device) -> Optional[str]:
         if device.type != "cpu":
             return "the fused CPU path runs on CPU tensors; on CUDA 'fused' uses Triton"
-        return _missing_module("gatlib._fused_cpu")
+        return None
 
     def attention(self, score, value, edge_index, num_dst, **kw):
         from . import _fused_cpu
@@ -115,8 +115,6 @@ class _TritonBackend(_Backend):
     def available(device: torch.device) -> Optional[str]:
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install 'gatlib[triton]')"
-        if _missing_module("gatlib._triton"):
-            return _missing_module("gatlib._triton")
         if device.type == "cuda" or (device.type == "cpu" and _interpreting()):
             return None
         return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device}"
@@ -126,11 +124,6 @@ class _TritonBackend(_Backend):
 
         res = _triton.attention(score, value, edge_index, num_dst, **kw)
         return super().attention(score, value, edge_index, num_dst, **kw) if res is None else res
-
-
-def _missing_module(name: str) -> Optional[str]:
-    # A backend module is only registered once it exists in this install.
-    return None if importlib.util.find_spec(name) is not None else f"{name} is not part of this install"
 
 
 def _interpreting() -> bool:

@@ -25,10 +25,10 @@ reference does. Other dtypes are declined (the reference runs).
 """
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass
 import threading
+import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Tuple
 
 import torch

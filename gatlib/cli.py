@@ -25,10 +25,6 @@ from .train import MODELS
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["compare"] and _compare_module() is None:
-        print("gatlib compare: this installation has no gatlib.compare module "
-              "(the comparison tool is not part of this version).", file=sys.stderr)
-        return 2
     args = _parser(argv).parse_args(argv)
     return args.func(args)
 
@@ -65,23 +61,12 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="compare attention implementations (gatlib.compare)",
                              description="Compare attention implementations; see gatlib.compare.")
-    # Imported only when asked for, so `gatlib bench` works whatever state
-    # gatlib.compare is in (main() has checked that it exists).
+    # Imported only when asked for: `gatlib bench` need not load the comparison's imports.
     if argv[:1] == ["compare"]:
-        module = _compare_module()
+        module = importlib.import_module("gatlib.compare")
         module.add_arguments(compare)
         compare.set_defaults(func=module.run)
     return parser
-
-
-def _compare_module():
-    """:mod:`gatlib.compare`, or ``None`` if this installation lacks it."""
-    try:
-        return importlib.import_module("gatlib.compare")
-    except ModuleNotFoundError as e:
-        if e.name != "gatlib.compare":
-            raise
-        return None
 
 
 def _bench(args: argparse.Namespace) -> int:
