@@ -44,6 +44,8 @@ def _attention_layers(model):
     lambda b: GraphTransformer(F_IN, C, hidden_channels=16, heads=4, num_layers=2, backend=b),
     lambda b: GraphTransformer(F_IN, C, hidden_channels=16, heads=2, norm="layer", pe="random_walk",
                                pe_dim=4, backend=b),
+    lambda b: GraphTransformer(F_IN, C, hidden_channels=16, heads=4, num_layers=2,
+                               input_attention=True, readout="attention", backend=b),
     lambda b: DeepGAT(F_IN, C, hidden_channels=8, heads=2, backend=b),
     lambda b: DeepGAT(F_IN, C, hidden_channels=8, heads=2, conv="gatv2", backend=b),
     lambda b: UniMP(F_IN, C, hidden_channels=8, heads=2, backend=b),
@@ -73,6 +75,10 @@ def test_models_reject_bad_configuration():
         GraphTransformer(F_IN, C, norm="group")
     with pytest.raises(ValueError, match="pe must be"):
         GraphTransformer(F_IN, C, pe="laplacian", pe_dim=0)
+    with pytest.raises(ValueError, match="readout"):
+        GraphTransformer(F_IN, C, readout="mlp")
+    with pytest.raises(ValueError, match="num_layers"):
+        GraphTransformer(F_IN, C, num_layers=0)
     with pytest.raises(ValueError, match="backend"):
         GAT(F_IN, C, backend="nope")
     with pytest.raises(ValueError, match="pass pe"):
@@ -84,7 +90,9 @@ def test_sparse_features_give_the_dense_result():
     torch.manual_seed(0)
     x = torch.randn(N, F_IN) * (torch.rand(N, F_IN) < 0.1)
     ei = random_graph(N, 150)
-    for model in (GAT(F_IN, C), GraphTransformer(F_IN, C, hidden_channels=16), UniMP(F_IN, C, 8)):
+    for model in (GAT(F_IN, C), GraphTransformer(F_IN, C, hidden_channels=16),
+                  GraphTransformer(F_IN, C, hidden_channels=16, input_attention=True,
+                                   readout="attention"), UniMP(F_IN, C, 8)):
         model.eval()
         torch.testing.assert_close(model(x.to_sparse_csr(), ei), model(x, ei))
 
