@@ -120,9 +120,9 @@ class GraphTransformer(torch.nn.Module):
     (:func:`positional_encoding`).
 
     Two options serve small, sparse-feature graphs such as Planetoid's, where
-    the paper's layout overfits 140 training labels (measured on Cora in
-    ``benchmarks/NOTES.md``): ``input_attention=True`` lets the first layer's
-    queries, keys and values read the raw features :math:`\mathbf{x}` while
+    the paper's layout overfits 140 training labels (measured in
+    ``benchmarks/transformer_cora_ablation.md``): ``input_attention=True`` lets
+    the first layer's queries, keys and values read the raw features :math:`\mathbf{x}` while
     the residual stream starts from :math:`\mathbf{h}^0`, and
     ``readout="attention"`` replaces the linear classifier with a one-head
     attention layer over the classes, as the GAT's output layer is.

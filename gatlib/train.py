@@ -12,7 +12,7 @@ model and its arguments, optimiser, epochs and the model-selection rule.
   attention readout, the GAT's dropout) with the same optimiser and stopping
   rule; the layout was picked from 3-5-seed Cora runs that printed test
   accuracy (so it is not a clean held-out choice) — the ablation is in
-  ``benchmarks/NOTES.md``.
+  ``benchmarks/transformer_cora_ablation.md``.
 * OGB + ``gat``/``gatv2`` — :class:`~gatlib.models.DeepGAT` as in DGL's
   ogbn-arxiv example (RMSprop lr 0.002 with a 50-epoch warm-up, 2000 epochs,
   bidirected graph); OGB + ``transformer`` — :class:`~gatlib.models.UniMP` as in
