@@ -2,6 +2,7 @@
 stopping rule, and short runs on Cora that learn."""
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -168,6 +169,19 @@ def test_prepare_graph_stores_bag_of_words_sparse(cora):
     assert graph.x.layout == torch.sparse_csr
     torch.testing.assert_close(graph.x.to_dense(), cora.data.x)
     assert torch.equal(graph.edge_index, cora.data.edge_index)
+
+
+def test_prepare_graph_adds_exactly_one_self_loop_per_node(cora):
+    rcp = recipe("transformer", "cora")
+    assert rcp.self_loops
+    data = copy.copy(cora.data)
+    # one node already has a loop, which must not be doubled
+    data.edge_index = torch.cat([cora.data.edge_index, torch.tensor([[5], [5]])], dim=1)
+    graph = prepare_graph(replace(cora, data=data), rcp, "cpu")
+    src, dst = graph.edge_index
+    loops = src == dst
+    assert torch.equal(torch.sort(src[loops]).values, torch.arange(cora.data.num_nodes))
+    assert torch.equal(graph.edge_index[:, ~loops], cora.data.edge_index)
 
 
 @pytest.mark.parametrize("model", ["gat", "gatv2", "transformer"])
