@@ -125,7 +125,9 @@ class GraphTransformer(torch.nn.Module):
     the first layer's queries, keys and values read the raw features :math:`\mathbf{x}` while
     the residual stream starts from :math:`\mathbf{h}^0`, and
     ``readout="attention"`` replaces the linear classifier with a one-head
-    attention layer over the classes, as the GAT's output layer is.
+    attention layer over the classes, as the GAT's output layer is. Like PyG's,
+    :class:`~gatlib.TransformerConv` adds no self-loops: add them to
+    ``edge_index`` for a node to attend to itself (the Planetoid recipe does).
 
     Args:
         in_channels (int): input features ``F``.
