@@ -10,8 +10,9 @@ model and its arguments, optimiser, epochs and the model-selection rule.
 * Planetoid + ``transformer`` — :class:`~gatlib.models.GraphTransformer` (one
   block of attention over the raw features + residual + LayerNorm + feed-forward,
   attention readout, the GAT's dropout, self-loops added to the graph as the
-  GAT layers add them) with the same optimiser and stopping rule; the layout was picked from 3-5-seed Cora runs that printed test
-  accuracy (so it is not a clean held-out choice) — the ablation is in
+  GAT layers add them) with the same optimiser and stopping rule. The layout
+  was picked from 3-5-seed Cora runs that printed test accuracy (so it is not
+  a clean held-out choice); the ablation is in
   ``benchmarks/transformer_cora_ablation.md``.
 * OGB + ``gat``/``gatv2`` — :class:`~gatlib.models.DeepGAT` as in DGL's
   ogbn-arxiv example (RMSprop lr 0.002 with a 50-epoch warm-up, 2000 epochs,
