@@ -469,6 +469,10 @@ class TransformerConv(_AttentionConv):
         root_weight (bool): add the skip term :math:`\mathbf{W}_1 \mathbf{x}_i`.
             (default: ``True``)
         backend (str): attention backend. (default: ``"auto"``)
+        value_dropout (float): dropout on the projected source values
+            :math:`\mathbf{W}_2 \mathbf{x}_j` before they are aggregated (the
+            keys are not dropped), as :class:`GATConv`'s; a gatlib addition,
+            not in PyG. (default: ``0.0``)
 
     Shapes:
         - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
@@ -489,9 +493,12 @@ class TransformerConv(_AttentionConv):
         bias: bool = True,
         root_weight: bool = True,
         backend: str = "auto",
+        value_dropout: float = 0.0,
     ):
         super().__init__()
         self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
+        V.check_probability("value_dropout", value_dropout)
+        self.value_dropout = value_dropout
         self.in_channels = in_channels
         self.out_channels = out_channels
         self.heads = heads

@@ -139,6 +139,8 @@ class GraphTransformer(torch.nn.Module):
             before the classifier. (default: ``0.5``)
         input_dropout (float): dropout on the input features. (default: ``0.6``)
         attn_dropout (float): attention-weight dropout. (default: ``0.5``)
+        value_dropout (float): dropout on the attended values, not the keys
+            (:class:`~gatlib.TransformerConv`'s ``value_dropout``). (default: ``0.0``)
         norm (str): ``"batch"`` or ``"layer"``. (default: ``"batch"``)
         ffn_ratio (int): feed-forward width over ``D``. (default: ``2``)
         pe (str, optional): ``"laplacian"``, ``"random_walk"`` or ``None``. (default: ``None``)
@@ -155,9 +157,9 @@ class GraphTransformer(torch.nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, hidden_channels: int = 64,
                  num_layers: int = 2, heads: int = 8, dropout: float = 0.5,
-                 input_dropout: float = 0.6, attn_dropout: float = 0.5, norm: str = "batch",
-                 ffn_ratio: int = 2, pe: Optional[str] = None, pe_dim: int = 0,
-                 input_attention: bool = False, readout: str = "linear",
+                 input_dropout: float = 0.6, attn_dropout: float = 0.5, value_dropout: float = 0.0,
+                 norm: str = "batch", ffn_ratio: int = 2, pe: Optional[str] = None,
+                 pe_dim: int = 0, input_attention: bool = False, readout: str = "linear",
                  backend: str = "auto"):
         super().__init__()
         if num_layers < 1:
@@ -179,7 +181,8 @@ class GraphTransformer(torch.nn.Module):
         D = hidden_channels
         self.attns = ModuleList(
             TransformerConv(in_channels if i == 0 and input_attention else D, D // heads,
-                            heads=heads, dropout=attn_dropout, root_weight=False, backend=backend)
+                            heads=heads, dropout=attn_dropout, value_dropout=value_dropout,
+                            root_weight=False, backend=backend)
             for i in range(num_layers))
         self.outs = ModuleList(Linear(D, D) for _ in range(num_layers))
         self.ffns = ModuleList(torch.nn.Sequential(Linear(D, ffn_ratio * D), torch.nn.ReLU(),
@@ -189,7 +192,8 @@ class GraphTransformer(torch.nn.Module):
         self.norms2 = ModuleList(Norm(D) for _ in range(num_layers))
         self.classifier = (Linear(D, out_channels) if readout == "linear" else
                            TransformerConv(D, out_channels, heads=1, dropout=attn_dropout,
-                                           root_weight=False, backend=backend))
+                                           value_dropout=value_dropout, root_weight=False,
+                                           backend=backend))
 
     def forward(self, x: Tensor, edge_index: Tensor, pe: Optional[Tensor] = None) -> Tensor:
         x = input_dropout(x, self.input_dropout, self.training)

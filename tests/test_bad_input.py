@@ -136,7 +136,7 @@ def test_bad_constructor(layer, kw, exc, match):
         make(layer, 4, 3, **kw)
 
 
-@pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv"])
+@pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("p,exc", [(1.0, ValueError), (-0.5, ValueError), ("0.5", TypeError)])
 def test_bad_value_dropout(layer, p, exc):
     with pytest.raises(exc, match=r"value_dropout must be"):

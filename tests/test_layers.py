@@ -119,7 +119,7 @@ def test_concat_false_averages_heads(layer):
 
 
 @pytest.mark.parametrize("backend", backends())
-@pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv"])
+@pytest.mark.parametrize("layer", LAYERS)
 def test_value_dropout_drops_aggregated_features_only(layer, backend):
     """One in-edge per destination, so alpha = 1 and out_i - bias = Θ_s x_j:
     with value dropout each entry is either 0 or Θ_s x_j / (1 - p); in eval
@@ -127,14 +127,18 @@ def test_value_dropout_drops_aggregated_features_only(layer, backend):
     n, p = 40, 0.5
     ei = torch.stack([torch.randperm(n), torch.arange(n)])
     x = torch.randn(n, 8)
-    m = build(layer, backend, add_self_loops=False, value_dropout=p)
-    lin = m.lin if layer == "GATConv" else m.lin_l  # GATv2: lin_l's bias is in the value, as in PyG
+    if layer == "TransformerConv":  # no self-loops, no root term, biases inside the projections
+        m = build(layer, backend, root_weight=False, value_dropout=p)
+        lin, bias = m.lin_value, 0.0
+    else:  # GATv2: lin_l's bias is in the value, as in PyG
+        m = build(layer, backend, add_self_loops=False, value_dropout=p)
+        lin, bias = (m.lin if layer == "GATConv" else m.lin_l), m.bias
     value = lin(x)[ei[0]].detach()  # Θ_s x_j of each destination's one source
     m.eval()
-    torch.testing.assert_close((m(x, ei) - m.bias).detach(), value, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close((m(x, ei) - bias).detach(), value, rtol=1e-5, atol=1e-6)
     m.train()
     torch.manual_seed(1)
-    got = (m(x, ei) - m.bias).detach()
+    got = (m(x, ei) - bias).detach()
     kept = got != 0
     assert 0.3 < kept.float().mean() < 0.7
     torch.testing.assert_close(got[kept], (value / (1 - p))[kept], rtol=1e-5, atol=1e-6)

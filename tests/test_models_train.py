@@ -186,10 +186,12 @@ def test_prepare_graph_adds_exactly_one_self_loop_per_node(cora):
 
 @pytest.mark.parametrize("model", ["gat", "gatv2", "transformer"])
 def test_short_training_run_learns_cora(cora, model):
-    """A few dozen epochs reach far above chance (1/7 = 14%) on the public split."""
-    rcp = replace(recipe(model, "cora"), epochs=40)
+    """A few dozen epochs reach far above chance (1/7 = 14%) on the public split
+    (the transformer, with value dropout on both attention layers, starts slower)."""
+    epochs = 100 if model == "transformer" else 40
+    rcp = replace(recipe(model, "cora"), epochs=epochs)
     res = train_run(cora, rcp, seed=0, backend="torch")
-    assert res.epochs == 40 and 1 <= res.best_epoch <= 40
+    assert res.epochs == epochs and 1 <= res.best_epoch <= epochs
     assert res.test_acc > 65 and res.val_acc > 65
     assert res.seconds_per_epoch > 0 and res.peak_memory_mib > 0
 
