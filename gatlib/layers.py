@@ -45,11 +45,13 @@ class _AttentionConv(torch.nn.Module):
 
     value_dropout: float = 0.0
 
-    def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend):
+    def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend,
+                      value_dropout):
         V.check_in_channels("in_channels", in_channels)
         V.check_positive_int("out_channels", out_channels)
         V.check_positive_int("heads", heads)
         V.check_probability("dropout", dropout)
+        V.check_probability("value_dropout", value_dropout)
         if edge_dim is not None:
             V.check_positive_int("edge_dim", edge_dim)
         check_backend_name(backend)
@@ -179,7 +181,8 @@ class GATConv(_AttentionConv):
         value_dropout: float = 0.0,
     ):
         super().__init__()
-        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
+        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend,
+                           value_dropout)
         V.check_real("negative_slope", negative_slope)
         V.check_fill_value(fill_value, edge_dim)
         self.in_channels = in_channels
@@ -193,7 +196,6 @@ class GATConv(_AttentionConv):
         self.fill_value = fill_value
         self.residual = residual
         self.backend = backend
-        V.check_probability("value_dropout", value_dropout)
         self.value_dropout = value_dropout
 
         HC = heads * out_channels
@@ -355,7 +357,8 @@ class GATv2Conv(_AttentionConv):
         value_dropout: float = 0.0,
     ):
         super().__init__()
-        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
+        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend,
+                           value_dropout)
         V.check_real("negative_slope", negative_slope)
         V.check_fill_value(fill_value, edge_dim)
         if share_weights and isinstance(in_channels, (tuple, list)) and in_channels[0] != in_channels[1]:
@@ -373,7 +376,6 @@ class GATv2Conv(_AttentionConv):
         self.residual = residual
         self.share_weights = share_weights
         self.backend = backend
-        V.check_probability("value_dropout", value_dropout)
         self.value_dropout = value_dropout
 
         HC = heads * out_channels
@@ -496,8 +498,8 @@ class TransformerConv(_AttentionConv):
         value_dropout: float = 0.0,
     ):
         super().__init__()
-        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend)
-        V.check_probability("value_dropout", value_dropout)
+        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend,
+                           value_dropout)
         self.value_dropout = value_dropout
         self.in_channels = in_channels
         self.out_channels = out_channels
