@@ -43,8 +43,6 @@ PairTensor = Tuple[Tensor, Optional[Tensor]]
 class _AttentionConv(torch.nn.Module):
     """Shared plumbing: argument checks, input splitting, self-loops, output."""
 
-    value_dropout: float = 0.0
-
     def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend,
                       value_dropout):
         V.check_in_channels("in_channels", in_channels)
