@@ -17,7 +17,7 @@ GRAPHS=${GRAPHS:-"cora arxiv-like"}
 BACKENDS=${BACKENDS:-"auto torch fused"}
 REPEATS=${REPEATS:-5}
 EXTRA=${EXTRA:-}
-# Offline machines: the Planetoid raw files beside the repository (gatlib.data copies them).
+# Offline machines: the Planetoid raw files beside the repository (gatlib.bench.data copies them).
 if [[ -z "${GATLIB_PLANETOID_RAW:-}" && -d ../shared/data/Planetoid ]]; then
   export GATLIB_PLANETOID_RAW=../shared/data/Planetoid
 fi
@@ -30,7 +30,7 @@ for graph in $GRAPHS; do
     out=benchmarks/results/compare_${graph}_${backend}_${DEVICE}.json
     echo "== $graph / $backend / $DEVICE -> $out" >&2
     # shellcheck disable=SC2086  # EXTRA is a list of options
-    if ! $PY -m gatlib.compare --layer all --graph "$graph" --device "$DEVICE" \
+    if ! $PY -m gatlib.bench.compare --layer all --graph "$graph" --device "$DEVICE" \
         --backend "$backend" --repeats "$REPEATS" --json "$out" $EXTRA; then
       echo "== $graph / $backend: gatlib compare failed (see above)" >&2
       status=1

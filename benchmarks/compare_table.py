@@ -6,10 +6,11 @@ Usage::
 
 One section per JSON file (graph, device, configuration, environment, the
 agreement check, a table of times and peak extra memory), preceded by a
-summary of the training pass (forward+backward) across all files. Rows of a
-run matching the project's CPU target (arxiv-like, H=4, C=64) are marked
-against it: gatlib forward+backward at least 3x faster than PyG and at most a
-quarter of PyG's peak extra memory.
+summary of the training passes (a layer's forward+backward, a model's
+train_step) across all files. Rows of a run matching the project's CPU target
+(arxiv-like, H=4, C=64, layer scope) are marked against it: gatlib
+forward+backward at least 3x faster than PyG and at most a quarter of PyG's
+peak extra memory.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from gatlib.bench.report import format_table
 
 LAYER_NAMES = {"gat": "GATConv", "gatv2": "GATv2Conv", "transformer": "TransformerConv"}
 TARGET = {"graph": "arxiv-like", "device": "cpu", "heads": 4, "channels": 64,
@@ -47,7 +50,24 @@ def _spread(row: Dict) -> str:
 def _is_target(rep: Dict) -> bool:
     c = rep["config"]
     return (c["graph"] == TARGET["graph"] and c["device"] == TARGET["device"]
-            and c["heads"] == TARGET["heads"] and c["channels"] == TARGET["channels"])
+            and c["heads"] == TARGET["heads"] and c["channels"] == TARGET["channels"]
+            and c.get("scope", "layer") == "layer")
+
+
+def _backend(rep: Dict) -> str:
+    """The requested backend and what ran: the kernels the report recorded (schema 2)
+    or, in older reports, the backend it resolved to."""
+    c = rep["config"]
+    kernels = [k for ks in (rep.get("kernels") or {}).values() for k in ks if "." not in k]
+    ran = "+".join(dict.fromkeys(kernels)) or c.get("backend_resolved") or "?"
+    return f"{c['backend']} ({ran})"
+
+
+def _check(layer: str, ch: Dict) -> str:
+    errs = [f"{label} {ch[key]:.1e}" for key, label in (
+        ("forward_rel_err", "out"), ("input_grad_rel_err", "grad"),
+        ("loss_rel_err", "loss"), ("weight_grad_rel_err", "weight grad")) if key in ch]
+    return f"{LAYER_NAMES[layer]} {ch['status']}" + (f" ({', '.join(errs)})" if errs else "")
 
 
 def _verdict(row: Dict) -> str:
@@ -56,11 +76,6 @@ def _verdict(row: Dict) -> str:
         return "n/a"
     ok = s >= TARGET["speedup"] and m <= TARGET["mem_ratio"]
     return "met" if ok else "not met"
-
-
-def _table(header: List[str], rows: List[List[str]]) -> List[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return out + ["| " + " | ".join(r) + " |" for r in rows]
 
 
 def _section(name: str, rep: Dict) -> List[str]:
@@ -74,8 +89,10 @@ def _section(name: str, rep: Dict) -> List[str]:
         f"- graph: **{g['name']}**, N={g['num_nodes']:,}, E={g['num_edges']:,} (undirected, no "
         f"self-loops), {g['num_edges_with_self_loops']:,} edges attended with self-loops, "
         f"F={g['num_features']} — {g['source']}",
-        f"- H={c['heads']}, C={c['channels']}, {c['dtype']}, backend `{c['backend']}` "
-        f"(resolved: `{c['backend_resolved']}`), {c['repeats']} interleaved rounds (median)",
+        f"- {_scope(c)}, H={c['heads']}, C={c['channels']}, {c['dtype']}, backend "
+        f"{_backend(rep)}, gatlib's graph input: "
+        f"{c.get('graph_input', 'edge_index, derived state cached on it (older report)')}, "
+        f"{c['repeats']} interleaved rounds (median)",
         f"- {env['device_name']}, {env['num_threads']} threads; torch {v['torch']}, "
         f"torch_geometric {v['torch_geometric']}, gatlib {v['gatlib']}, "
         f"torch_scatter {v.get('torch_scatter')}, triton {v.get('triton')}; "
@@ -83,27 +100,32 @@ def _section(name: str, rep: Dict) -> List[str]:
         f"{rep['timestamp']}",
         "",
     ]
-    checks = ", ".join(
-        f"{LAYER_NAMES[k]} {ch['status']}" + (
-            f" (out {ch['forward_rel_err']:.1e}, grad {ch['input_grad_rel_err']:.1e})"
-            if "forward_rel_err" in ch else "")
-        for k, ch in rep["checks"].items())
+    checks = ", ".join(_check(k, ch) for k, ch in rep["checks"].items())
     lines += [f"Agreement with PyG (norm-wise relative error): {checks}", ""]
-    header = ["layer", "pass", "PyG ms", "gatlib ms", "speedup", "per-round", "PyG MiB",
-              "gatlib MiB", "mem ratio"]
+    header = ["layer", "pass", "PyG ms", "gatlib ms", "gatlib 1st ms", "speedup", "per-round",
+              "PyG MiB", "gatlib MiB", "mem ratio"]
     target = _is_target(rep)
     if target:
         header.append(f"target (≥{TARGET['speedup']:g}x, ≤{TARGET['mem_ratio']:g}x)")
     rows = []
     for r in rep["summary"]:
         a, b = by[(r["layer"], "pyg", r["pass"])], by[(r["layer"], "gatlib", r["pass"])]
+        first = b.get("first_call_s")
         row = [LAYER_NAMES[r["layer"]], r["pass"], _ms(a["time"]), _ms(b["time"]),
+               "-" if first is None else f"{first * 1e3:,.1f}",
                _x(r["speedup"]), _spread(r), _mib(a.get("memory")), _mib(b.get("memory")),
                _x(r["mem_ratio"])]
         if target:
             row.append(_verdict(r) if r["pass"] == "forward+backward" else "")
         rows.append(row)
-    return lines + _table(header, rows) + [""]
+    align = "<<" + ">" * 8 + ("<" if target else "")
+    return lines + [format_table(header, rows, align=align, markdown=True), ""]
+
+
+def _scope(c: Dict) -> str:
+    if c.get("scope", "layer") == "layer":
+        return "one layer"
+    return f"training step of a 2-layer model ({c['classes']} classes, Adam)"
 
 
 def render(paths: List[Path]) -> str:
@@ -120,23 +142,25 @@ def render(paths: List[Path]) -> str:
         "`VmHWM` − `VmRSS` before the call in a fresh process per measurement. Times on the "
         "shared 2-core CPU machines are noisy; the ratios are measured interleaved "
         "(A B B A) in one process; *per-round* is the range of the PyG/gatlib ratios of the "
-        "individual rounds.",
+        "individual rounds. *gatlib 1st*: gatlib's first forward+backward (or training step) on "
+        "a freshly built graph input (reports since schema gatlib.compare/2).",
         "",
-        "## Summary: forward+backward",
+        "## Summary: training passes (forward+backward, train_step)",
         "",
     ]
     rows = []
     for _, rep in reps:
         c = rep["config"]
         for r in rep["summary"]:
-            if r["pass"] != "forward+backward":
+            if r["pass"] not in ("forward+backward", "train_step"):
                 continue
-            rows.append([c["graph"], c["device"], f"{c['backend']} ({c['backend_resolved']})",
+            rows.append([c["graph"], c["device"], _backend(rep),
                          f"{c['heads']}x{c['channels']}", c["dtype"], LAYER_NAMES[r["layer"]],
-                         _x(r["speedup"]), _x(r["mem_ratio"]),
+                         r["pass"], _x(r["speedup"]), _x(r["mem_ratio"]),
                          _verdict(r) if _is_target(rep) else ""])
-    lines += _table(["graph", "device", "backend", "HxC", "dtype", "layer", "speedup",
-                     "mem ratio", "CPU target"], rows)
+    lines.append(format_table(["graph", "device", "backend", "HxC", "dtype", "layer", "pass",
+                               "speedup", "mem ratio", "CPU target"], rows,
+                              align="<" * 7 + ">>" + "<", markdown=True))
     lines.append("")
     for name, rep in reps:
         lines += _section(name, rep)

@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from gatlib.bench.report import format_table
+
 HERE = Path(__file__).resolve().parent
 
 # (dataset, model) -> (published test metric, where it comes from)
@@ -55,13 +57,12 @@ def render(reports: List[dict]) -> str:
         "",
         "Written by `benchmarks/make_tables.py` from the `gatlib bench` JSON files in this folder",
         "(`bash benchmarks/run_accuracy.sh`). Test accuracy in %, mean ± sample std over seeds",
-        "0..N-1; model selection on the validation split only (see `gatlib/train.py`).",
+        "0..N-1; model selection on the validation split only (see `gatlib/bench/train.py`).",
         "",
-        "| dataset | model | device | runs | test acc (%) | val acc (%) | target | published | "
-        "epochs | s/epoch | peak mem (MiB) | threads | gatlib commit | file |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    measured = set()
+    headers = ["dataset", "model", "device", "runs", "test acc (%)", "val acc (%)", "target",
+               "published", "epochs", "s/epoch", "peak mem (MiB)", "threads", "gatlib commit", "file"]
+    rows, measured = [], set()
     for r in sorted(reports, key=lambda r: (r["dataset"], r["model"], r["device"])):
         key = (r["dataset"], r["model"])
         measured.add(key)
@@ -73,14 +74,15 @@ def render(reports: List[dict]) -> str:
         published = ANCHORS.get(key, ("-", ""))[0]
         spe = r.get("seconds_per_epoch_mean")
         mem = r.get("peak_memory_mib")
-        lines.append(
-            f"| {r['dataset']} | {r['model']} | {r['device']} | {runs} | "
-            f"{_pm(r['test_acc_mean'], r['test_acc_std'])} | {_pm(r['val_acc_mean'], r['val_acc_std'])} | "
-            f"{verdict} | {published} | {r.get('epochs_mean') or 0:.0f} | "
-            f"{'-' if spe is None else f'{spe:.3f}'} | {'-' if mem is None else f'{mem:.0f}'} | "
-            f"{r.get('threads', '-')} | {sha} | {r['_file']} |")
-    lines += ["", "## Published anchors", "", "| dataset | model | published test acc (%) | source | here |",
-              "|---|---|---|---|---|"]
+        threads = r.get("num_threads", r.get("threads", "-"))  # "threads" in older reports
+        rows.append([r["dataset"], r["model"], r["device"], runs,
+                     _pm(r["test_acc_mean"], r["test_acc_std"]), _pm(r["val_acc_mean"], r["val_acc_std"]),
+                     verdict, published, f"{r.get('epochs_mean') or 0:.0f}",
+                     "-" if spe is None else f"{spe:.3f}", "-" if mem is None else f"{mem:.0f}",
+                     threads, sha, r["_file"]])
+    lines += [format_table(headers, rows, align="<" * 8 + ">" * 4 + "<<", markdown=True)]
+    lines += ["", "## Published anchors", ""]
+    anchors = []
     for (dataset, model), (value, source) in ANCHORS.items():
         if (dataset, model) in measured:
             here = "measured above"
@@ -88,7 +90,9 @@ def render(reports: List[dict]) -> str:
             here = "not measured here: dataset cannot be downloaded offline"
         else:
             here = "not measured yet"
-        lines.append(f"| {dataset} | {model} | {value} | {source} | {here} |")
+        anchors.append([dataset, model, value, source, here])
+    lines += [format_table(["dataset", "model", "published test acc (%)", "source", "here"], anchors,
+                           align="<" * 5, markdown=True)]
     lines += ["", "Seconds per epoch include the validation pass; timings come from a shared 2-core",
               "machine and are indicative only. Peak memory is the process's peak RSS (VmHWM) on CPU.",
               ""]

@@ -1,13 +1,14 @@
 """GPU micro-benchmark: fused Triton attention vs the PyTorch reference.
 
 For each scorer (GAT, GATv2, dot product) and dtype, on an ogbn-arxiv-like
-synthetic graph (gatlib.synthetic's power-law preset plus self-loops), times
+synthetic graph (gatlib.bench.synthetic's power-law preset plus self-loops), times
 
-* the forward pass (``need_alpha=False``, what a layer needs to train), and
+* the forward pass (no attention weights returned, what a layer needs to train), and
 * forward + backward (all inputs require grad),
 
-of the fused path (gatlib._triton) and the reference backend ("torch"),
-after checking that the two agree. Next to each fused time it prints the
+of ``gatlib.graph_attention`` with ``backend="triton"`` (the fused kernels;
+an explicit backend never falls back) and ``backend="torch"`` (the reference),
+over one :class:`gatlib.GraphPlan`, after checking that the two agree. Next to each fused time it prints the
 *bandwidth floor*: the bytes the pass must move at least (every input and
 output read or written once, no re-reads of gathered rows) divided by the
 device-copy bandwidth measured in the same process — how far the kernel is
@@ -20,19 +21,14 @@ Usage (CUDA only; from the repository root)::
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-import gatlib
-from gatlib import DotProductScore, GATScore, GATv2Score
-from gatlib import _backend, _triton
-from gatlib.synthetic import PRESETS, power_law_edges
+from gatlib import EdgeScore, GraphPlan, graph_attention, record_kernels
+from gatlib.bench.report import command_line, environment, format_table, write_json
+from gatlib.bench.synthetic import PRESETS, power_law_edges
 
 KINDS = ("gat", "gatv2", "dot")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,14 +50,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def git_sha() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def make_graph(name: str, seed: int, device) -> tuple[torch.Tensor, int]:
     spec = PRESETS[name]
     ei = power_law_edges(spec.num_nodes, spec.num_edges, exponent=spec.exponent,
@@ -79,12 +67,12 @@ def make_inputs(kind, N, E, H, C, dtype, edge_features, device, seed):
     value = r(N, H, C)
     value_edge = None
     if kind == "gat":
-        score = GATScore(r(N, H), r(N, H), r(E, H) if edge_features else None, 0.2)
+        score = EdgeScore.gat(r(N, H), r(N, H), r(E, H) if edge_features else None)
     elif kind == "gatv2":  # as GATv2Conv: the source projection is also the value
-        score = GATv2Score(value, r(N, H, C), r(E, H, C) if edge_features else None, r(H, C), 0.2)
+        score = EdgeScore.gatv2(value, r(N, H, C), r(H, C), r(E, H, C) if edge_features else None)
     else:  # as TransformerConv: the edge projection enters the key and the value
         edge = r(E, H, C) if edge_features else None
-        score = DotProductScore(r(N, H, C), r(N, H, C), edge, 1 / math.sqrt(C))
+        score = EdgeScore.dot(r(N, H, C), r(N, H, C), edge)
         value_edge = edge
     return score, value, value_edge
 
@@ -93,9 +81,27 @@ def _f32(t):
     return None if t is None else t.detach().float().requires_grad_()
 
 
+def float32_copies(kind, score, value, value_edge):
+    """float32 copies of the inputs that keep the layers' aliasing."""
+    src, dst, edge, att = (_f32(t) for t in score.tensors())
+    v32, ve32 = _f32(value), _f32(value_edge)
+    if kind == "gatv2":
+        src = v32  # GATv2's source projection is also its value
+    if kind == "dot" and value_edge is not None:
+        ve32 = edge  # the transformer's edge term enters key and value
+    return score.with_tensors(src, dst, edge, att), v32, ve32
+
+
 def leaves(score, value, value_edge):
-    ts = [value, value_edge] + [t for t in vars(score).values() if isinstance(t, torch.Tensor)]
+    ts = [value, value_edge, *score.tensors()]
     return list(dict.fromkeys(t for t in ts if t is not None))
+
+
+def attend(backend, score, value, value_edge, plan, need_alpha=False):
+    """``(out [N, H*C], alpha [E, H] or None)`` of one attention call on ``backend``."""
+    res = graph_attention(score, value, plan, plan.num_dst, value_edge=value_edge, backend=backend,
+                          return_attention=need_alpha)
+    return res if need_alpha else (res, None)
 
 
 def min_bytes(kind, N, E, H, C, elt, edge_features, backward) -> int:
@@ -134,66 +140,59 @@ def device_bandwidth(device) -> float:
     return 2 * a.numel() * 4 / (ms * 1e-3)
 
 
-def check(kind, dtype, score, value, value_edge, ei, N, fused_fwd, ref_fwd, ref_impl) -> dict:
+def check(kind, dtype, score, value, value_edge, plan, fused_fwd, ref_fwd) -> dict:
     """Fused and reference results (out, alpha, every gradient) against the
     reference run on float32 copies of the inputs. Relative error in the
     Frobenius norm: the fused path passes at most 2x the reference's own error
-    in the same dtype, or 1e-4 (float32) / one ulp of the dtype if larger."""
+    in the same dtype, or 1e-4 (float32) / one ulp of the dtype if larger.
+    Also records the kernels that ran the fused call (``triton``,
+    ``triton.backward``)."""
     ins = leaves(score, value, value_edge)
-    grad = torch.randn(value.shape, device=value.device, dtype=dtype)
+    N, H, C = value.shape
+    grad = torch.randn(N, H * C, device=value.device, dtype=dtype)  # of out, heads concatenated
 
     def results(fn, ins):
         out, alpha = fn(True)
         return [out, alpha, *torch.autograd.grad(out, ins, grad.to(out.dtype))]
 
-    s32 = type(score)(**{k: _f32(t) if isinstance(t, torch.Tensor) else t
-                         for k, t in vars(score).items()})
-    v32, ve32 = _f32(value), _f32(value_edge)
-    if kind == "gatv2":
-        s32.x_src = v32  # keep the aliasing of the layer
-    if kind == "dot" and value_edge is not None:
-        ve32 = s32.edge
-    exact = results(lambda need_alpha: ref_impl.attention(
-        s32, v32, ei, N, value_edge=ve32, dropout=0.0, training=False, need_alpha=need_alpha),
-        leaves(s32, v32, ve32))
+    s32, v32, ve32 = float32_copies(kind, score, value, value_edge)
+    exact = results(lambda need_alpha: attend("torch", s32, v32, ve32, plan, need_alpha),
+                    leaves(s32, v32, ve32))
 
     def rel(res):
         return max(float((a.detach().float() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
                    for a, b in zip(res, exact, strict=True))
 
-    err_fused, err_torch = rel(results(fused_fwd, ins)), rel(results(ref_fwd, ins))
+    with record_kernels() as log:
+        err_fused = rel(results(fused_fwd, ins))
+    err_torch = rel(results(ref_fwd, ins))
     tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
     return dict(rel_error_fused=err_fused, rel_error_torch=err_torch,
-                correct=err_fused <= max(2 * err_torch, tol))
+                correct=err_fused <= max(2 * err_torch, tol), kernels=list(dict.fromkeys(log)))
 
 
-def run_case(kind, dtype, ei, N, args, device, bandwidth):
+def run_case(kind, dtype, plan, args, device, bandwidth):
     import triton.testing
 
-    E, H, C = ei.size(1), args.heads, args.channels
+    N, E, H, C = plan.num_dst, plan.num_edges, args.heads, args.channels
     score, value, value_edge = make_inputs(kind, N, E, H, C, dtype, args.edge_features, device,
                                            args.seed)
     ins = leaves(score, value, value_edge)
-    ref_impl = _backend.resolve_backend("torch", torch.device(device))
-    kw = dict(value_edge=value_edge, dropout=0.0, training=False)
 
-    def fused_fwd(need_alpha=False):  # the autograd function itself, no fallback
-        res = _triton.attention(score, value, ei, N, need_alpha=need_alpha, **kw)
-        if res is None:
-            raise RuntimeError(f"the fused path declined {kind} {dtype}")
-        return res
+    def fused_fwd(need_alpha=False):  # backend="triton" raises instead of falling back
+        return attend("triton", score, value, value_edge, plan, need_alpha)
 
     def ref_fwd(need_alpha=False):
-        return ref_impl.attention(score, value, ei, N, need_alpha=need_alpha, **kw)
+        return attend("torch", score, value, value_edge, plan, need_alpha)
 
     row = dict(kind=kind, dtype=str(dtype).replace("torch.", ""), nodes=N, edges=E, heads=H,
                channels=C, edge_features=args.edge_features)
     try:
-        row.update(check(kind, dtype, score, value, value_edge, ei, N, fused_fwd, ref_fwd, ref_impl))
+        row.update(check(kind, dtype, score, value, value_edge, plan, fused_fwd, ref_fwd))
     except torch.cuda.OutOfMemoryError:
         row["correct"] = "oom"
         torch.cuda.empty_cache()
-    grad = torch.randn(N, H, C, device=device, dtype=dtype)
+    grad = torch.randn(N, H * C, device=device, dtype=dtype)
     elt = torch.tensor([], dtype=dtype).element_size()
     for name, fn in (("fused", fused_fwd), ("torch", ref_fwd)):
         for phase in ("fwd", "fwd+bwd"):
@@ -225,44 +224,33 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("triton_bench.py needs a CUDA device (the Triton interpreter is for tests only)")
-    import triton
-
     device = "cuda"
     torch.manual_seed(args.seed)
     ei, N = make_graph(args.graph, args.seed, device)
+    plan = GraphPlan(ei, num_nodes=N)  # checked and sorted once; the kernels' schedule lives on it
     deg = torch.bincount(ei[1], minlength=N)
     bandwidth = device_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}: graph {args.graph} N={N} E={ei.size(1)} "
           f"max in-degree {int(deg.max())}, H={args.heads} C={args.channels}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    rows = []
-    for kind in args.kinds:
-        for dname in args.dtypes:
-            row = run_case(kind, DTYPES[dname], ei, N, args, device, bandwidth)
-            rows.append(row)
+    rows = [run_case(kind, DTYPES[dname], plan, args, device, bandwidth)
+            for kind in args.kinds for dname in args.dtypes]
 
     def fmt(v, spec=".3f"):
         return format(v, spec) if isinstance(v, float) else str(v)
 
-    head = (f"{'kind':6} {'dtype':9} {'ok':5} | {'fwd fused':>9} {'torch':>8} {'floor':>7} "
-            f"| {'f+b fused':>9} {'torch':>8} {'floor':>7}  (ms)")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r['kind']:6} {r['dtype']:9} {str(r['correct']):5} | "
-              f"{fmt(r['fused_fwd_ms']):>9} {fmt(r['torch_fwd_ms']):>8} {fmt(r['floor_fwd_ms']):>7} | "
-              f"{fmt(r['fused_fwd+bwd_ms']):>9} {fmt(r['torch_fwd+bwd_ms']):>8} "
-              f"{fmt(r['floor_fwd+bwd_ms']):>7}")
+    print(format_table(
+        ["kind", "dtype", "ok", "fwd fused ms", "torch", "floor", "f+b fused ms", "torch", "floor"],
+        [[r["kind"], r["dtype"], r["correct"], fmt(r["fused_fwd_ms"]), fmt(r["torch_fwd_ms"]),
+          fmt(r["floor_fwd_ms"]), fmt(r["fused_fwd+bwd_ms"]), fmt(r["torch_fwd+bwd_ms"]),
+          fmt(r["floor_fwd+bwd_ms"])] for r in rows],
+        align="<<<" + ">" * 6))
     result = dict(
-        device=torch.cuda.get_device_name(), copy_bandwidth_bytes_per_s=bandwidth,
-        versions=dict(python=platform.python_version(), torch=torch.__version__,
-                      triton=triton.__version__, gatlib=gatlib.__version__,
-                      cuda=torch.version.cuda),
-        git_sha=git_sha(), graph=args.graph, args={k: str(v) for k, v in vars(args).items()},
+        command=command_line(), **environment(device), copy_bandwidth_bytes_per_s=bandwidth,
+        graph=args.graph, args={k: str(v) for k, v in vars(args).items()},
         max_in_degree=int(deg.max()), results=rows,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -1,7 +1,15 @@
-"""gatlib: sparse graph attention — GAT, GATv2 and a graph Transformer on one core."""
-from ._backend import BACKENDS, available_backends
-from ._core import (DotProductScore, GATScore, GATv2Score, graph_attention, segment_aggregate,
-                    segment_softmax)
+"""gatlib: sparse graph attention — GAT, GATv2 and a graph Transformer on one core.
+
+The library is :mod:`gatlib.layers` (drop-in for PyG's layers),
+:mod:`gatlib.models`, the attention core (:func:`graph_attention`,
+:class:`EdgeScore`, the reference stages) and its kernels, and
+:class:`GraphPlan`. The benchmark harness (datasets, training recipes, the
+comparison with PyG, the ``gatlib`` command) is :mod:`gatlib.bench`; nothing in
+the library imports it.
+"""
+from ._core import EdgeScore, reference_attention, segment_aggregate, segment_softmax
+from ._dispatch import BACKENDS, available_backends, graph_attention, record_kernels
+from ._plan import GraphPlan
 from .layers import GATConv, GATv2Conv, TransformerConv
 
 __version__ = "0.1.0"
@@ -10,12 +18,13 @@ __all__ = [
     "GATConv",
     "GATv2Conv",
     "TransformerConv",
+    "GraphPlan",
     "graph_attention",
+    "EdgeScore",
+    "reference_attention",
     "segment_softmax",
     "segment_aggregate",
-    "GATScore",
-    "GATv2Score",
-    "DotProductScore",
     "available_backends",
+    "record_kernels",
     "BACKENDS",
 ]

@@ -1,7 +1,7 @@
 r"""The attention core: every layer of gatlib is these three stages.
 
 1. **score** each edge ``j -> i`` (``e_ij``, shape ``[E, H]``) — the only stage
-   in which GAT, GATv2 and the graph Transformer differ (see the scorers below);
+   in which GAT, GATv2 and the graph Transformer differ (:class:`EdgeScore`);
 2. **softmax** over each destination's in-edges:
    ``alpha_ij = exp(e_ij - m_i) / sum_k exp(e_ik - m_i)`` with ``m_i`` the
    segment max (numerically stable for any logits);
@@ -9,12 +9,13 @@ r"""The attention core: every layer of gatlib is these three stages.
    (``u_ij`` an optional per-edge value term), shape ``[N, H, C]``, then
    concatenate or average the heads.
 
-The pure-PyTorch functions in this module (:func:`segment_softmax`,
-:func:`segment_aggregate` and the scorers' :meth:`edge_scores`) are the
-*specification*: they need nothing beyond torch, and every other backend is
-tested against them. Backends live in :mod:`gatlib._backend`; a backend either
-swaps stages 2 and 3 for its own primitives or, when fused, takes the scorer
-object whole and never materialises per-edge ``[E, H, C]`` tensors.
+The pure-PyTorch functions in this module (:meth:`EdgeScore.edge_scores`,
+:func:`segment_softmax`, :func:`segment_aggregate`, put together by
+:func:`reference_attention`) are the *specification*: they need nothing beyond
+torch, and every other kernel is tested against them. Kernels and the switch
+between them live in :mod:`gatlib._dispatch`; a kernel either swaps stages 2
+and 3 for its own primitives or, when fused, reads the :class:`EdgeScore`
+whole and never materialises per-edge ``[E, H, C]`` tensors.
 
 Names: ``N`` nodes, ``E`` edges, ``H`` heads, ``C`` channels per head,
 ``src``/``index`` the source/destination node of each edge.
@@ -22,8 +23,8 @@ Names: ``N`` nodes, ``E`` edges, ``H`` heads, ``C`` channels per head,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from dataclasses import dataclass, replace
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,77 +41,105 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 # ---------------------------------------------------------------------------
-# Stage 1: scorers. Each holds per-node (and optional per-edge) tensors and
-# knows how to score edges in plain PyTorch; fused backends read the same
-# fields and score inside their kernels.
+# Stage 1: the score of an edge. One type for the three layers: which formula
+# applies is ``kind``; every backend reads the same fields.
 # ---------------------------------------------------------------------------
-@dataclass
-class GATScore:
-    r"""GAT (Veličković et al. 2018): :math:`e_{ij} = \mathrm{LeakyReLU}(
-    \mathbf{a}^\top[\mathbf{W}h_i \,\|\, \mathbf{W}h_j \,\|\, \mathbf{W}_e e_{ij}])`.
+SCORE_KINDS = ("gat", "gatv2", "dot")
 
-    The concatenation splits into per-node dot products (as DGL's ``GATConv``
-    notes): ``a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j``, so the layer
-    computes ``[N, H]`` terms once per node instead of ``[E, H, C]`` per edge.
+
+@dataclass(frozen=True, eq=False)
+class EdgeScore:
+    r"""How each edge ``j -> i`` is scored: the only stage in which GAT, GATv2 and
+    the graph Transformer differ. Build one with :meth:`gat`, :meth:`gatv2` or
+    :meth:`dot`; backends read ``kind`` and the tensors, never the class.
+
+    ================  =======================  =======================  ================
+    ``kind``          ``src`` (per source)     ``dst`` (per destination) ``edge`` (per edge)
+    ================  =======================  =======================  ================
+    ``"gat"``         ``a_src·Wh_j`` [N_s, H]  ``a_dst·Wh_i`` [N_t, H]   ``[E, H]``
+    ``"gatv2"``       ``x_j`` [N_s, H, C]      ``x_i`` [N_t, H, C]       ``[E, H, C]``
+    ``"dot"``         key ``k_j`` [N_s, H, C]  query ``q_i`` [N_t, H, C] ``[E, H, C]``
+    ================  =======================  =======================  ================
+
+    ``att`` ``[H, C]`` is GATv2's attention vector; ``scale`` multiplies dot
+    products; ``negative_slope`` is the LeakyReLU slope of GAT and GATv2.
+    ``dst`` may be ``None`` for GAT only; ``edge`` is always optional.
     """
 
-    src: Tensor  # [N_src, H]   a_src · W h_j
-    dst: Optional[Tensor]  # [N_dst, H]   a_dst · W h_i
-    edge: Optional[Tensor]  # [E, H]       a_edge · W_e e_ij
+    kind: str
+    src: Tensor
+    dst: Optional[Tensor]
+    edge: Optional[Tensor] = None
+    att: Optional[Tensor] = None
+    scale: float = 1.0
     negative_slope: float = 0.2
 
+    def __post_init__(self):
+        if self.kind not in SCORE_KINDS:
+            raise ValueError(f"kind must be one of {SCORE_KINDS}; got {self.kind!r}")
+        if self.kind != "gat" and self.dst is None:
+            raise ValueError(f"a {self.kind!r} score needs per-destination terms (dst)")
+        if (self.kind == "gatv2") != (self.att is not None):
+            raise ValueError("att is GATv2's attention vector: required for 'gatv2', unused otherwise")
+
+    @classmethod
+    def gat(cls, src: Tensor, dst: Optional[Tensor], edge: Optional[Tensor] = None,
+            negative_slope: float = 0.2) -> "EdgeScore":
+        r"""GAT (Veličković et al. 2018): :math:`e_{ij} = \mathrm{LeakyReLU}(
+        \mathbf{a}^\top[\mathbf{W}h_i \,\|\, \mathbf{W}h_j \,\|\, \mathbf{W}_e e_{ij}])`.
+
+        The concatenation splits into per-node dot products (as DGL's ``GATConv``
+        notes): ``a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j``, so the layer
+        computes ``[N, H]`` terms once per node instead of ``[E, H, C]`` per edge.
+        """
+        return cls("gat", src, dst, edge, None, 1.0, negative_slope)
+
+    @classmethod
+    def gatv2(cls, x_src: Tensor, x_dst: Tensor, att: Tensor, edge: Optional[Tensor] = None,
+              negative_slope: float = 0.2) -> "EdgeScore":
+        r"""GATv2 (Brody et al. 2022): :math:`e_{ij} = \mathbf{a}^\top
+        \mathrm{LeakyReLU}(\mathbf{W}_s h_j + \mathbf{W}_t h_i + \mathbf{W}_e e_{ij})`.
+
+        The non-linearity sits between ``W`` and ``a``, so the score does not
+        split into per-node terms: the reference builds ``[E, H, C]``.
+        """
+        return cls("gatv2", x_src, x_dst, edge, att, 1.0, negative_slope)
+
+    @classmethod
+    def dot(cls, query: Tensor, key: Tensor, edge: Optional[Tensor] = None,
+            scale: Optional[float] = None) -> "EdgeScore":
+        r"""Scaled dot product (Vaswani et al. 2017; Shi et al. 2021 on graphs):
+        :math:`e_{ij} = q_i^\top (k_j + \mathbf{W}_e e_{ij}) \cdot \mathrm{scale}`,
+        ``scale = 1/sqrt(C)`` by default."""
+        scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else float(scale)
+        return cls("dot", key, query, edge, None, scale, 0.0)
+
+    def tensors(self) -> Tuple[Optional[Tensor], ...]:
+        """``(src, dst, edge, att)``, the order backends pass them in."""
+        return (self.src, self.dst, self.edge, self.att)
+
+    def with_tensors(self, src, dst, edge, att) -> "EdgeScore":
+        """The same score over other tensors (e.g. upcast or detached ones)."""
+        return replace(self, src=src, dst=dst, edge=edge, att=att)
+
     def edge_scores(self, src: Tensor, index: Tensor) -> Tensor:
-        e = self.src.index_select(0, src)  # [E, H]
-        if self.dst is not None:
-            e = e + self.dst.index_select(0, index)
-        if self.edge is not None:
-            e = e + self.edge
-        return F.leaky_relu(e, self.negative_slope)
-
-
-@dataclass
-class GATv2Score:
-    r"""GATv2 (Brody et al. 2022): :math:`e_{ij} = \mathbf{a}^\top
-    \mathrm{LeakyReLU}(\mathbf{W}_s h_j + \mathbf{W}_t h_i + \mathbf{W}_e e_{ij})`.
-
-    The non-linearity sits between ``W`` and ``a``, so the score does not
-    split into per-node terms: the reference builds ``[E, H, C]``.
-    """
-
-    x_src: Tensor  # [N_src, H, C]
-    x_dst: Tensor  # [N_dst, H, C]
-    edge: Optional[Tensor]  # [E, H, C]
-    att: Tensor  # [H, C]
-    negative_slope: float = 0.2
-
-    def edge_scores(self, src: Tensor, index: Tensor) -> Tensor:
-        z = self.x_src.index_select(0, src) + self.x_dst.index_select(0, index)  # [E, H, C]
-        if self.edge is not None:
-            z = z + self.edge
-        z = F.leaky_relu(z, self.negative_slope)
-        return (z * self.att).sum(dim=-1)  # [E, H]
-
-
-@dataclass
-class DotProductScore:
-    r"""Scaled dot product (Vaswani et al. 2017; Shi et al. 2021 on graphs):
-    :math:`e_{ij} = q_i^\top (k_j + \mathbf{W}_e e_{ij}) \cdot \mathrm{scale}`,
-    usually ``scale = 1/sqrt(C)``.
-    """
-
-    query: Tensor  # [N_dst, H, C]
-    key: Tensor  # [N_src, H, C]
-    edge: Optional[Tensor]  # [E, H, C]
-    scale: float
-
-    def edge_scores(self, src: Tensor, index: Tensor) -> Tensor:
-        k = self.key.index_select(0, src)  # [E, H, C]
+        """Stage 1, reference: ``e_ij`` for every edge, ``[E, H]``."""
+        if self.kind == "gat":
+            e = self.src.index_select(0, src)  # [E, H]
+            if self.dst is not None:
+                e = e + self.dst.index_select(0, index)
+            if self.edge is not None:
+                e = e + self.edge
+            return F.leaky_relu(e, self.negative_slope)
+        if self.kind == "gatv2":
+            z = self.src.index_select(0, src) + self.dst.index_select(0, index)  # [E, H, C]
+            if self.edge is not None:
+                z = z + self.edge
+            return (F.leaky_relu(z, self.negative_slope) * self.att).sum(dim=-1)  # [E, H]
+        k = self.src.index_select(0, src)  # [E, H, C]
         if self.edge is not None:
             k = k + self.edge
-        return (self.query.index_select(0, index) * k).sum(dim=-1) * self.scale  # [E, H]
-
-
-Scorer = Union[GATScore, GATv2Score, DotProductScore]
+        return (self.dst.index_select(0, index) * k).sum(dim=-1) * self.scale  # [E, H]
 
 
 # ---------------------------------------------------------------------------
@@ -165,7 +194,7 @@ def segment_aggregate(
         float16/bfloat16). Destinations without in-edges get zeros.
     """
     acc = _acc_dtype(value.dtype)
-    msg = value.index_select(0, src).to(acc)  # [E, H, C]
+    msg = value.to(acc).index_select(0, src)  # [E, H, C]; upcast first: backward sums in acc too
     if value_edge is not None:
         msg = msg + value_edge.to(acc)
     msg = msg * alpha.to(acc).unsqueeze(-1)
@@ -175,58 +204,102 @@ def segment_aggregate(
 
 def combine_heads(out: Tensor, concat: bool) -> Tensor:
     """``[N, H, C]`` -> ``[N, H * C]`` (concatenate) or ``[N, C]`` (average)."""
-    return out.reshape(out.size(0), -1) if concat else out.mean(dim=1)
+    N, H, C = out.shape  # explicit sizes: a graph with no nodes has no -1 to infer
+    return out.reshape(N, H * C) if concat else out.mean(dim=1)
 
 
-def graph_attention(
-    score: Scorer,
+def reference_attention(
+    score: EdgeScore,
     value: Tensor,
-    edge_index: Tensor,
+    src: Tensor,
+    index: Tensor,
     num_dst: int,
-    *,
     value_edge: Optional[Tensor] = None,
-    dropout: float = 0.0,
-    training: bool = False,
-    concat: bool = True,
-    backend: str = "auto",
-    return_attention: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    r"""Sparse multi-head attention over the edges of a graph.
+    *,
+    p: float = 0.0,
+    drop: Optional[Tensor] = None,
+    softmax=segment_softmax,
+    aggregate=segment_aggregate,
+) -> Tuple[Tensor, Tensor]:
+    """The three stages in plain PyTorch: ``(out [N_dst, H, C], alpha [E, H])``.
 
-    .. math::
-        \alpha_{ij} = \operatorname{softmax}_{j \in \mathcal{N}(i)}(e_{ij}),
-        \qquad
-        h_i' = \big\Vert_{h=1}^{H} \text{ or } \tfrac{1}{H}\sum_{h=1}^{H}
-        \; \sum_{j \in \mathcal{N}(i)} \alpha^{h}_{ij}\,(v^{h}_j + u^{h}_{ij})
+    Attention dropout: with ``p > 0`` each weight is dropped with probability
+    ``p`` (``F.dropout``); ``drop`` ``[E, H]`` instead applies a given mask,
+    already scaled (``keep / (1 - p)``). ``alpha`` is returned undropped.
+    ``softmax``/``aggregate`` swap stages 2 and 3 for another implementation
+    of the same functions.
 
-    Args:
-        score: a scorer (:class:`GATScore`, :class:`GATv2Score`,
-            :class:`DotProductScore`) holding the per-node terms of ``e_ij``.
-        value: ``[N_src, H, C]`` values of the source nodes.
-        edge_index: ``[2, E]`` int64 ``(src, dst)`` pairs, already validated.
-        num_dst: number of destination nodes ``N_dst``.
-        value_edge: optional ``[E, H, C]`` term added to each edge's value.
-        dropout: probability of dropping an attention weight (training only).
-        training: whether dropout is active.
-        concat: concatenate heads (``[N, H*C]``) or average them (``[N, C]``).
-        backend: ``"auto"``, ``"torch"`` or ``"scatter"`` (see
-            :func:`gatlib.available_backends`).
-        return_attention: also return the ``[E, H]`` weights (before dropout).
-
-    Returns:
-        ``out`` or ``(out, alpha)``.
+    float16/bfloat16 inputs are upcast to float32 *before* anything is
+    gathered, so that every sum — forward, and the gradients' sums over a
+    node's edges in backward — runs in float32; ``out`` is cast back to
+    ``value``'s dtype and ``alpha`` to the score's.
     """
-    from ._backend import resolve_backend  # the one switch
+    score_dtype = _promoted(t.dtype for t in score.tensors() if t is not None)
+    acc = _acc_dtype(torch.promote_types(score_dtype, value.dtype))
+    score = score.with_tensors(*(None if t is None else t.to(acc) for t in score.tensors()))
+    v = value.to(acc)
+    ve = None if value_edge is None else value_edge.to(acc)
+    e = score.edge_scores(src, index)  # [E, H]                    stage 1
+    alpha = softmax(e, index, num_dst)  # [E, H]                   stage 2
+    if drop is not None:
+        a = alpha * drop
+    else:
+        a = F.dropout(alpha, p=p, training=True) if p > 0 else alpha
+    out = aggregate(a, v, src, index, num_dst, ve)  # [N_dst, H, C]  stage 3
+    return out.to(value.dtype), alpha.to(score_dtype)
 
-    impl = resolve_backend(backend, value.device)
-    out, alpha = impl.attention(
-        score, value, edge_index, num_dst, value_edge=value_edge, dropout=dropout,
-        training=training, need_alpha=return_attention,
-    )
-    out = combine_heads(out, concat)
-    return (out, alpha) if return_attention else out
+
+def _promoted(dtypes) -> torch.dtype:
+    out = None
+    for d in dtypes:
+        out = d if out is None else torch.promote_types(out, d)
+    return out
 
 
-def scaled_dot_product_scale(channels: int) -> float:
-    """``1 / sqrt(C)``, the Transformer's score scale."""
-    return 1.0 / math.sqrt(channels)
+def reference_grads(
+    kind: str,
+    scale: float,
+    negative_slope: float,
+    inputs: Sequence[Optional[Tensor]],
+    src: Tensor,
+    index: Tensor,
+    num_dst: int,
+    drop: Optional[Tensor],
+    grads: Tuple[Optional[Tensor], Optional[Tensor]],
+    need: Sequence[bool],
+    edge_order: Optional[Tensor] = None,
+) -> List[Optional[Tensor]]:
+    """Gradients of :func:`reference_attention` with respect to its tensors, as
+    *differentiable* tensors: what a fused kernel's backward returns when a
+    differentiable backward is asked for (``create_graph=True``: double
+    backward, ``torch.func``).
+
+    ``inputs`` are the score's ``(src, dst, edge, att)`` and ``(value,
+    value_edge)``; ``grads`` the gradients of ``(out, alpha)``; the result
+    holds one gradient per input (``None`` where ``need`` is false). The edge
+    list is ``(src, index)``; per-edge inputs are read at ``edge_order`` (a
+    permutation into that list) when given. Each input is used through a
+    fresh alias, so a gradient is the partial derivative with respect to that
+    input alone even when one input was computed from another (a GAT layer's
+    ``a_src`` from its values), while staying connected to the inputs' own
+    history for the next derivative.
+    """
+    with torch.enable_grad():
+        alias = [None if t is None else t.view_as(t) for t in inputs]
+        s_src, s_dst, s_edge, s_att, value, value_edge = alias
+        if edge_order is not None:
+            s_edge = None if s_edge is None else s_edge.index_select(0, edge_order)
+            value_edge = None if value_edge is None else value_edge.index_select(0, edge_order)
+        score = EdgeScore(kind, s_src, s_dst, s_edge, s_att, scale, negative_slope)
+        if value_edge is not None:
+            value_edge = value_edge.to(value.dtype)
+        out, alpha = reference_attention(score, value, src, index, num_dst, value_edge, drop=drop)
+    wanted = [i for i, t in enumerate(alias) if need[i] and t is not None and t.requires_grad]
+    pairs = [(o, g) for o, g in zip((out, alpha), grads, strict=True) if g is not None]
+    res: List[Optional[Tensor]] = [None] * len(inputs)
+    if wanted and pairs:
+        got = torch.autograd.grad([o for o, _ in pairs], [alias[i] for i in wanted],
+                                  [g for _, g in pairs], create_graph=True, allow_unused=True)
+        for i, g in zip(wanted, got, strict=True):
+            res[i] = g
+    return res

@@ -29,7 +29,7 @@ each bucket is launched with its own edge-tile width (4, 16 or 64, narrower
 for wide channels) and packs as many lanes per program as fit the register
 budget, so a block of similar-degree rows wastes few lanes and a program's
 loop runs as long as its longest item. The schedule is computed once per
-graph and cached on ``edge_index`` (:func:`gatlib._graph.memo`).
+graph and kept on its :class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`).
 
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
 channels are padded to a power of two and masked. Attention dropout draws
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -49,7 +48,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import _core, _graph
+from ._core import EdgeScore, reference_grads
+from ._plan import GraphPlan, Layout, index_dtype
 
 # Longest run of edges one work item handles; longer rows are split.
 _SPLIT = 256
@@ -65,7 +65,8 @@ _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 _MAX_C = 1024
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
-_KINDS = {_core.GATScore: 0, _core.GATv2Score: 1, _core.DotProductScore: 2}
+_KINDS = {"gat": 0, "gatv2": 1, "dot": 2}  # EdgeScore.kind -> the kernels' KIND
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -115,7 +116,7 @@ def _build_schedule(ptr: Tensor, split: int) -> _Schedule:
         if count > first:
             buckets.append((first, count - first, block_e))
         first = max(first, count)
-    idt = _graph._index_dtype(int(p[-1]), n, row.numel())
+    idt = index_dtype(int(p[-1]), n, row.numel())
     return _Schedule(row.to(idt), start.to(idt), length.to(idt), slot.to(idt), tuple(buckets),
                      split_rows, piece_group, int(is_split.sum()))
 
@@ -124,21 +125,22 @@ def _build_schedule(ptr: Tensor, split: int) -> _Schedule:
 class _Plan:
     """Everything the kernels need about one graph, cached on its ``edge_index``."""
 
-    layout: _graph.Layout
+    layout: Layout
     csr_eid: Tensor  # [E] original edge id of each CSR position
     csc_eid: Tensor  # [E] original edge id of each CSC position
     dst_items: _Schedule  # over destinations (CSR)
     src_items: _Schedule  # over sources (CSC)
 
 
-def _plan(edge_index: Tensor, num_src: int, num_dst: int) -> _Plan:
+def _plan(plan: GraphPlan) -> _Plan:
+    """The kernels' view of ``plan`` (built once, kept on the plan)."""
     def build():
-        lay = _graph.layout(edge_index, num_src, num_dst)
+        lay = plan.layout()
         idt = lay.src.dtype
         return _Plan(lay, lay.perm.to(idt), lay.perm[lay.csc_edge.long()].to(idt),
                      _build_schedule(lay.ptr, _SPLIT), _build_schedule(lay.csc_ptr, _SPLIT))
 
-    return _graph.memo(edge_index, ("triton-plan", num_src, num_dst, _SPLIT), build)
+    return plan.derived(("triton.plan", _SPLIT), build)
 
 
 def _tile(device: torch.device) -> Tuple[int, int]:
@@ -582,6 +584,8 @@ class _Meta:
     acc: torch.dtype  # accumulation dtype: float32, or float64 for float64 inputs
     share_v: bool  # value is the scorer's x_src (GATv2 layers)
     share_ve: bool  # value_edge is the scorer's edge term (Transformer layers)
+    coo: Tuple[Tensor, Tensor]  # the graph's (src, dst) in edge-list order
+    log: Optional[list]  # gatlib.record_kernels() list active at forward time
 
 
 def _tl_acc(dtype: torch.dtype):
@@ -644,7 +648,8 @@ class _FusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, meta: _Meta, value, value_edge, s_src, s_dst, s_edge, s_att):
+    def forward(meta: _Meta, value, value_edge, s_src, s_dst, s_edge, s_att):
+        _log(meta.log, "triton")
         plan, lay = meta.plan, meta.plan.layout
         H, CK, CV, dev = meta.H, meta.CK, meta.CV, value.device
         acc = meta.acc
@@ -675,15 +680,26 @@ class _FusedAttention(torch.autograd.Function):
                         _or(s_edge, dummy), _or(s_att, dummy), params, lse, alpha, H, CK,
                         KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
                         ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"])
-        ctx.meta = meta
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(value, value_edge, s_src, s_dst, s_edge, s_att, out, lse, alpha)
-        return out, alpha
+        return out, alpha, lse
 
     @staticmethod
-    def backward(ctx, grad_out, grad_alpha):
+    def setup_context(ctx, inputs, output):
+        meta, *ins = inputs
+        out, alpha, lse = output
+        ctx.meta = meta
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*ins, out, lse, alpha)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_alpha, _grad_lse):
         meta = ctx.meta
         value, value_edge, s_src, s_dst, s_edge, s_att, out, lse, alpha = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            _log(meta.log, "triton.backward:reference")
+            return (None, *_reference_backward(meta, ctx.saved_tensors[:6], ctx.needs_input_grad[1:],
+                                               grad_out, grad_alpha))
+        _log(meta.log, "triton.backward")
         plan, lay = meta.plan, meta.plan.layout
         H, CK, CV, dev, acc = meta.H, meta.CK, meta.CV, value.device, meta.acc
         E = lay.num_edges
@@ -752,6 +768,27 @@ class _FusedAttention(torch.autograd.Function):
         return None, d_value, d_vedge, d_src, d_dst, d_edge, d_att
 
 
+def _reference_backward(meta: _Meta, ins, need, g_out, g_alpha):
+    """Differentiable gradients of the same call: the reference's, on the edge list
+    with the kernels' dropout mask. Builds ``[E, H, C]`` tensors, as the reference does."""
+    value, value_edge, s_src, s_dst, s_edge, s_att = ins
+    drop = None
+    if meta.p > 0:
+        keep = _keep_mask(meta.plan, value.size(1), meta.p, meta.seed)
+        drop = keep.to(meta.acc) * (1.0 / (1.0 - meta.p))
+    src, dst = meta.coo
+    g = reference_grads(_KIND_NAMES[meta.kind], meta.scale, meta.slope,
+                        (s_src, s_dst, s_edge, s_att, value, value_edge), src, dst,
+                        meta.plan.layout.num_dst, drop, (g_out, g_alpha),
+                        (need[2], need[3], need[4], need[5], need[0], need[1]))
+    return [g[4], g[5], g[0], g[1], g[2], g[3]]  # in the order of forward's inputs
+
+
+def _log(log: Optional[list], entry: str) -> None:
+    if log is not None:
+        log.append(entry)
+
+
 def _or(t: Optional[Tensor], default: Tensor) -> Tensor:
     # Kernels take a pointer for every optional tensor; an absent one is never read.
     return default if t is None else t
@@ -785,68 +822,48 @@ def _check_interpreter() -> None:
             "the process")
 
 
-def _usable(t: Optional[Tensor], device: torch.device) -> bool:
-    return t is None or (t.device == device and t.dtype in _FLOATS)
+def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -> Optional[str]:
+    """Why the kernels cannot run on these tensors, or ``None`` if they can."""
+    dev = value.device
+    for t in (value, value_edge, *score.tensors()):
+        if t is None:
+            continue
+        if t.device != dev:
+            return f"all tensors must be on one device; got {t.device} and {dev}"
+        if t.dtype not in _FLOATS:
+            return f"the Triton kernels compute in {', '.join(map(str, _FLOATS))}; got {t.dtype}"
+    CK = 1 if score.kind == "gat" else score.src.size(-1)
+    if max(CK, value.size(-1)) > _MAX_C:
+        return f"the Triton kernels take at most {_MAX_C} channels per head; got {max(CK, value.size(-1))}"
+    if dev.type == "cpu":
+        _check_interpreter()
+    return None
 
 
-def attention(
-    score: _core.Scorer,
-    value: Tensor,
-    edge_index: Tensor,
-    num_dst: int,
-    *,
-    value_edge: Optional[Tensor],
-    dropout: float,
-    training: bool,
-    need_alpha: bool,
-) -> Optional[Tuple[Tensor, Optional[Tensor]]]:
-    """Fused attention (see :class:`_FusedAttention`), or ``None`` to decline.
+def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
+              p: float, need_alpha: bool, log: Optional[list]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Fused attention (see :class:`_FusedAttention`) of a call :func:`unsupported` accepts.
 
     Args:
-        score: a :class:`~gatlib.GATScore`, :class:`~gatlib.GATv2Score` or
-            :class:`~gatlib.DotProductScore`.
+        score: the edge score.
         value: ``[N_src, H, C]`` source values.
-        edge_index: validated int64 ``[2, E]``; its CSR/CSC schedule is cached on it.
-        num_dst: ``N_dst``.
+        plan: the graph; the kernels' schedule is kept on it.
         value_edge: optional ``[E, H, C]`` per-edge value term.
-        dropout: attention dropout probability, applied when ``training``.
-        training: whether dropout is active.
+        p: attention dropout probability in effect (0 outside training).
         need_alpha: also return the ``[E, H]`` weights (before dropout).
+        log: the :func:`gatlib.record_kernels` list, if one is active.
 
     Returns:
         ``(out [N_dst, H, C], alpha [E, H] or None)`` with ``out`` in
-        ``value``'s dtype and ``alpha`` in original edge order; ``None`` for
-        inputs the kernels do not handle (other scorers, devices or dtypes,
-        more than ``_MAX_C`` channels), which then run on the reference.
+        ``value``'s dtype and ``alpha`` in edge-list order.
     """
-    kind = _KINDS.get(type(score))
-    dev = value.device
-    if dev.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET", "0") != "1":
-            return None
-        _check_interpreter()
-    if kind is None or value.dim() != 3 or dev.type not in ("cpu", "cuda"):
-        return None
-    if kind == 0:
-        s_src, s_dst, s_edge, s_att = score.src, score.dst, score.edge, None
-        scale, slope = 1.0, score.negative_slope
-    elif kind == 1:
-        s_src, s_dst, s_edge, s_att = score.x_src, score.x_dst, score.edge, score.att
-        scale, slope = 1.0, score.negative_slope
-    else:
-        s_src, s_dst, s_edge, s_att = score.key, score.query, score.edge, None
-        scale, slope = score.scale, 0.0
+    kind = _KINDS[score.kind]
+    s_src, s_dst, s_edge, s_att = score.tensors()
     tensors = (value, value_edge, s_src, s_dst, s_edge, s_att)
-    if not all(_usable(t, dev) for t in tensors):
-        return None
     N_src, H, CV = value.shape
     CK = 1 if kind == 0 else s_src.size(-1)
-    if CV > _MAX_C or CK > _MAX_C or CV == 0 or H == 0:
-        return None
     share_v = kind == 1 and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
-    plan = _plan(edge_index, N_src, num_dst)
-    p = float(dropout) if (training and dropout > 0) else 0.0
     seed = _draw_seed() if p > 0 else 0
     floats = [t for t in tensors if t is not None]
     acc = torch.float64 if any(t.dtype == torch.float64 for t in floats) else torch.float32
@@ -854,26 +871,28 @@ def attention(
     alpha_dtype = score_tensors[0].dtype
     for t in score_tensors[1:]:
         alpha_dtype = torch.promote_types(alpha_dtype, t.dtype)
-    meta = _Meta(plan, kind, H, CK, CV, float(scale), float(slope), p, seed, need_alpha,
-                 alpha_dtype, acc, share_v, share_ve)
+    meta = _Meta(_plan(plan), kind, H, CK, CV, float(score.scale), float(score.negative_slope),
+                 float(p), seed, need_alpha, alpha_dtype, acc, share_v, share_ve, plan.coo(), log)
     ins = [t.contiguous() if t is not None else None for t in tensors]
     if share_v:
         ins[2] = ins[0]
     if share_ve:
         ins[4] = ins[1]
-    out, alpha = _FusedAttention.apply(meta, *ins)
+    out, alpha, _ = _FusedAttention.apply(meta, *ins)
     return out, alpha
 
 
-def dropout_keep_mask(edge_index: Tensor, num_src: int, num_dst: int, heads: int, p: float,
-                      seed: int) -> Tensor:
-    """The ``[E, H]`` bool mask of kept attention weights that the fused kernels
-    apply for ``seed`` (original edge order) — for tests and debugging."""
-    plan = _plan(edge_index, num_src, num_dst)
+def _keep_mask(plan: _Plan, heads: int, p: float, seed: int) -> Tensor:
     E = plan.layout.num_edges
-    keep = torch.zeros(E, heads, dtype=torch.int8, device=edge_index.device)
+    keep = torch.zeros(E, heads, dtype=torch.int8, device=plan.csr_eid.device)
     if E:
-        with _device(edge_index):
+        with _device(keep):
             _keep_kernel[(triton.cdiv(E * heads, 1024),)](plan.csr_eid, E, keep, seed, float(p),
                                                           heads, BLOCK_K=1024)
     return keep.bool()
+
+
+def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: int) -> Tensor:
+    """The ``[E, H]`` bool mask of kept attention weights that the fused kernels
+    apply for ``seed`` (edge-list order) — for tests and debugging."""
+    return _keep_mask(_plan(plan), heads, p, seed)

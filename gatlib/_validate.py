@@ -1,8 +1,9 @@
 """Argument checks shared by the layers: fail early, name the argument.
 
 Everything here runs before any computation, so a bad call raises without
-having changed anything. One host sync per call (the index range check) is
-the price of never crashing inside an indexing kernel.
+having changed anything. One host sync per graph (the index range check) is
+the price of never crashing inside an indexing kernel; a
+:class:`gatlib.GraphPlan` pays it once for many calls.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._graph import memo
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -90,16 +90,17 @@ def check_features(name: str, x, expected: int, weight: Optional[Tensor]) -> Ten
     return x
 
 
-def check_edge_index(edge_index, num_src: int, num_dst: Optional[int],
-                     device: torch.device) -> Tensor:
+def check_edge_index(edge_index, num_src: Optional[int], num_dst: Optional[int],
+                     device: Optional[torch.device] = None) -> Tensor:
     """A ``[2, E]`` integer tensor with ``0 <= src < num_src``, ``0 <= dst < num_dst``.
 
-    ``num_dst=None`` leaves the destination's upper bound unchecked. Returns
-    the index as int64 (int32 input is accepted and widened).
+    ``None`` leaves a bound unchecked. Returns an int64 *copy* (int32 input is
+    accepted and widened; a PyG ``EdgeIndex`` becomes a plain tensor), so the
+    caller owns what it holds and later writes to ``edge_index`` cannot reach it.
     """
     if not isinstance(edge_index, Tensor):
-        raise TypeError(f"edge_index must be a torch.Tensor of shape [2, num_edges]; "
-                        f"got {type(edge_index).__name__}")
+        raise TypeError(f"edge_index must be a torch.Tensor of shape [2, num_edges] (or a "
+                        f"gatlib.GraphPlan); got {type(edge_index).__name__}")
     if edge_index.is_sparse or edge_index.layout != torch.strided:
         raise TypeError("edge_index must be a dense [2, num_edges] index tensor; "
                         f"got layout {edge_index.layout}")
@@ -107,29 +108,48 @@ def check_edge_index(edge_index, num_src: int, num_dst: Optional[int],
         raise TypeError(f"edge_index must have dtype torch.int64 (or int32); got {edge_index.dtype}")
     if edge_index.dim() != 2 or edge_index.size(0) != 2:
         raise ValueError(f"edge_index must have shape [2, num_edges]; got {tuple(edge_index.shape)}")
-    if edge_index.device != device:
+    if device is not None and edge_index.device != device:
         raise ValueError(f"edge_index is on {edge_index.device} but x is on {device}")
-    # Cached on the tensor: training reuses one edge_index, so the host sync of
-    # the range check happens once, not at every layer of every epoch.
-    memo(edge_index, ("in_range", num_src, num_dst),
-         lambda: _check_range(edge_index, num_src, num_dst))
-    return memo(edge_index, "int64", edge_index.long)
+    if hasattr(edge_index, "as_tensor"):  # torch_geometric.EdgeIndex
+        edge_index = edge_index.as_tensor()
+    ei = edge_index.to(torch.int64, memory_format=torch.contiguous_format, copy=True)
+    _check_range(ei, num_src, num_dst)  # on the copy: what is checked is what is used
+    return ei
 
 
-def _check_range(edge_index: Tensor, num_src: int, num_dst: Optional[int]) -> bool:
+def check_edge_index_sizes(edge_index, num_src: Optional[int], num_dst: Optional[int]) -> None:
+    """A PyG ``EdgeIndex``'s declared ``sparse_size`` must match the inputs."""
+    rows, cols = edge_index.sparse_size()
+    for name, declared, actual in (("source", rows, num_src), ("destination", cols, num_dst)):
+        if declared is not None and actual is not None and declared != actual:
+            raise ValueError(f"edge_index is an EdgeIndex of sparse_size {edge_index.sparse_size()} "
+                             f"but the inputs have {actual} {name} nodes")
+
+
+def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[int]) -> None:
     if edge_index.numel() == 0:
-        return True
+        return
+    if torch.compiler.is_compiling():
+        # Inside a compiled graph a host sync would split the graph: the same
+        # checks run on the device and fail the call with a RuntimeError.
+        torch._assert_async(edge_index.min() >= 0, "edge_index contains a negative index")
+        if num_src is not None:
+            torch._assert_async(edge_index[0].max() < num_src,
+                                f"edge_index[0] (source) out of range for {num_src} source nodes")
+        if num_dst is not None:
+            torch._assert_async(edge_index[1].max() < num_dst,
+                                f"edge_index[1] (destination) out of range for {num_dst} destination nodes")
+        return
     lo, hi_src, hi_dst = torch.stack(  # one host sync for all three bounds
         [edge_index.min(), edge_index[0].max(), edge_index[1].max()]).tolist()
     if lo < 0:
         raise IndexError(f"edge_index contains a negative index ({lo}); indices must be >= 0")
-    if hi_src >= num_src:
+    if num_src is not None and hi_src >= num_src:
         raise IndexError(f"edge_index[0] (source) contains index {hi_src}, out of range "
                          f"for {num_src} source nodes")
     if num_dst is not None and hi_dst >= num_dst:
         raise IndexError(f"edge_index[1] (destination) contains index {hi_dst}, out of range "
                          f"for {num_dst} destination nodes")
-    return True
 
 
 def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tensor) -> Optional[Tensor]:

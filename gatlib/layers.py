@@ -17,11 +17,14 @@ Differences from PyG, on purpose:
   so for ``False``). ``alpha`` is the softmax *before* attention dropout in all
   three layers (PyG's GAT layers return it after dropout); in eval mode the
   two agree.
-* ``edge_index`` must be a ``[2, E]`` index tensor; ``SparseTensor``
-  adjacencies are not accepted.
+* ``edge_index`` may be a ``[2, E]`` index tensor, a PyG ``EdgeIndex`` or a
+  :class:`gatlib.GraphPlan` (checked and sorted once for many calls);
+  ``SparseTensor`` adjacencies are not accepted. The ``edge_index`` returned
+  with the attention weights is always a new tensor.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple, Union
 
 import torch
@@ -33,9 +36,9 @@ from torch_geometric.utils import add_self_loops as _add_self_loops
 from torch_geometric.utils import remove_self_loops as _remove_self_loops
 
 from . import _validate as V
-from ._backend import check_backend_name
-from ._graph import memo
-from ._core import DotProductScore, GATScore, GATv2Score, graph_attention, scaled_dot_product_scale
+from ._core import EdgeScore
+from ._dispatch import check_backend_name, graph_attention
+from ._plan import GraphPlan, as_plan, checked_edge_list
 
 PairTensor = Tuple[Tensor, Optional[Tensor]]
 
@@ -71,27 +74,24 @@ class _AttentionConv(torch.nn.Module):
         x_dst = V.check_features("x[1] (destination features)", x[1], in_dst, weight)
         return x_src, x_dst
 
-    def _graph(self, edge_index, edge_attr, num_src: int, num_dst: int, x: Tensor,
+    def _graph(self, edge_index, edge_attr, num_src: int, num_dst: Optional[int], x: Tensor,
                self_loops: bool, fill_value=None, loop_nodes: Optional[int] = None):
-        """Checked int64 ``edge_index`` (with self-loops if asked) and ``edge_attr``.
+        """The :class:`GraphPlan` to attend over (with self-loops if asked) and the
+        checked ``edge_attr`` (with the self-loops' fill values).
 
-        The self-loop'ed index is cached on the input ``edge_index`` (see
-        :mod:`gatlib._graph`), so repeated calls reuse one tensor and whatever
-        backends derive from it.
+        ``edge_index`` may be a plan already (then its self-loop'ed twin is kept on
+        it for the next call) or a tensor (then the plan lives for this call).
         """
-        edge_index = V.check_edge_index(edge_index, num_src, num_dst, x.device)
-        edge_attr = V.check_edge_attr(edge_attr, edge_index.size(1), self.edge_dim, x)
-        if not self_loops:
-            return edge_index, edge_attr
-        n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
-        looped = memo(edge_index, ("self_loops", n), lambda: _add_self_loops(
-            _remove_self_loops(edge_index)[0], num_nodes=n)[0])
-        if edge_attr is not None:
-            ei, edge_attr = _remove_self_loops(edge_index, edge_attr)
+        plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
+        base = plan._base if self_loops else plan
+        edge_attr = V.check_edge_attr(edge_attr, base.num_edges, self.edge_dim, x)
+        if self_loops and edge_attr is not None:
+            n = min(base.num_src, base.num_dst) if loop_nodes is None else loop_nodes
+            ei, edge_attr = _remove_self_loops(torch.stack(base.coo()), edge_attr)
             edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
-        return looped, edge_attr
+        return plan, edge_attr
 
-    def _attend(self, score, value, edge_index, num_dst, want_alpha, value_edge=None):
+    def _attend(self, score, value, plan, num_dst, want_alpha, value_edge=None):
         """Run the attention core with this layer's dropout, head mode and backend.
 
         ``alpha`` is only asked for when the caller wants it: a fused backend
@@ -99,14 +99,15 @@ class _AttentionConv(torch.nn.Module):
         """
         if self.value_dropout > 0.0:  # scores above came from the undropped features
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
-        res = graph_attention(score, value, edge_index, num_dst, value_edge=value_edge,
+        res = graph_attention(score, value, plan, num_dst, value_edge=value_edge,
                               dropout=self.dropout, training=self.training, concat=self.concat,
                               backend=self.backend, return_attention=bool(want_alpha))
         return res if want_alpha else (res, None)
 
     @staticmethod
-    def _output(out, alpha, edge_index, return_attention_weights):
-        return (out, (edge_index, alpha)) if return_attention_weights else out
+    def _output(out, alpha, plan: GraphPlan, return_attention_weights):
+        # plan.edge_index is a copy: editing it cannot reach the plan
+        return (out, (plan.edge_index, alpha)) if return_attention_weights else out
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
@@ -259,15 +260,19 @@ class GATConv(_AttentionConv):
             num_dst = x_dst.size(0)
         elif size is not None:
             num_dst = size[1]
+        elif isinstance(edge_index, GraphPlan):
+            num_dst = None  # the plan's
         else:  # (x_src, None) without size: destinations are those edge_index names
-            ei = V.check_edge_index(edge_index, num_src, None, x_src.device)
+            ei, layout_fn = checked_edge_list(edge_index, num_src, None, x_src.device)
             num_dst = int(ei[1].max()) + 1 if ei.numel() > 0 else 0
             # PyG adds self-loops for all N_s source nodes in this case.
             num_dst = max(num_dst, num_src) if self.add_self_loops else num_dst
+            edge_index = GraphPlan._owned(ei, num_src, num_dst, layout_fn)
         # Self-loops go on the first min(N_s, N_t) nodes, as in PyG.
-        loop_nodes = min(size) if size is not None else min(num_src, num_dst)
-        edge_index, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
-                                            self.add_self_loops, self.fill_value, loop_nodes)
+        loop_nodes = min(size) if size is not None else None
+        plan, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
+                                      self.add_self_loops, self.fill_value, loop_nodes)
+        num_dst = plan.num_dst
 
         res = self.res(x_dst) if self.res is not None and x_dst is not None else None
         h_src = lin_src(x_src).view(-1, H, C)  # [N_s, H, C]
@@ -285,13 +290,13 @@ class GATConv(_AttentionConv):
         if self.lin_edge is not None:
             e = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C] (edge features only)
             a_edge = (e * self.att_edge).sum(-1)  # [E, H]
-        out, alpha = self._attend(GATScore(a_src, a_dst, a_edge, self.negative_slope), h_src,
-                                  edge_index, num_dst, return_attention_weights)
+        out, alpha = self._attend(EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope), h_src,
+                                  plan, num_dst, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
             out = out + self.bias
-        return self._output(out, alpha, edge_index, return_attention_weights)
+        return self._output(out, alpha, plan, return_attention_weights)
 
 
 class GATv2Conv(_AttentionConv):
@@ -413,8 +418,8 @@ class GATv2Conv(_AttentionConv):
         H, C = self.heads, self.out_channels
         x_src, x_dst = self._split(x, self.lin_l.weight)
         num_src, num_dst = x_src.size(0), x_dst.size(0)
-        edge_index, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
-                                            self.add_self_loops, self.fill_value)
+        plan, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
+                                      self.add_self_loops, self.fill_value)
         res = self.res(x_dst) if self.res is not None else None
         h_src = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
         if self.share_weights and x_dst is x_src:
@@ -425,13 +430,13 @@ class GATv2Conv(_AttentionConv):
         if self.lin_edge is not None:
             h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
         out, alpha = self._attend(
-            GATv2Score(h_src, h_dst, h_edge, self.att.view(H, C), self.negative_slope),
-            h_src, edge_index, num_dst, return_attention_weights)
+            EdgeScore.gatv2(h_src, h_dst, self.att.view(H, C), h_edge, self.negative_slope),
+            h_src, plan, num_dst, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
             out = out + self.bias
-        return self._output(out, alpha, edge_index, return_attention_weights)
+        return self._output(out, alpha, plan, return_attention_weights)
 
 
 class TransformerConv(_AttentionConv):
@@ -537,16 +542,16 @@ class TransformerConv(_AttentionConv):
     ):
         H, C = self.heads, self.out_channels
         x_src, x_dst = self._split(x, self.lin_key.weight)
-        edge_index, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
-                                            x_src, self_loops=False)
+        plan, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
+                                      x_src, self_loops=False)
         query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
         key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
         value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
         h_edge = None
         if self.lin_edge is not None:
             h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
-        out, alpha = self._attend(DotProductScore(query, key, h_edge, scaled_dot_product_scale(C)),
-                                  value, edge_index, x_dst.size(0), return_attention_weights,
+        out, alpha = self._attend(EdgeScore.dot(query, key, h_edge, 1.0 / math.sqrt(C)),
+                                  value, plan, x_dst.size(0), return_attention_weights,
                                   value_edge=h_edge)
         if self.root_weight:
             x_r = self.lin_skip(x_dst)
@@ -555,4 +560,4 @@ class TransformerConv(_AttentionConv):
                 out = beta * x_r + (1 - beta) * out
             else:
                 out = out + x_r
-        return self._output(out, alpha, edge_index, return_attention_weights)
+        return self._output(out, alpha, plan, return_attention_weights)

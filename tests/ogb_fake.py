@@ -127,7 +127,7 @@ def write_ogb_node_dataset(folder: Path, meta: Dict[str, str], *, num_nodes: int
 def write_fake_ogbn(data_dir: Path, name: str, **kwargs) -> Path:
     """Write a fake ``name`` (``"ogbn-arxiv"``, ...) where gatlib's loader looks
     for it under ``data_dir``, in that dataset's format (ogb's master.csv)."""
-    from gatlib.data import _ogb_meta
+    from gatlib.bench.data import _ogb_meta
 
     meta = _ogb_meta(name)
     return write_ogb_node_dataset(Path(data_dir) / "ogb" / name.replace("-", "_"), meta, **kwargs)

@@ -195,7 +195,8 @@ def test_triton_backend_on_cpu_without_interpreter(monkeypatch, graph):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x, ei = graph
     layer = gatlib.GATConv(4, 3, backend="triton")
-    with pytest.raises(ValueError, match=r"backend='triton' cannot run on cpu"):
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run this call: Triton kernels need "
+                                         r"a CUDA device \(or TRITON_INTERPRET=1 on CPU\); got cpu"):
         layer(x, ei)
 
 
@@ -213,7 +214,8 @@ def test_nothing_changed_by_a_failed_call(layer, graph):
 
 
 def test_in_place_edit_of_edge_index_is_rechecked(graph):
-    """The cached range check must not hide an edge_index edited in place."""
+    """Every call checks the tensor it is given: an edit between calls is seen,
+    whether or not it bumps the tensor's version counter."""
     x, ei = graph
     m = gatlib.GATConv(4, 3)
     ei = ei.clone()
@@ -221,3 +223,29 @@ def test_in_place_edit_of_edge_index_is_rechecked(graph):
     ei[0, 0] = 99
     with pytest.raises(IndexError, match="contains index 99"):
         m(x, ei)
+    ei[0, 0] = 0
+    m(x, ei)
+    ei.numpy()[0, 0] = 98  # no version bump
+    with pytest.raises(IndexError, match="contains index 98"):
+        m(x, ei)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_plan_of_other_sizes_is_rejected(layer, graph):
+    x, ei = graph
+    plan = gatlib.GraphPlan(ei, num_nodes=7)  # x has 6 nodes
+    with pytest.raises(ValueError, match=r"GraphPlan of a graph with 7 source and 7 destination "
+                                         r"nodes, but the inputs have 6"):
+        make(layer, 4, 3)(x, plan)
+
+
+def test_bad_plan_arguments():
+    ei = torch.tensor([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="either num_nodes or size"):
+        gatlib.GraphPlan(ei, num_nodes=3, size=(3, 3))
+    with pytest.raises(IndexError, match=r"edge_index\[1\] \(destination\) contains index 2"):
+        gatlib.GraphPlan(ei, size=(3, 2))
+    with pytest.raises(TypeError, match="already a GraphPlan"):
+        gatlib.GraphPlan(gatlib.GraphPlan(ei))
+    with pytest.raises(ValueError, match=r"num_nodes must be in \[0, 3\]"):
+        gatlib.GraphPlan(ei, num_nodes=3).with_self_loops(4)

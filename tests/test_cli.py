@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-import gatlib.train
-from gatlib import cli
+import gatlib.bench.train
+from gatlib.bench import cli
 
 from ogb_fake import planetoid_raw_dir
 
@@ -26,7 +26,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from gatlib.data import seed_planetoid
+    from gatlib.bench.data import seed_planetoid
 
     path = tmp_path_factory.mktemp("data")
     seed_planetoid(planetoid_raw_dir(), path)
@@ -44,7 +44,8 @@ def test_bench_writes_json_and_prints_table(data_dir, tmp_path, capsys):
     assert _bench(data_dir, out, "--seed", "7", "--backend", "torch") == 0
     report = json.loads(out.read_text())
     assert report["dataset"] == "cora" and report["model"] == "gat" and report["device"] == "cpu"
-    assert report["backend"] == report["backend_resolved"] == "torch" and report["metric"] == "acc"
+    assert report["backend"] == "torch" and report["metric"] == "acc"
+    assert report["kernels"] == ["torch"]  # recorded while the first run trained
     assert report["runs_requested"] == report["runs_completed"] == 2 and not report["interrupted"]
     assert [r["seed"] for r in report["runs"]] == [7, 8]
     assert report["test_acc"] == [r["test_acc"] for r in report["runs"]]
@@ -56,6 +57,7 @@ def test_bench_writes_json_and_prints_table(data_dir, tmp_path, capsys):
     assert report["config"]["model"] == "GAT" and report["config"]["epochs"] == 5
     assert report["config"]["lr"] == 0.005 and report["config"]["seed"] == 7
     assert set(report["versions"]) >= {"python", "torch", "torch_geometric", "gatlib"}
+    assert report["num_threads"] == 1 and report["cpu_model"]
     assert "git_sha" in report and report["peak_memory_mib"] > 0
     assert report["seconds_per_epoch_mean"] > 0
     table = capsys.readouterr().out
@@ -63,7 +65,7 @@ def test_bench_writes_json_and_prints_table(data_dir, tmp_path, capsys):
 
 
 def test_ctrl_c_keeps_finished_runs(data_dir, tmp_path, monkeypatch):
-    real = gatlib.train.train_run
+    real = gatlib.bench.train.train_run
     calls = []
 
     def interrupted_on_second_run(*args, **kwargs):
@@ -72,7 +74,7 @@ def test_ctrl_c_keeps_finished_runs(data_dir, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gatlib.train, "train_run", interrupted_on_second_run)
+    monkeypatch.setattr(gatlib.bench.train, "train_run", interrupted_on_second_run)
     out = tmp_path / "partial.json"
     assert _bench(data_dir, out) == 130
     report = json.loads(out.read_text())
@@ -112,6 +114,15 @@ def test_compare_is_registered_and_delegates(monkeypatch, capsys):
 
 
 def test_console_script_entry_point():
-    res = subprocess.run([sys.executable, "-m", "gatlib.cli", "bench", "--help"],
+    res = subprocess.run([sys.executable, "-m", "gatlib.bench.cli", "bench", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--dataset" in res.stdout and "--json" in res.stdout
+
+
+def test_pyproject_script_is_the_harness_cli():
+    """The installed ``gatlib`` command runs gatlib.bench.cli:main."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["gatlib"] == "gatlib.bench.cli:main"

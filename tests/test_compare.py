@@ -1,20 +1,23 @@
-"""The PyG comparison tool (gatlib.compare) and its synthetic graphs (gatlib.synthetic).
+"""The PyG comparison tool (gatlib.bench.compare), its measurements
+(gatlib.bench.measure) and its synthetic graphs (gatlib.bench.synthetic).
 
 End-to-end runs use a tiny power-law graph, one thread and one timing round: they
 check the plumbing and the JSON, never the speed.
 """
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from gatlib import compare, synthetic
+import gatlib
+from gatlib.bench import compare, measure, synthetic
 
 TINY = ["--graph", "synthetic:2000:10000:32", "--heads", "2", "--channels", "8",
         "--repeats", "1", "--threads", "1", "--block-seconds", "0.01"]
 TOP_KEYS = {"schema", "command", "timestamp", "config", "environment", "graph", "checks",
-            "measurements", "summary", "complete"}
+            "kernels", "measurements", "summary", "complete"}
 
 
 def run_compare(tmp_path, *extra):
@@ -87,7 +90,7 @@ def test_synthetic_graph_cache_roundtrip(tmp_path):
     assert a.x.shape == (500, 4)
 
 
-# --- compare ----------------------------------------------------------------------------------
+# --- compare ---------------------------------------------------------------------------------
 def test_compare_end_to_end_json(tmp_path, capsys):
     rc, rep = run_compare(tmp_path, "--layer", "all", "--no-memory")
     assert rc == 0
@@ -97,29 +100,101 @@ def test_compare_end_to_end_json(tmp_path, capsys):
     assert {"torch", "torch_geometric", "gatlib", "triton"} <= set(env["versions"])
     g = rep["graph"]
     assert g["num_nodes"] == 2000 and g["num_edges_with_self_loops"] == g["num_edges"] + 2000
-    assert rep["config"]["heads"] == 2 and rep["config"]["channels"] == 8
+    c = rep["config"]
+    assert c["heads"] == 2 and c["channels"] == 8
+    assert c["scope"] == "layer" and c["graph_input"] == "plan" and "backend_resolved" not in c
     assert set(rep["checks"]) == {"gat", "gatv2", "transformer"}
     assert all(c["status"] == "ok" for c in rep["checks"].values())
+    # What ran is recorded (not guessed from the backend), forward and backward.
+    assert set(rep["kernels"]) == set(compare.LAYERS)
+    for names in rep["kernels"].values():
+        assert names and all(n.split(".")[0] in gatlib.BACKENDS[1:] for n in names)
     assert len(rep["measurements"]) == 3 * 2 * 2
     for m in rep["measurements"]:
         assert m["time"]["status"] == "ok" and m["time"]["median_s"] > 0
+        # gatlib's first call on a fresh plan is timed once, for the backward pass only.
+        first = m["impl"] == "gatlib" and m["pass"] == "forward+backward"
+        assert ("first_call_s" in m) == first and (not first or m["first_call_s"] > 0)
     assert len(rep["summary"]) == 6 and all(r["speedup"] > 0 for r in rep["summary"])
-    assert "TransformerConv" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TransformerConv" in out and f"gatlib kernels: GATConv {', '.join(rep['kernels']['gat'])};" in out
 
 
-def _tiny_inputs(tmp_path, n=300, e=1000, f=8):
+@pytest.mark.parametrize("graph_input", ["plan", "tensor"])
+def test_graph_input_plan_or_tensor(tmp_path, monkeypatch, graph_input):
+    """gatlib's layer gets a GraphPlan built once, or the tensor; PyG always the tensor."""
+    seen = {}
+    real = compare._make_pass
+
+    def make_pass(module, x, edge_index, target, name):
+        seen[type(module).__module__.split(".")[0], name] = type(edge_index)
+        return real(module, x, edge_index, target, name)
+
+    monkeypatch.setattr(compare, "_make_pass", make_pass)
+    rc, rep = run_compare(tmp_path, "--layer", "gatv2", "--no-memory", "--graph-input", graph_input)
+    assert rc == 0 and rep["config"]["graph_input"] == graph_input
+    assert rep["checks"]["gatv2"]["status"] == "ok"
+    ours = gatlib.GraphPlan if graph_input == "plan" else torch.Tensor
+    assert seen[("gatlib", "forward+backward")] is ours and seen[("gatlib", "forward")] is ours
+    assert seen[("torch_geometric", "forward+backward")] is torch.Tensor
+    (fb,) = [m for m in rep["measurements"] if m["impl"] == "gatlib" and m["pass"] == "forward+backward"]
+    assert fb["first_call_s"] > 0
+
+
+def test_model_scope_end_to_end(tmp_path, capsys):
+    """One training step of a 2-layer model, PyG's vs gatlib's with the same weights,
+    memory measured in fresh child processes."""
+    out = tmp_path / "model.json"
+    rc = compare.main(["--graph", "synthetic:300:1500:16", "--layer", "gat", "--scope", "model",
+                       "--classes", "5", "--backend", "fused", "--heads", "2", "--channels", "4", "--repeats", "1",
+                       "--threads", "1", "--block-seconds", "0.01",
+                       "--data-dir", str(tmp_path / "data"), "--json", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["complete"] and rep["config"]["scope"] == "model" and rep["config"]["classes"] == 5
+    check = rep["checks"]["gat"]
+    assert check["status"] == "ok" and check["weight"] == "conv1.lin.weight"
+    assert check["loss_rel_err"] <= check["tol_loss"] and check["weight_grad_rel_err"] <= 1e-4
+    assert rep["kernels"]["gat"] == ["fused", "fused.backward"]  # an explicit backend runs or fails
+    by = {m["impl"]: m for m in rep["measurements"]}
+    assert set(by) == {"pyg", "gatlib"} and all(m["pass"] == "train_step" for m in by.values())
+    for m in by.values():
+        assert m["time"]["status"] == "ok" and m["time"]["median_s"] > 0
+        assert m["memory"]["status"] == "ok" and m["memory"]["hwm_reset"]
+    assert by["gatlib"]["first_call_s"] > 0 and "first_call_s" not in by["pyg"]
+    assert rep["summary"][0]["pass"] == "train_step" and rep["summary"][0]["speedup"] > 0
+    assert "training step of a 2-layer model" in capsys.readouterr().out
+
+
+def test_model_pair_shares_weights_and_trains():
+    pair = compare.build_pair("transformer", 8, 2, 4, "auto", torch.device("cpu"), torch.float32,
+                              seed=0, scope="model", num_classes=3)
+    theirs, ours = pair["pyg"].state_dict(), pair["gatlib"].state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    assert ours["conv2.lin_skip.weight"].shape == (3, 8)  # conv2: H*C -> classes, one head
+    data = synthetic.synthetic_graph("synthetic:50:200:8")
+    x, y = data.x, compare._labels(50, 3, "cpu", 0)
+    step = compare._make_pass(pair["gatlib"], x, data.edge_index, y, compare.TRAIN_STEP)
+    before = pair["gatlib"].conv1.lin_key.weight.detach().clone()
+    loss = step()
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    assert not torch.equal(before, pair["gatlib"].conv1.lin_key.weight)  # Adam stepped
+
+
+def _tiny_spec(tmp_path, n=300, e=1000, f=8):
     data = synthetic.synthetic_graph(f"synthetic:{n}:{e}:{f}")
     inputs = tmp_path / "inputs.pt"
     torch.save({"x": data.x, "edge_index": data.edge_index,
                 "edge_index_loops": compare._with_self_loops(data.edge_index, n)}, inputs)
-    return {"inputs": str(inputs), "layer": "gatv2", "pass": "forward+backward", "heads": 2,
-            "channels": 8, "dtype": "float32", "backend": "auto", "seed": 0,
-            "threads": torch.get_num_threads()}
+    return {"builder": "gatlib.bench.compare:measured_call", "inputs": str(inputs),
+            "layer": "gatv2", "pass": "forward+backward", "scope": "layer", "heads": 2,
+            "channels": 8, "classes": None, "dtype": "float32", "backend": "auto",
+            "graph_input": "plan", "seed": 0, "threads": torch.get_num_threads()}
 
 
 def test_cpu_memory_is_measured_in_a_fresh_process(tmp_path):
-    spec = {**_tiny_inputs(tmp_path, 3000, 30_000, 32), "impl": "pyg"}
-    res = compare.peak_rss_child(spec, tmp_path)
+    spec = {**_tiny_spec(tmp_path, 3000, 30_000, 32), "impl": "pyg"}
+    res = measure.peak_rss_child(spec, tmp_path)
     assert res["status"] == "ok", res
     assert res["hwm_reset"] and res["rss_before_bytes"] > 0
     # GATv2's [E, H, C] messages alone are 0.7 MB per copy here.
@@ -129,12 +204,20 @@ def test_cpu_memory_is_measured_in_a_fresh_process(tmp_path):
 def test_compare_reports_memory_and_ratios(tmp_path, monkeypatch):
     # The children are tested above; here a stand-in keeps this run fast.
     fake = {"pyg": 400 * 2**20, "gatlib": 100 * 2**20}
-    monkeypatch.setattr(compare, "peak_rss_child", lambda spec, workdir: {
-        "status": "ok", "peak_extra_bytes": fake[spec["impl"]], "hwm_reset": True})
+    specs = []
+
+    def fake_child(spec, workdir):
+        specs.append(spec)
+        return {"status": "ok", "peak_extra_bytes": fake[spec["impl"]], "hwm_reset": True}
+
+    monkeypatch.setattr(measure, "peak_rss_child", fake_child)
     rc, rep = run_compare(tmp_path, "--layer", "gat")
     assert rc == 0
     assert all(m["memory"]["status"] == "ok" for m in rep["measurements"])
     assert [r["mem_ratio"] for r in rep["summary"]] == [0.25, 0.25]
+    assert {s["builder"] for s in specs} == {"gatlib.bench.compare:measured_call"}
+    assert {(s["impl"], s["pass"]) for s in specs} == {(i, p) for i in compare.IMPLS
+                                                      for p in compare.PASSES}
 
 
 def _pyg_runs_out_of_memory(monkeypatch, exc):
@@ -166,48 +249,60 @@ def test_out_of_memory_is_a_result(tmp_path, monkeypatch, capsys, exc):
 
 def test_peak_rss_reports_oom(tmp_path, monkeypatch):
     _pyg_runs_out_of_memory(monkeypatch, MemoryError())
-    spec = _tiny_inputs(tmp_path)
-    assert compare.measure_peak_rss({**spec, "impl": "pyg"})["status"] == "OOM"
-    assert compare.measure_peak_rss({**spec, "impl": "gatlib"})["status"] == "ok"
+    spec = _tiny_spec(tmp_path)
+    pyg = measure.measure_peak_rss(lambda: compare.measured_call({**spec, "impl": "pyg"}))
+    ours = measure.measure_peak_rss(lambda: compare.measured_call({**spec, "impl": "gatlib"}))
+    assert pyg["status"] == "OOM" and ours["status"] == "ok"
 
 
-@pytest.mark.skipif(not compare._proc_status(), reason="needs Linux /proc")
+@pytest.mark.skipif(not measure.proc_status(), reason="needs Linux /proc")
 def test_memory_budget_turns_an_allocation_into_oom():
     import resource
 
     before = resource.getrlimit(resource.RLIMIT_AS)
     with pytest.raises(RuntimeError) as info:
-        with compare.memory_budget(256 * 2**20):
+        with measure.memory_budget(256 * 2**20):
             torch.empty(2**31, dtype=torch.uint8).fill_(1)
-    assert compare._is_oom(info.value)
+    assert measure.is_oom(info.value)
     assert resource.getrlimit(resource.RLIMIT_AS) == before  # restored
 
 
 def test_child_killed_by_oom_killer_is_oom(tmp_path, monkeypatch):
-    monkeypatch.setattr(compare.subprocess, "run",
-                        lambda cmd, **kw: subprocess.CompletedProcess(cmd, -9, "", ""))
-    spec = {"impl": "pyg", "layer": "gat", "pass": "forward"}
-    assert compare.peak_rss_child(spec, tmp_path)["status"] == "OOM"
+    calls = []
+
+    def killed(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, -9, "", "")
+
+    monkeypatch.setattr(measure.subprocess, "run", killed)
+    spec = {"builder": "gatlib.bench.compare:measured_call", "impl": "pyg"}
+    assert measure.peak_rss_child(spec, tmp_path)["status"] == "OOM"
+    # The child is the builder's module, run with --_child and the spec's path.
+    assert calls[0][1:4] == ["-m", "gatlib.bench.compare", "--_child"]
 
 
-def test_disagreement_aborts(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_disagreement_aborts(tmp_path, monkeypatch, capsys, scope):
     real = compare.build_pair
 
     def broken(*args, **kw):
-        layers = real(*args, **kw)
+        modules = real(*args, **kw)
+        bias = next(p for n, p in modules["gatlib"].named_parameters() if n.endswith("bias"))
         with torch.no_grad():
-            layers["gatlib"].bias.add_(1.0)
-        return layers
+            bias.add_(1.0)
+        return modules
 
     monkeypatch.setattr(compare, "build_pair", broken)
-    rc, rep = run_compare(tmp_path, "--layer", "all", "--no-memory")
+    rc, rep = run_compare(tmp_path, "--layer", "all", "--no-memory", "--scope", scope)
     assert rc == 1
     assert "does not agree with torch_geometric.nn.GATConv" in capsys.readouterr().err
     assert rep["checks"]["gat"]["status"] == "mismatch" and rep["measurements"] == []
     assert "gatv2" not in rep["checks"]  # aborted after the first layer
 
 
-@pytest.mark.parametrize("args", [["--graph", "nope"], ["--repeats", "0"], ["--heads", "0"]])
+@pytest.mark.parametrize("args", [["--graph", "nope"], ["--repeats", "0"], ["--heads", "0"],
+                                  ["--scope", "model", "--pass", "forward"],
+                                  ["--scope", "model", "--classes", "0"]])
 def test_bad_arguments_exit_2(tmp_path, args, capsys):
     assert compare.main([*TINY, "--data-dir", str(tmp_path), *args]) == 2
     assert "gatlib compare: error" in capsys.readouterr().err
@@ -216,3 +311,9 @@ def test_bad_arguments_exit_2(tmp_path, args, capsys):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_without_a_gpu_exit_2(tmp_path):
     assert compare.main([*TINY, "--device", "cuda", "--data-dir", str(tmp_path)]) == 2
+
+
+def test_module_entry_point():
+    res = subprocess.run([sys.executable, "-m", "gatlib.bench.compare", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "--scope" in res.stdout and "--graph-input" in res.stdout

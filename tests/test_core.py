@@ -1,15 +1,26 @@
-"""The attention core: reference vs a dense oracle, gradcheck, backends vs reference."""
+"""The attention core: (a) the reference against a dense masked-softmax oracle,
+(b) gradcheck, (c) every fast kernel against the reference, with proof that it
+ran; property tests over drawn graphs; low precision bounded against float64."""
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gatlib
-from gatlib import DotProductScore, GATScore, GATv2Score, graph_attention, segment_softmax
+import gatlib._core as core
+from gatlib import EdgeScore, graph_attention, segment_softmax
+from gatlib._dispatch import AttentionCall, select_kernel
+from gatlib._plan import GraphPlan
 
-from testing import backends, hub_graph, random_graph
+from testing import (GRAPH_CASES, HAS_SCATTER, KINDS, LOW_PRECISION, LOW_PRECISION_BOUND, dtype_id,
+                     fast_kernels, graph_case, graphs, kernels, leaves, low_precision_errors, make_score,
+                     random_graph, run)
+
+DTYPES = [torch.float32, torch.float64]
+# The Triton interpreter is slow: its agreement grid is in tests/test_triton.py.
+CPU_FAST = [p for p in fast_kernels() if p.values[0] != "triton"]
 
 
 def unique_graph(n_src, n_dst, p, seed=0):
@@ -31,28 +42,22 @@ def dense_oracle(logits, mask, v):
     return torch.einsum("hij,jhc->ihc", att, v), att
 
 
-def make_qkv(n_src, n_dst, H, C, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(n_dst, H, C, generator=g, dtype=dtype, requires_grad=True)
-    k = torch.randn(n_src, H, C, generator=g, dtype=dtype, requires_grad=True)
-    v = torch.randn(n_src, H, C, generator=g, dtype=dtype, requires_grad=True)
-    return q, k, v
-
-
+# ---------------------------------------------------------------------------
+# (a) the reference is the dense masked softmax
+# ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n_src,n_dst", [(12, 12), (9, 5)])
 @pytest.mark.parametrize("H", [1, 3])
 def test_dot_product_matches_dense_masked_softmax(n_src, n_dst, H):
     C = 4
     ei, mask = unique_graph(n_src, n_dst, 0.3)
-    q, k, v = make_qkv(n_src, n_dst, H, C)
-    scale = 1 / math.sqrt(C)
-    out, alpha = graph_attention(DotProductScore(q, k, None, scale), v, ei, n_dst,
-                                 concat=False, backend="torch", return_attention=True)
-    out = out  # [N_dst, C] (mean over heads)
-    ref, att = dense_oracle(torch.einsum("ihc,jhc->hij", q, k) * scale, mask, v)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, H, C, generator=g, dtype=torch.float64, requires_grad=True)
+               for n in (n_dst, n_src, n_src))
+    out, alpha = graph_attention(EdgeScore.dot(q, k), v, ei, n_dst, concat=False, backend="torch",
+                                 return_attention=True)
+    ref, att = dense_oracle(torch.einsum("ihc,jhc->hij", q, k) / math.sqrt(C), mask, v)
     torch.testing.assert_close(out, ref.mean(1))
     torch.testing.assert_close(alpha, att[:, ei[1], ei[0]].T)
-    # gradients w.r.t. q, k, v agree with the oracle's
     w = torch.randn_like(out)
     g1 = torch.autograd.grad((out * w).sum(), (q, k, v))
     g2 = torch.autograd.grad((ref.mean(1) * w).sum(), (q, k, v))
@@ -62,107 +67,32 @@ def test_dot_product_matches_dense_masked_softmax(n_src, n_dst, H):
 
 @pytest.mark.parametrize("H", [1, 2])
 def test_gat_matches_dense_masked_softmax(H):
-    n_src = n_dst = 10
-    ei, mask = unique_graph(n_src, n_dst, 0.35, seed=3)
-    _, _, v = make_qkv(n_src, n_dst, H, 3)
-    a_src = torch.randn(n_src, H, dtype=torch.float64, requires_grad=True)
-    a_dst = torch.randn(n_dst, H, dtype=torch.float64, requires_grad=True)
-    out = graph_attention(GATScore(a_src, a_dst, None, 0.2), v, ei, n_dst, backend="torch")
+    n = 10
+    ei, mask = unique_graph(n, n, 0.35, seed=3)
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(n, H, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    a_src, a_dst = (torch.randn(n, H, generator=g, dtype=torch.float64, requires_grad=True)
+                    for _ in range(2))
+    out = graph_attention(EdgeScore.gat(a_src, a_dst), v, ei, n, backend="torch")
     logits = torch.nn.functional.leaky_relu(a_dst.T[:, :, None] + a_src.T[:, None, :], 0.2)
     ref, _ = dense_oracle(logits, mask, v)
-    torch.testing.assert_close(out, ref.reshape(n_dst, -1))
+    torch.testing.assert_close(out, ref.reshape(n, -1))
     g1 = torch.autograd.grad(out.square().sum(), (a_src, a_dst, v))
     g2 = torch.autograd.grad(ref.square().sum(), (a_src, a_dst, v))
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b)
 
 
-def scorers(n_src, n_dst, E, H, C, dtype=torch.float64, seed=0, edge=True):
-    """One scorer of each kind, with leaf tensors that require grad."""
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_()
-
-    return {
-        "gat": GATScore(r(n_src, H), r(n_dst, H), r(E, H) if edge else None, 0.2),
-        "gatv2": GATv2Score(r(n_src, H, C), r(n_dst, H, C), r(E, H, C) if edge else None,
-                            r(H, C), 0.2),
-        "dot": DotProductScore(r(n_dst, H, C), r(n_src, H, C), r(E, H, C) if edge else None,
-                               1 / math.sqrt(C)),
-    }
-
-
-def leaves(score):
-    return [t for t in vars(score).values() if isinstance(t, torch.Tensor)]
-
-
-# Triton's CPU interpreter makes gradcheck minutes long here; tests/test_triton.py
-# gradchecks the kernels on smaller graphs.
-@pytest.mark.parametrize("backend", [b for b in backends() if b != "triton" or torch.cuda.is_available()])
-@pytest.mark.parametrize("kind", ["gat", "gatv2", "dot"])
-def test_gradcheck_float64(kind, backend):
-    n_src, n_dst, H, C = 6, 5, 2, 3
-    ei = torch.cat([random_graph(n_src, 14, num_dst=n_dst, seed=1),
-                    torch.tensor([[0, 0], [1, 1]])], dim=1)  # with a duplicate edge
-    E = ei.size(1)
-    score = scorers(n_src, n_dst, E, H, C)[kind]
-    v = torch.randn(n_src, H, C, dtype=torch.float64, requires_grad=True)
-    ve = torch.randn(E, H, C, dtype=torch.float64, requires_grad=True)
-    names = [k for k, t in vars(score).items() if isinstance(t, torch.Tensor)]
-
-    def f(v, ve, *ts):
-        s = type(score)(**{**vars(score), **dict(zip(names, ts, strict=True))})
-        return graph_attention(s, v, ei, n_dst, value_edge=ve, backend=backend)
-
-    assert torch.autograd.gradcheck(f, (v, ve, *leaves(score)))
-
-
-@pytest.mark.parametrize("backend", backends())
-@pytest.mark.parametrize("kind", ["gat", "gatv2", "dot"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("graph", ["random", "bipartite", "hub", "empty", "isolated"])
-def test_backend_matches_reference(backend, kind, dtype, graph):
-    H, C = 3, 5
-    n_src = n_dst = 40
-    if graph == "random":
-        ei = random_graph(n_src, 300, seed=2)
-    elif graph == "bipartite":
-        n_dst = 17
-        ei = random_graph(n_src, 200, num_dst=n_dst, seed=3)
-    elif graph == "hub":
-        n_src = n_dst = 300
-        ei = hub_graph(n_src, 3000)
-    elif graph == "empty":
-        ei = torch.empty(2, 0, dtype=torch.long)
-    else:  # nodes 0..9 have no in-edges
-        ei = random_graph(n_src, 200, seed=4)
-        ei = ei[:, ei[1] >= 10]
-    E = ei.size(1)
-    score = scorers(n_src, n_dst, E, H, C, dtype=dtype)[kind]
-    v = torch.randn(n_src, H, C, dtype=dtype, requires_grad=True)
-    ve = torch.randn(E, H, C, dtype=dtype, requires_grad=True)
-    ins = [v, ve, *leaves(score)]
-
-    def run(b):
-        out, alpha = graph_attention(score, v, ei, n_dst, value_edge=ve, backend=b,
-                                     return_attention=True)
-        grads = torch.autograd.grad((out * out.detach().sin()).sum(), ins, allow_unused=True)
-        return out, alpha, grads
-
-    ref, alpha_ref, g_ref = run("torch")
-    out, alpha, g = run(backend)
-    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else {}
-    torch.testing.assert_close(out, ref, **tol)
-    torch.testing.assert_close(alpha, alpha_ref, **tol)
-    for a, b in zip(g, g_ref, strict=True):
-        if b is None:
-            assert a is None or a.abs().max() == 0
-        else:
-            torch.testing.assert_close(a, b, **tol)
-    assert torch.isfinite(out).all()
-    if graph == "isolated":
-        assert out[:10].abs().max() == 0  # zero in-degree -> zero output
+def test_gatv2_matches_dense_masked_softmax():
+    n, H, C = 9, 2, 3
+    ei, mask = unique_graph(n, n, 0.4, seed=4)
+    s = make_score("gatv2", n, n, 0, H, C, edge=False, seed=5)
+    v = torch.randn(n, H, C, dtype=torch.float64)
+    out = graph_attention(s, v, ei, n, backend="torch")
+    z = torch.nn.functional.leaky_relu(s.dst[:, None] + s.src[None, :], 0.2)  # [i, j, H, C]
+    logits = (z * s.att).sum(-1).permute(2, 0, 1)  # [H, i, j]
+    ref, _ = dense_oracle(logits, mask, v)
+    torch.testing.assert_close(out, ref.reshape(n, -1))
 
 
 def test_segment_softmax_huge_logits_and_groups():
@@ -176,63 +106,124 @@ def test_segment_softmax_huge_logits_and_groups():
     torch.testing.assert_close(sums[[0, 2, 4]], torch.ones(3, 1))
 
 
-@pytest.mark.parametrize("backend", backends())
-def test_low_precision_rule(backend):
-    """bf16/fp16: error vs an fp64 reference at most ~2x the plain PyTorch path's error."""
-    n, H, C = 200, 2, 16
-    ei = torch.cat([random_graph(n, 3000, seed=5), hub_graph(n, 2000)], dim=1)
-    s64 = scorers(n, n, ei.size(1), H, C, seed=7)["dot"]
-    v64 = torch.randn(n, H, C, dtype=torch.float64)
-    exact = graph_attention(s64, v64, ei, n, backend="torch").detach()
-    for dtype in (torch.bfloat16, torch.float16):
-        s = DotProductScore(*(t.detach().to(dtype) for t in (s64.query, s64.key, s64.edge)),
-                            s64.scale)
-        v = v64.to(dtype)
-        # the plain PyTorch computation in that dtype, no fp32 upcast anywhere
-        e = (s.query[ei[1]] * (s.key[ei[0]] + s.edge)).sum(-1) * s.scale
-        naive = torch.zeros(n, H, C, dtype=dtype).index_add_(
-            0, ei[1], torch_geometric_softmax(e, ei[1], n).unsqueeze(-1) * v[ei[0]])
-        err_naive = (naive.double().reshape(n, -1) - exact).abs().max()
-        got = graph_attention(s, v, ei, n, backend=backend)
-        assert got.dtype == dtype
-        err = (got.double() - exact).abs().max()
-        assert err <= 2 * err_naive, (dtype, err, err_naive)
+# ---------------------------------------------------------------------------
+# (b) gradcheck in float64 (the fused kernels' autograd functions have their own)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernels(exclude=("triton",)))
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_float64(kind, backend):
+    n_src, n_dst, H, C = 6, 5, 2, 3
+    ei = torch.cat([random_graph(n_src, 14, num_dst=n_dst, seed=1),
+                    torch.tensor([[0, 0], [1, 1]])], dim=1)  # with a duplicate edge
+    E = ei.size(1)
+    score = make_score(kind, n_src, n_dst, E, H, C)
+    v = torch.randn(n_src, H, C, dtype=torch.float64, requires_grad=True)
+    ve = torch.randn(E, H, C, dtype=torch.float64, requires_grad=True)
+
+    def f(v, ve, *ts):
+        it = iter(ts)
+        s = score.with_tensors(*(None if t is None else next(it) for t in score.tensors()))
+        return graph_attention(s, v, ei, n_dst, value_edge=ve, backend=backend,
+                               return_attention=True)
+
+    with gatlib.record_kernels() as log:
+        assert torch.autograd.gradcheck(f, (v, ve, *leaves(score)))
+    assert log and set(e.split(".")[0] for e in log) == {backend}, log
 
 
-def torch_geometric_softmax(e, index, n):
-    from torch_geometric.utils import softmax
+# ---------------------------------------------------------------------------
+# (c) every fast kernel against the reference
+# ---------------------------------------------------------------------------
+def _compare(backend, kind, dtype, H, ei, n_src, n_dst, scale=1.0, C=5):
+    E = ei.size(1)
+    s = make_score(kind, n_src, n_dst, E, H, C, dtype=dtype, seed=H, scale=scale)
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(n_src, H, C, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    ve = torch.randn(E, H, C, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    ref = run("torch", s, v, ei, n_dst, ve)
+    got = run(backend, s, v, ei, n_dst, ve)
+    if dtype == torch.float32:
+        tol = dict(rtol=1e-4, atol=1e-5) if scale == 1 else dict(rtol=1e-3, atol=1e-3)
+    else:
+        tol = dict(rtol=1e-7, atol=1e-9) if scale == 1 else dict(rtol=1e-7, atol=1e-6)
+    (out, alpha, grads), (out_r, alpha_r, grads_r) = got, ref
+    assert out.dtype == out_r.dtype and alpha.dtype == alpha_r.dtype
+    torch.testing.assert_close(out, out_r, **tol)
+    torch.testing.assert_close(alpha, alpha_r, **tol)
+    for i, (a, b) in enumerate(zip(grads, grads_r, strict=True)):
+        if b is None:
+            assert a is None or a.abs().max() == 0, i
+        else:
+            bound = max(1.0, b.abs().max().item()) if scale != 1 else 1.0
+            torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"] * bound, msg=str(i))
+    assert torch.isfinite(out).all()
+    has_in = torch.zeros(n_dst, dtype=torch.bool)
+    has_in[ei[1]] = True
+    assert out[~has_in].abs().sum() == 0  # zero in-degree -> zero output
 
-    return softmax(e, index, num_nodes=n)
+
+@pytest.mark.parametrize("backend", CPU_FAST)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("H", [1, 4], ids=lambda h: f"H{h}")
+@pytest.mark.parametrize("graph", GRAPH_CASES)
+def test_kernel_matches_reference(backend, kind, dtype, H, graph):
+    ei, n_src, n_dst = graph_case(graph)
+    _compare(backend, kind, dtype, H, ei, n_src, n_dst)
 
 
-@settings(max_examples=25, deadline=None)
-@given(n_src=st.integers(1, 12), n_dst=st.integers(1, 12), E=st.integers(0, 60),
-       H=st.integers(1, 3), seed=st.integers(0, 2**16), kind=st.sampled_from(["gat", "gatv2", "dot"]),
-       scale=st.sampled_from([1.0, 1e4]))
-def test_random_graphs_property(n_src, n_dst, E, H, seed, kind, scale):
-    """Any graph (duplicates, isolated nodes, huge logits): finite output, weights
-    summing to one over each destination's in-edges, zero rows for no in-edges,
-    every backend equal to the reference."""
-    ei = random_graph(n_src, E, num_dst=n_dst, seed=seed)
-    score = scorers(n_src, n_dst, E, H, 4, dtype=torch.float32, seed=seed)[kind]
-    for k, t in vars(score).items():
-        if isinstance(t, torch.Tensor):
-            setattr(score, k, t.detach() * scale)
-    v = torch.randn(n_src, H, 4)
-    out, alpha = graph_attention(score, v, ei, n_dst, backend="torch", return_attention=True)
+@pytest.mark.parametrize("backend", CPU_FAST)
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_matches_reference_huge_logits(backend, kind):
+    ei, n_src, n_dst = graph_case("random")
+    _compare(backend, kind, torch.float32, 2, ei, n_src, n_dst, scale=1e4)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=graphs(), H=st.integers(1, 3), kind=st.sampled_from(KINDS),
+       scale=st.sampled_from([1.0, 30.0]), seed=st.integers(0, 2**16))
+def test_property_every_cpu_kernel_is_the_reference(graph, H, kind, scale, seed):
+    """Any drawn graph: finite output, weights summing to one over each
+    destination's in-edges, zero rows without in-edges, and every CPU kernel
+    (Triton aside) equal to the reference — outputs, weights and gradients."""
+    ei, n_src, n_dst = graph
+    E = ei.size(1)
+    s = make_score(kind, n_src, n_dst, E, H, 4, dtype=torch.float64, seed=seed, scale=scale)
+    v = torch.randn(n_src, H, 4, dtype=torch.float64, requires_grad=True)
+    out, alpha, grads = run("torch", s, v, ei, n_dst)
     assert torch.isfinite(out).all() and torch.isfinite(alpha).all()
-    sums = torch.zeros(n_dst, H).index_add_(0, ei[1], alpha)
+    sums = torch.zeros(n_dst, H, dtype=torch.float64).index_add_(0, ei[1], alpha)
     has_in = torch.zeros(n_dst, dtype=torch.bool)
     has_in[ei[1]] = True
     torch.testing.assert_close(sums[has_in], torch.ones_like(sums[has_in]))
     assert out[~has_in].abs().sum() == 0
-    for b in backends():
-        o2, a2 = graph_attention(score, v, ei, n_dst, backend=b, return_attention=True)
-        torch.testing.assert_close(o2, out, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(a2, alpha, rtol=1e-4, atol=1e-5)
+    for backend in ["fused"] + (["scatter"] if HAS_SCATTER else []):
+        o2, a2, g2 = run(backend, s, v, ei, n_dst)
+        torch.testing.assert_close(o2, out, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(a2, alpha, rtol=1e-9, atol=1e-9)
+        for a, b in zip(g2, grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8 * scale)
 
 
-@pytest.mark.parametrize("backend", backends())
+# ---------------------------------------------------------------------------
+# Low precision: every path, the reference included, against float64.
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", [p for p in kernels() if p.values[0] != "triton"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=dtype_id)
+def test_low_precision_bound(backend, kind, dtype):
+    """float16/bfloat16: output and every gradient within LOW_PRECISION_BOUND ulps
+    (of the largest exact value) of the float64 computation — for the reference
+    as much as for the fast kernels (flash-attention's tests bound their kernel
+    against an upcast reference the same way)."""
+    errs = low_precision_errors(kind, dtype, backend)
+    assert max(errs) <= LOW_PRECISION_BOUND[backend], errs
+
+
+# ---------------------------------------------------------------------------
+# Behaviour.
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernels())
 def test_permutation_equivariance(backend):
     """Relabelling the nodes permutes the output rows (and edge order is irrelevant)."""
     n, H, C = 30, 2, 4
@@ -243,28 +234,78 @@ def test_permutation_equivariance(backend):
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(n)  # node i is called inv[i] after relabelling
     edge_perm = torch.randperm(ei.size(1))
-    out = layer(x, ei)
-    out_p = layer(x[perm], inv[ei][:, edge_perm])
+    with gatlib.record_kernels() as log:
+        out = layer(x, ei)
+        out_p = layer(x[perm], inv[ei][:, edge_perm])
+    assert log == [backend, backend]
     torch.testing.assert_close(out_p, out[perm], rtol=1e-5, atol=1e-6)
 
 
-def test_dropout_only_in_training():
+@pytest.mark.parametrize("backend", kernels())
+def test_dropout_only_in_training(backend):
     n, H, C = 20, 2, 3
     ei = random_graph(n, 80, seed=1)
-    s = scorers(n, n, ei.size(1), H, C, dtype=torch.float32)["gat"]
+    s = make_score("gat", n, n, ei.size(1), H, C, dtype=torch.float32, requires_grad=False)
     v = torch.randn(n, H, C)
-    base = graph_attention(s, v, ei, n, dropout=0.5, training=False)
-    torch.testing.assert_close(graph_attention(s, v, ei, n), base)
+    base = graph_attention(s, v, ei, n, dropout=0.5, training=False, backend=backend)
+    torch.testing.assert_close(graph_attention(s, v, ei, n, backend=backend), base)
     torch.manual_seed(0)
-    dropped = graph_attention(s, v, ei, n, dropout=0.5, training=True)
+    dropped = graph_attention(s, v, ei, n, dropout=0.5, training=True, backend=backend)
     assert not torch.allclose(dropped, base)
 
 
-def test_auto_backend_rule():
-    """The measured rule (benchmarks/NOTES.md): the fused path on CPU; the
-    reference on CUDA until the Triton kernels are measured on a GPU."""
-    from gatlib._backend import _IMPLS, resolve_backend
+def _call(device="cpu", dtype=torch.float32):
+    x = torch.zeros(3, 1, 2, dtype=dtype, device=device)
+    plan = GraphPlan._owned(torch.tensor([[0, 1], [1, 2]], device=device), 3, 3)
+    return AttentionCall(EdgeScore.dot(x, x), x, plan, None, 0.0, False)
 
-    assert resolve_backend("auto", torch.device("cpu")) is _IMPLS["fused"]
-    assert resolve_backend("auto", torch.device("cuda")) is _IMPLS["torch"]
-    assert resolve_backend("auto", torch.device("meta")) is _IMPLS["torch"]
+
+def test_auto_rule():
+    """The rule written in select_kernel: fused on CPU; the reference on other
+    devices (Triton is opt-in until measured on a GPU) and wherever fused cannot run."""
+    assert select_kernel("auto", _call()).name == "fused"
+    assert select_kernel("auto", _call("meta")).name == "torch"
+    x = torch.randn(5, 4)
+    ei = random_graph(5, 12, seed=1)
+    conv = gatlib.GATConv(4, 2, heads=2)
+    with gatlib.record_kernels() as log:
+        torch.func.vmap(lambda t: conv(t, ei))(x[None].expand(2, -1, -1))
+    assert log == ["torch"]  # vmap: fused declines with a reason, auto takes the reference
+
+
+def test_explicit_backend_never_hands_over():
+    """An explicitly named kernel that cannot run the call raises with its reason."""
+    x = torch.randn(5, 4)
+    ei = random_graph(5, 12, seed=1)
+    conv = gatlib.GATConv(4, 2, heads=2, backend="fused")
+    with pytest.raises(ValueError, match=r"backend='fused' cannot run this call: .*Vmap"):
+        torch.func.vmap(lambda t: conv(t, ei))(x[None].expand(2, -1, -1))
+    with pytest.raises(ValueError, match=r"backend='fused' cannot run this call: .*CPU tensors; got meta"):
+        select_kernel("fused", _call("meta"))
+
+
+def test_available_backends():
+    names = gatlib.available_backends("cpu")
+    assert names[0] == "torch" and "fused" in names
+    assert gatlib.available_backends("meta") == ("torch",) + (("scatter",) if HAS_SCATTER else ())
+
+
+def test_edge_score_checks_its_kind():
+    x = torch.zeros(2, 1, 3)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        EdgeScore("gcn", x, x)
+    with pytest.raises(ValueError, match="needs per-destination terms"):
+        EdgeScore("dot", x, None)
+    with pytest.raises(ValueError, match="att is GATv2's attention vector"):
+        EdgeScore("gatv2", x, x)
+    assert EdgeScore.dot(x, x).scale == pytest.approx(1 / math.sqrt(3))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reference_bound_catches_a_low_precision_reference(monkeypatch, kind):
+    """The bound protects the specification: a reference that computes in
+    bfloat16 (what a one-line change to ``_acc_dtype`` would do) breaks it."""
+    bound = LOW_PRECISION_BOUND["torch"]
+    assert max(low_precision_errors(kind, torch.bfloat16, "torch")) <= bound
+    monkeypatch.setattr(core, "_acc_dtype", lambda dtype: dtype)
+    assert max(low_precision_errors(kind, torch.bfloat16, "torch")) > bound

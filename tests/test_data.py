@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gatlib.data import (DatasetNotFoundError, load_dataset, ogb_required_files, resolve_data_dir,
+from gatlib.bench.data import (DatasetNotFoundError, load_dataset, ogb_required_files, resolve_data_dir,
                          seed_planetoid)
 
 from ogb_fake import ogb_meta_dict, planetoid_raw_dir, write_fake_ogbn, write_ogb_node_dataset
@@ -101,7 +101,7 @@ def test_fake_dataset_is_valid_ogb_format(tmp_path):
     """The writer's output loads with ogb's own loader given a meta_dict."""
     from ogb.nodeproppred import PygNodePropPredDataset
 
-    from gatlib.data import _allow_pyg_pickles
+    from gatlib.bench.data import _allow_pyg_pickles
 
     _allow_pyg_pickles()
     folder = tmp_path / "fake_ogbn"
@@ -119,7 +119,7 @@ def test_ogbn_arxiv_layout_end_to_end(offline, tmp_path):
     """load_dataset('ogbn-arxiv') on a fake arxiv → a model → ogb's Evaluator."""
     from dataclasses import replace
 
-    from gatlib.train import recipe, train_run
+    from gatlib.bench.train import recipe, train_run
 
     write_fake_ogbn(tmp_path, "ogbn-arxiv", num_nodes=300, num_features=16)
     ds = load_dataset("ogbn-arxiv", tmp_path)

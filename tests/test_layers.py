@@ -5,10 +5,7 @@ import torch
 
 import gatlib
 
-from testing import backends, hub_graph, random_graph
-
-LAYERS = ["GATConv", "GATv2Conv", "TransformerConv"]
-
+from testing import LAYERS, kernels, hub_graph, random_graph
 
 def build(layer, backend, in_ch=8, out=4, heads=2, **kw):
     torch.manual_seed(0)
@@ -19,6 +16,7 @@ def graphs():
     n = 50
     ring = torch.stack([torch.arange(n), (torch.arange(n) + 1) % n])
     return {
+        "no_nodes": (0, torch.empty(2, 0, dtype=torch.long)),
         "empty": (n, torch.empty(2, 0, dtype=torch.long)),
         "isolated": (n, random_graph(n, 100, seed=1)[:, :40].clamp(max=n - 11)),  # last 10 unreached
         "duplicates": (n, torch.cat([ring, ring, ring[:, :5]], dim=1)),
@@ -27,7 +25,7 @@ def graphs():
     }
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", kernels())
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("case", list(graphs()))
 @pytest.mark.parametrize("self_loops", [True, False])
@@ -39,7 +37,9 @@ def test_edge_cases_finite_and_match_reference(layer, backend, case, self_loops)
     m = build(layer, backend, **kw)
     m.load_state_dict(ref.state_dict())
     out_ref = ref(x, ei)
-    out = m(x, ei)
+    with gatlib.record_kernels() as log:
+        out = m(x, ei)
+    assert log == [backend]
     assert out.shape == (n, 8)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-5)
@@ -52,7 +52,7 @@ def test_edge_cases_finite_and_match_reference(layer, backend, case, self_loops)
         torch.testing.assert_close(out[-10:], m.bias.expand(10, -1))
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", kernels())
 @pytest.mark.parametrize("layer", LAYERS)
 def test_huge_features_do_not_overflow(layer, backend):
     n = 30
@@ -63,7 +63,7 @@ def test_huge_features_do_not_overflow(layer, backend):
     assert alpha.min() >= 0 and alpha.max() <= 1
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", kernels())
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_float64_and_bfloat16(layer, backend, dtype):
@@ -118,7 +118,7 @@ def test_concat_false_averages_heads(layer):
     torch.testing.assert_close(out_avg, out_cat.view(n, 3, 4).mean(1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", backends())
+@pytest.mark.parametrize("backend", kernels())
 @pytest.mark.parametrize("layer", LAYERS)
 def test_value_dropout_drops_aggregated_features_only(layer, backend):
     """One in-edge per destination, so alpha = 1 and out_i - bias = Θ_s x_j:
@@ -144,17 +144,29 @@ def test_value_dropout_drops_aggregated_features_only(layer, backend):
     torch.testing.assert_close(got[kept], (value / (1 - p))[kept], rtol=1e-5, atol=1e-6)
 
 
-def test_edge_index_reused_across_calls_is_cached():
-    """Self-loops are added once per edge_index object, not at every call."""
+def test_a_plan_derives_its_graph_structure_once(monkeypatch):
+    """With a GraphPlan, self-loops, the CSR/CSC layout and the fused kernel's head
+    layout are built in the first call and reused; with a tensor, every call
+    derives them afresh (nothing is cached on the tensor)."""
+    from gatlib import _fused_cpu
+
+    built = []
+    real = _fused_cpu._build_head_layout
+    monkeypatch.setattr(_fused_cpu, "_build_head_layout", lambda *a: built.append(1) or real(*a))
     n = 20
     ei = random_graph(n, 60, seed=7)
-    m = build("GATConv", "torch")
+    plan = gatlib.GraphPlan(ei, num_nodes=n)
+    m = build("GATConv", "fused")
     x = torch.randn(n, 8)
-    _, (e1, _) = m(x, ei, return_attention_weights=True)
-    _, (e2, _) = m(x, ei, return_attention_weights=True)
-    assert e1 is e2
-    _, (e3, _) = m(x, ei.clone(), return_attention_weights=True)
-    assert e3 is not e1 and torch.equal(e3, e1)
+    out1, (e1, _) = m(x, plan, return_attention_weights=True)
+    out2, (e2, _) = m(x, plan, return_attention_weights=True)
+    assert len(built) == 1 and plan.with_self_loops() is plan.with_self_loops()
+    assert e1 is not e2 and torch.equal(e1, e2)  # a new tensor each time
+    out3 = m(x, ei)
+    out4 = m(x, ei)
+    assert len(built) == 3
+    for o in (out2, out3, out4):
+        torch.testing.assert_close(o, out1)
 
 
 def test_layers_in_a_pyg_model_train():

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from gatlib import GATConv, GATv2Conv, TransformerConv
-from gatlib.data import load_dataset
+from gatlib.bench.data import load_dataset
 from gatlib.models import (GAT, GATv2, DeepGAT, GraphTransformer, UniMP, input_dropout,
                            positional_encoding)
-from gatlib.train import Recipe, _Stopping, build_model, prepare_graph, recipe, train_run
+from gatlib.bench.train import Recipe, _Stopping, build_model, prepare_graph, recipe, train_run
 
 from ogb_fake import planetoid_raw_dir
 from testing import random_graph

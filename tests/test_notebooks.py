@@ -75,7 +75,8 @@ def test_attention_inspection(monkeypatch, data_dir):
 
 
 # A `gatlib bench` and a `gatlib compare` report with the keys the notebook reads
-# (see gatlib/train.py and gatlib/compare.py), and a file it must skip.
+# (see gatlib/bench/train.py and gatlib/bench/compare.py), and a file it must skip. The
+# committed results in benchmarks/results are older reports (``backend_resolved``, no ``kernels``).
 _BENCH = {"dataset": "cora", "model": "gat", "metric": "acc", "device": "cpu", "backend": "auto",
           "config": {"model": "GAT", "seed": 0}, "runs_completed": 3, "test_acc": [82.0, 83.1, 82.6],
           "test_acc_mean": 82.57, "test_acc_std": 0.55, "val_acc_mean": 81.2, "val_acc_std": 0.4,
@@ -89,9 +90,10 @@ def _measurement(layer, impl, pass_, ms, mib):
 
 
 _COMPARE = {
-    "schema": "gatlib.compare/1",
+    "schema": "gatlib.compare/2",
     "config": {"device": "cpu", "heads": 4, "channels": 64, "dtype": "float32", "backend": "auto",
-               "backend_resolved": "fused"},
+               "scope": "layer", "graph_input": "plan"},
+    "kernels": {layer: ["fused", "fused.backward"] for layer in ("gat", "gatv2", "transformer")},
     "environment": {"device_name": "test CPU"},
     "graph": {"name": "cora", "num_nodes": 2708, "num_edges": 10556},
     "measurements": [_measurement(layer, impl, p, ms, mib)
@@ -116,6 +118,9 @@ def test_benchmark_plots_from_reports(monkeypatch, tmp_path):
     assert num_images(nb) >= 3  # accuracy; time and memory; ratios
     text = stdout(nb)
     assert "skipping test_notes.json" in text and "skipping test_broken.json" in text
+    # A setting is labelled with what gatlib ran: the kernels a report recorded.
+    tables = "".join(out.get("data", {}).get("text/plain", "") for out in outputs(nb))
+    assert "backend auto→fused" in tables
 
 
 def test_benchmark_plots_without_results(monkeypatch, tmp_path):

@@ -7,7 +7,7 @@ import torch_geometric.nn as pyg
 
 import gatlib
 
-from testing import backends, random_graph
+from testing import LAYERS, kernels, random_graph
 
 N_SRC, N_DST, F_SRC, F_DST, EDGE_DIM = 23, 17, 7, 5, 3
 
@@ -35,17 +35,25 @@ def leaves_of(x, ea):
     return [t.clone().requires_grad_() for t in xs], (None if ea is None else ea.clone().requires_grad_())
 
 
-def check_parity(ours, theirs, x, ei, ea, **fw):
+def check_parity(ours, theirs, x, ei, ea, expect="fused", graph=None, **fw):
+    """Same outputs, returned edge_index, attention weights and gradients as PyG's
+    layer; ``expect`` is the kernel that must run in ours (``"fused"``: what
+    ``auto`` picks on CPU); ``graph`` is what ours gets instead of ``ei`` (a
+    GraphPlan, an EdgeIndex)."""
     ours.load_state_dict(theirs.state_dict())
     results = []
     for layer in (theirs, ours):
         xs, ea_ = leaves_of(x, ea)
         xin = tuple(xs) if isinstance(x, tuple) else xs[0]
-        out, (ei_out, alpha) = layer(xin, ei, ea_, return_attention_weights=True, **fw)
-        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-        params = [p for _, p in sorted(layer.named_parameters())]
-        leaves = xs + ([ea_] if ea_ is not None else []) + params
-        grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True)
+        with gatlib.record_kernels() as log:
+            g = ei if layer is theirs or graph is None else graph
+            out, (ei_out, alpha) = layer(xin, g, ea_, return_attention_weights=True, **fw)
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            params = [p for _, p in sorted(layer.named_parameters())]
+            leaves = xs + ([ea_] if ea_ is not None else []) + params
+            grads = torch.autograd.grad((out * w).sum(), leaves, allow_unused=True)
+        if layer is ours:
+            assert log[:1] == [expect], log
         results.append((out, ei_out, alpha, grads))
     (o1, e1, a1, g1), (o2, e2, a2, g2) = results
     torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)
@@ -150,14 +158,37 @@ def test_transformerconv_parity(heads, concat, beta, root, edge_dim, bipartite, 
     check_parity(ours, theirs, x, ei, ea)
 
 
-@pytest.mark.parametrize("backend", backends())
-@pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv", "TransformerConv"])
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("layer", LAYERS)
 def test_parity_every_backend(layer, backend):
     x, in_ch, ei, ea = inputs("pair", EDGE_DIM, seed=4)
     torch.manual_seed(0)
     theirs = getattr(pyg, layer)(in_ch, 8, heads=2, edge_dim=EDGE_DIM)
     ours = getattr(gatlib, layer)(in_ch, 8, heads=2, edge_dim=EDGE_DIM, backend=backend)
-    check_parity(ours, theirs, x, ei, ea)
+    check_parity(ours, theirs, x, ei, ea, expect=backend)
+
+
+@pytest.mark.parametrize("graph", ["plan", "edge_index_sorted", "edge_index_unsorted"])
+@pytest.mark.parametrize("bipartite", ["none", "pair"])
+@pytest.mark.parametrize("layer", LAYERS)
+def test_parity_with_a_plan_or_an_edge_index(layer, bipartite, graph):
+    """A GraphPlan or a PyG EdgeIndex in place of the [2, E] tensor: PyG's results."""
+    from torch_geometric import EdgeIndex
+
+    x, in_ch, ei, ea = inputs(bipartite, EDGE_DIM, seed=5)
+    n_src, n_dst = (x[0].size(0), x[1].size(0)) if isinstance(x, tuple) else (x.size(0),) * 2
+    if graph == "plan":
+        g = gatlib.GraphPlan(ei, size=(n_src, n_dst))
+    else:
+        g = EdgeIndex(ei, sparse_size=(n_src, n_dst))
+        if graph == "edge_index_sorted":  # PyG's inputs get the same edge order
+            g, order = g.sort_by("col")
+            ei, ea = g.as_tensor(), ea[order]
+    torch.manual_seed(0)
+    theirs = getattr(pyg, layer)(in_ch, 8, heads=2, edge_dim=EDGE_DIM)
+    ours = getattr(gatlib, layer)(in_ch, 8, heads=2, edge_dim=EDGE_DIM)
+    for _ in range(2):  # the second call reuses what the plan derived in the first
+        check_parity(ours, theirs, x, ei, ea, graph=g)
 
 
 @pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv", "TransformerConv"])

@@ -1,21 +1,115 @@
-"""The architecture rule: softmax/scatter code lives in the attention core only."""
+"""Architecture rules: attention maths only in the core; no import cycles; the
+library imports nothing from the benchmark harness; kernels read the score's
+kind, not its class; provenance and result files are written in one place."""
+import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import gatlib
 
-CORE = {"_core.py", "_backend.py", "_fused_cpu.py", "_triton.py"}
-PATTERN = re.compile(r"scatter_reduce|index_add|(import|from) torch_scatter|segment_reduce|\bsoftmax\(|\.exp\(\)")
+PKG = Path(gatlib.__file__).parent
+ROOT = PKG.parent
+CORE = {"_core.py", "_dispatch.py", "_fused_cpu.py", "_triton.py"}
+KERNELS = {"_fused_cpu.py", "_triton.py"}
+MATHS = re.compile(r"scatter_reduce|index_add|(import|from) torch_scatter|segment_reduce|\bsoftmax\(|\.exp\(\)")
+
+
+def modules():
+    """{dotted module name: path} of every module in the package."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name, path, mods):
+    """Package modules imported anywhere in ``path`` (function-level imports too)."""
+    pkg = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                found.add(full if full in mods else target)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in mods and m != name}
 
 
 def test_no_softmax_or_scatter_outside_the_core():
-    pkg = Path(gatlib.__file__).parent
     offenders = []
-    for path in sorted(pkg.rglob("*.py")):
-        if path.name in CORE:
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name in CORE and path.parent == PKG:
             continue
         for no, line in enumerate(path.read_text().splitlines(), 1):
-            code = line.split("#", 1)[0]
-            if PATTERN.search(code):
-                offenders.append(f"{path.name}:{no}: {line.strip()}")
+            if MATHS.search(line.split("#", 1)[0]):
+                offenders.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
     assert not offenders, "attention maths outside the core:\n" + "\n".join(offenders)
+
+
+def test_no_import_cycles():
+    mods = modules()
+    graph = {m: imports(m, p, mods) for m, p in mods.items()}
+    for m in mods:  # a package's __init__ re-exporting its submodules is not a cycle
+        if mods[m].name == "__init__.py":
+            graph[m] = {t for t in graph[m] if not t.startswith(m + ".")}
+    cycles = []
+
+    def visit(node, stack):
+        for nxt in graph[node]:
+            if nxt in stack:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, stack + [nxt])
+        done.add(node)
+
+    done = set()
+    for m in graph:
+        if m not in done:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_library_does_not_import_the_harness():
+    mods = modules()
+    library = {m: p for m, p in mods.items() if not m.startswith("gatlib.bench")}
+    assert set(library) >= {"gatlib", "gatlib.layers", "gatlib.models", "gatlib._core",
+                            "gatlib._dispatch", "gatlib._fused_cpu", "gatlib._plan"}
+    offenders = {m: sorted(t for t in imports(m, p, mods) if t.startswith("gatlib.bench"))
+                 for m, p in library.items()}
+    assert not any(offenders.values()), offenders
+    # and at run time: using the library loads no harness module
+    code = ("import sys, torch, gatlib, gatlib.models; "
+            "x = torch.randn(4, 3); gatlib.GATConv(3, 2)(x, torch.tensor([[0, 1], [1, 2]])); "
+            "print(sorted(m for m in sys.modules if m.startswith('gatlib.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_kernels_do_not_import_the_switch():
+    mods = modules()
+    for name in KERNELS:
+        mod = f"gatlib.{name[:-3]}"
+        assert "gatlib._dispatch" not in imports(mod, mods[mod], mods), mod
+
+
+def test_kernels_read_the_score_kind_not_its_class():
+    """One score type: no isinstance/type dispatch on score classes anywhere."""
+    offenders = []
+    for path in sorted(PKG.rglob("*.py")):
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"(isinstance\(|type\()[^)]*Score", code):
+                offenders.append(f"{path.name}:{no}: {line.strip()}")
+    assert not offenders, offenders

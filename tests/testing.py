@@ -1,27 +1,53 @@
-"""Shared test helpers: devices, dtypes, random graphs, skips for optional backends."""
+"""Shared test helpers: kernels, dtypes, graphs (fixed cases and hypothesis
+strategies), scores, and a runner that proves which kernel ran."""
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 import gatlib
+from gatlib import EdgeScore, graph_attention
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-FLOAT_DTYPES = [torch.float32, torch.float64]
 HAS_SCATTER = importlib.util.find_spec("torch_scatter") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KINDS = ["gat", "gatv2", "dot"]
+LAYERS = ["GATConv", "GATv2Conv", "TransformerConv"]
+ALL_KERNELS = ["torch", "scatter", "fused", "triton"]
+LOW_PRECISION = [torch.bfloat16, torch.float16]
 
-requires_scatter = pytest.mark.skipif(not HAS_SCATTER, reason="torch_scatter not installed")
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-def backends(device="cpu"):
-    """Every backend usable on ``device``, the reference ``"torch"`` first."""
-    return list(gatlib.available_backends(device))
+def dtype_id(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
+def kernels(device: str = "cpu", exclude=()):
+    """Every kernel as a test parameter; one that cannot run here is a visible skip
+    with its reason, never a test that was quietly not generated."""
+    out = []
+    for name in ALL_KERNELS:
+        if name in exclude:
+            continue
+        reason = gatlib._dispatch.KERNELS[name].available(torch.device(device))
+        out.append(pytest.param(name, id=name, marks=pytest.mark.skipif(reason is not None,
+                                                                         reason=str(reason))))
+    return out
+
+
+def fast_kernels(device: str = "cpu"):
+    """The kernels other than the reference (the ones tested against it)."""
+    return kernels(device, exclude=("torch",))
+
+
+# ---------------------------------------------------------------------------
+# Graphs.
+# ---------------------------------------------------------------------------
 def random_graph(num_nodes, num_edges, *, num_dst=None, seed=0, device="cpu", self_loops=True):
     """A random ``[2, E]`` edge_index (unsorted, may repeat edges) on ``num_nodes`` sources
     and ``num_dst`` (default ``num_nodes``) destinations."""
@@ -43,3 +69,149 @@ def hub_graph(num_nodes, hub_degree, *, hub=0, device="cpu"):
     ei = torch.cat([torch.stack([src, torch.full_like(src, hub)]),
                     torch.stack([ring, (ring + 1) % num_nodes])], dim=1)
     return ei.to(device)
+
+
+def graph_case(name, device="cpu"):
+    """``(edge_index, n_src, n_dst)`` of a named edge case."""
+    if name == "random":  # with self-loops and a few repeated edges
+        ei, ns, nd = random_graph(30, 150, seed=2), 30, 30
+    elif name == "bipartite":
+        ei, ns, nd = random_graph(25, 90, num_dst=11, seed=3), 25, 11
+    elif name == "hub":  # node 0 has 600 in-edges: several Triton pieces, a long CSR row
+        ei, ns, nd = hub_graph(60, 600), 60, 60
+    elif name == "isolated":  # destinations 0..7 without in-edges, sources 25.. without out-edges
+        ei = random_graph(30, 120, seed=4)
+        ei, ns, nd = ei[:, (ei[1] >= 8) & (ei[0] < 25)], 30, 30
+    elif name == "duplicates":  # more edges than the matrix has cells
+        ei, ns, nd = random_graph(3, 40, seed=5), 3, 3
+    elif name == "unsorted":  # destination-sorted descending
+        ei = random_graph(30, 150, seed=6)
+        ei, ns, nd = ei[:, ei[1].argsort(descending=True)], 30, 30
+    elif name == "empty":
+        ei, ns, nd = torch.empty(2, 0, dtype=torch.long), 7, 5
+    elif name == "no_nodes":
+        ei, ns, nd = torch.empty(2, 0, dtype=torch.long), 0, 0
+    else:
+        raise ValueError(name)
+    return ei.to(device), ns, nd
+
+
+GRAPH_CASES = ["random", "bipartite", "hub", "isolated", "duplicates", "unsorted", "empty", "no_nodes"]
+
+
+@st.composite
+def graphs(draw, max_nodes: int = 10, max_edges: int = 40, max_hub: int = 60):
+    """``(edge_index, n_src, n_dst)``: a graph drawn edge by edge, so hypothesis
+    shrinks a failure to few nodes and edges. Covers empty graphs and graphs
+    without nodes, bipartite graphs, duplicate edges, self-loops, isolated
+    nodes, unsorted edge lists and a hub (node 0 with up to ``max_hub`` extra
+    in-edges)."""
+    n_src = draw(st.integers(0, max_nodes))
+    n_dst = draw(st.integers(0, max_nodes)) if draw(st.booleans()) else n_src
+    if n_src == 0 or n_dst == 0:
+        return torch.empty(2, 0, dtype=torch.long), n_src, n_dst
+    pairs = draw(st.lists(st.tuples(st.integers(0, n_src - 1), st.integers(0, n_dst - 1)),
+                          max_size=max_edges))
+    hub = draw(st.lists(st.integers(0, n_src - 1), max_size=max_hub)) if draw(st.booleans()) else []
+    pairs = pairs + [(j, 0) for j in hub]
+    if draw(st.booleans()):
+        pairs = sorted(pairs, key=lambda e: e[1])  # destination-sorted input
+    if not pairs:
+        return torch.empty(2, 0, dtype=torch.long), n_src, n_dst
+    return torch.tensor(pairs, dtype=torch.long).t().contiguous(), n_src, n_dst
+
+
+# ---------------------------------------------------------------------------
+# Scores and runs.
+# ---------------------------------------------------------------------------
+def make_score(kind, n_src, n_dst, E, H, C, *, dtype=torch.float64, seed=0, edge=True, scale=1.0,
+               device="cpu", requires_grad=True):
+    """An :class:`EdgeScore` of ``kind`` whose tensors are fresh leaves."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        t = (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
+        return t.requires_grad_(requires_grad)
+
+    if kind == "gat":
+        return EdgeScore.gat(r(n_src, H), r(n_dst, H), r(E, H) if edge else None, 0.2)
+    if kind == "gatv2":
+        return EdgeScore.gatv2(r(n_src, H, C), r(n_dst, H, C), r(H, C), r(E, H, C) if edge else None, 0.2)
+    return EdgeScore.dot(r(n_dst, H, C), r(n_src, H, C), r(E, H, C) if edge else None, 1 / math.sqrt(C))
+
+
+def leaves(score: EdgeScore):
+    return [t for t in score.tensors() if t is not None]
+
+
+def cast_score(score: EdgeScore, dtype, requires_grad=True) -> EdgeScore:
+    """The same score over fresh leaf copies of its tensors in ``dtype``."""
+    return score.with_tensors(*(None if t is None else t.detach().to(dtype).requires_grad_(requires_grad)
+                                for t in score.tensors()))
+
+
+def run(backend, score, value, edge_index, n_dst, value_edge=None, *, expect=None, weights=None,
+        **kw):
+    """``(out [N_dst, H*C], alpha, grads of every leaf)`` of one call on ``backend``.
+
+    The loss goes through both outputs, so alpha's own gradient path is checked
+    too. ``expect`` (default: ``backend``) must be the kernel that ran —
+    forward and, for fused kernels, backward — or the test fails.
+    """
+    ins = [t for t in (value, value_edge, *score.tensors()) if t is not None and t.requires_grad]
+    ins = list(dict.fromkeys(ins))
+    with gatlib.record_kernels() as log:
+        out, alpha = graph_attention(score, value, edge_index, n_dst, value_edge=value_edge,
+                                     backend=backend, return_attention=True, **kw)
+        grads = ()
+        if ins:
+            g = torch.Generator().manual_seed(11)
+            w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out) if weights is None else weights
+            loss = (out * w).sum() + (alpha * alpha.detach().cos()).sum()
+            grads = torch.autograd.grad(loss, ins, allow_unused=True)
+    expect = expect or backend
+    assert log[:1] == [expect], f"expected kernel {expect!r} to run; ran {log}"
+    if ins and expect in ("fused", "triton"):
+        assert f"{expect}.backward" in log, f"the {expect} backward did not run: {log}"
+    return out, alpha, grads
+
+
+# ---------------------------------------------------------------------------
+# Low precision.
+# ---------------------------------------------------------------------------
+# Error bounds in ulps of the largest exact value. One ulp: the result's own
+# rounding costs up to half of that, and the reference, torch_scatter and fused
+# CPU paths compute everything else in float32. The Triton backward, like
+# FlashAttention's, takes Delta_i = <g_i, out_i> from the output as stored in
+# float16/bfloat16, whose rounding reaches the gradients (measured up to 4.6
+# ulps in the interpreter, whose bfloat16 stores also truncate).
+LOW_PRECISION_BOUND = {"torch": 1.0, "scatter": 1.0, "fused": 1.0, "triton": 6.0}
+
+
+def low_precision_errors(kind, dtype, backend, *, n=200, edges=3000, hub=2000, H=2, C=16,
+                         device="cpu"):
+    """Error of one call in ``dtype`` (output and every input gradient) against the
+    same computation in float64 on the same rounded inputs, in units of
+    ``eps(dtype) * max|exact|``. The graph has a hub of ``hub`` in-edges whose
+    values have a non-zero mean, so a sum accumulated in the low-precision dtype
+    drifts from the exact one."""
+    ei = torch.cat([random_graph(n, edges, seed=5), hub_graph(n, hub)], dim=1).to(device)
+    E = ei.size(1)
+    s = cast_score(make_score(kind, n, n, E, H, C, seed=7, device=device), dtype)
+    g = torch.Generator().manual_seed(8)
+    v = (1 + torch.randn(n, H, C, generator=g, dtype=torch.float64)).to(device, dtype).requires_grad_()
+    ve = torch.randn(E, H, C, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_()
+    w = torch.randn(n, H * C, generator=g, dtype=torch.float64).to(device)
+
+    def go(s, v, ve, b):
+        out = graph_attention(s, v, ei, n, value_edge=ve, backend=b)
+        gr = torch.autograd.grad((out * w.to(out.dtype)).sum(), [v, ve, *leaves(s)])
+        return [out.detach().double(), *[t.double() for t in gr]]
+
+    exact = go(cast_score(s, torch.float64), v.detach().double().requires_grad_(),
+               ve.detach().double().requires_grad_(), "torch")
+    with gatlib.record_kernels() as log:
+        got = go(s, v, ve, backend)
+    assert log[0] == backend, log
+    eps = torch.finfo(dtype).eps
+    return [((x - e).abs().max() / (e.abs().max() * eps)).item() for x, e in zip(got, exact, strict=True)]

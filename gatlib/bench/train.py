@@ -25,24 +25,23 @@ Model selection only ever looks at the validation split.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-import platform
 import statistics
-import subprocess
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch_geometric.data import Data
 
-from . import models
-from ._backend import resolve_backend
+from .. import GraphPlan, models, record_kernels
 from .data import PLANETOID, NodeDataset
+from .measure import proc_status
+from .report import environment
 
 MODELS = ("gat", "gatv2", "transformer")
 _GAT_CLASS = {"gat": "GAT", "gatv2": "GATv2"}
@@ -198,9 +197,11 @@ def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.dev
     opt = Opt(model.parameters(), lr=rcp.lr, weight_decay=rcp.weight_decay)
     loss_fn = F.binary_cross_entropy_with_logits if dataset.multilabel else F.cross_entropy
     inputs = {"pe": graph.pe} if rcp.pe is not None else {}
+    # The graph is checked and sorted once, not in every layer of every epoch.
+    plan = GraphPlan(graph.edge_index, num_nodes=graph.num_nodes)
 
     def forward():
-        return model(graph.x, graph.edge_index, **inputs)
+        return model(graph.x, plan, **inputs)
 
     stop = _Stopping(rcp)
     if device.type == "cuda":
@@ -270,52 +271,8 @@ def peak_memory_mib(device: torch.device | str = "cpu") -> Optional[float]:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return None
-
-
-def environment() -> Dict[str, Any]:
-    """Library versions and the git commit of the gatlib source, for result files."""
-    import torch_geometric
-
-    from . import __version__
-
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "torch_geometric": torch_geometric.__version__, "gatlib": __version__}
-    try:
-        import ogb
-
-        versions["ogb"] = ogb.__version__
-    except ImportError:
-        pass
-    root = Path(__file__).resolve().parent
-    sha = _git(root, "rev-parse", "HEAD")
-    dirty = _git(root, "status", "--porcelain")
-    return {"versions": versions, "git_sha": sha,
-            "git_dirty": None if sha is None or dirty is None else bool(dirty)}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git(cwd: Path, *args: str) -> Optional[str]:
-    try:
-        res = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return res.stdout.strip() if res.returncode == 0 else None
+    hwm = proc_status().get("VmHWM")
+    return None if hwm is None else hwm / 2**20
 
 
 def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.device | str = "cpu",
@@ -345,7 +302,9 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
     Returns:
         The report: ``runs`` (one :class:`RunResult` dict each), ``test_acc``
         (list), ``test_acc_mean``/``_std``, ``val_acc_mean``/``_std`` (in %,
-        sample std), the config, device, versions and git SHA.
+        sample std), the config, ``kernels`` (the attention kernels that ran
+        in the first run, see :func:`gatlib.record_kernels`) and the
+        :func:`~gatlib.bench.report.environment` (device, versions, git SHA).
     """
     from tqdm.auto import tqdm
 
@@ -362,19 +321,21 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
     device = torch.device(device)
     graph = prepare_graph(dataset, rcp, device)
     report: Dict[str, Any] = {
-        "dataset": dataset.name, "model": model, "metric": dataset.metric, "device": str(device),
-        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                        else _cpu_name()),
-        "threads": torch.get_num_threads(), "backend": backend,
-        "backend_resolved": resolve_backend(backend, torch.device(device)).name, "runs_requested": runs,
-        "config": {"seed": seed, **asdict(rcp)}, **environment(),
+        "dataset": dataset.name, "model": model, "metric": dataset.metric, **environment(device),
+        "backend": backend, "kernels": None, "runs_requested": runs,
+        "config": {"seed": seed, **asdict(rcp)},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "interrupted": False, "runs": [],
     }
     results: List[RunResult] = []
     bar = tqdm(range(runs), desc=f"{dataset.name} {model}", unit="run", disable=not progress)
     try:
         for i in bar:
-            res = train_run(dataset, rcp, seed=seed + i, device=device, backend=backend, graph=graph)
+            # Which kernels ran is recorded in the first run; the others run the same calls.
+            with record_kernels() if i == 0 else contextlib.nullcontext() as log:
+                res = train_run(dataset, rcp, seed=seed + i, device=device, backend=backend,
+                                graph=graph)
+            if i == 0:
+                report["kernels"] = list(dict.fromkeys(log))
             results.append(res)
             _summarise(report, results)
             bar.set_postfix(test=f"{res.test_acc:.1f}", mean=f"{report['test_acc_mean']:.2f}")

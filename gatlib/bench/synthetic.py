@@ -1,6 +1,6 @@
 r"""Synthetic stand-ins for the OGB benchmark graphs: same size, heavy-tailed degrees.
 
-The comparison against PyG (:mod:`gatlib.compare`) needs graphs with the shape
+The comparison against PyG (:mod:`gatlib.bench.compare`) needs graphs with the shape
 of ogbn-arxiv and ogbn-products, which cannot be downloaded here. Their cost
 profile is set by the node count, the edge count, the feature width and how
 unequal the degrees are (a hub with thousands of in-edges is what breaks

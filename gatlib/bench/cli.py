@@ -5,20 +5,21 @@
 
     gatlib bench --dataset cora --model gat --runs 100 --device cpu --json results.json
 
-``gatlib compare`` is provided by :mod:`gatlib.compare` (kernel comparisons).
+``gatlib compare`` compares gatlib's layers with PyTorch Geometric's (time,
+peak memory, agreement); it is :mod:`gatlib.bench.compare`.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ._backend import BACKENDS
+from gatlib import BACKENDS
+
 from .data import DATASETS, DatasetNotFoundError
+from .report import format_table, write_json
 from .train import MODELS
 
 
@@ -59,11 +60,12 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
-    compare = sub.add_parser("compare", help="compare attention implementations (gatlib.compare)",
-                             description="Compare attention implementations; see gatlib.compare.")
+    compare = sub.add_parser("compare", help="compare gatlib's layers with PyG's (gatlib.bench.compare)",
+                             description="Compare gatlib's layers with PyG's: agreement, time and "
+                                         "peak memory; see gatlib.bench.compare.")
     # Imported only when asked for: `gatlib bench` need not load the comparison's imports.
     if argv[:1] == ["compare"]:
-        module = importlib.import_module("gatlib.compare")
+        module = importlib.import_module("gatlib.bench.compare")
         module.add_arguments(compare)
         compare.set_defaults(func=module.run)
     return parser
@@ -89,7 +91,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     def save(report: Dict[str, Any]) -> None:
         if args.json_path is not None:
-            _write_json(args.json_path, report)
+            write_json(args.json_path, report)
 
     try:
         report = benchmark(dataset, args.model, runs=args.runs, device=device, backend=args.backend,
@@ -99,7 +101,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"gatlib bench: {e}", file=sys.stderr)
         return 2
     save(report)
-    print(format_table(report))
+    print(bench_table(report))
     if args.json_path is not None:
         print(f"results: {args.json_path}")
     if report["interrupted"]:
@@ -108,16 +110,8 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_json(path: Path, report: Dict[str, Any]) -> None:
-    """Write atomically: an interrupted write never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-def format_table(report: Dict[str, Any]) -> str:
-    """A one-row summary table of a :func:`gatlib.train.benchmark` report."""
+def bench_table(report: Dict[str, Any]) -> str:
+    """A one-row summary table of a :func:`gatlib.bench.train.benchmark` report."""
     def pm(mean, std):
         return "-" if mean is None else f"{mean:.2f} ± {std:.2f}"
 
@@ -125,18 +119,15 @@ def format_table(report: Dict[str, Any]) -> str:
         return "-" if x is None else format(x, fmt)
 
     metric = "ROC-AUC" if report["metric"] == "rocauc" else "acc"
-    head = ["dataset", "model", "device", "runs", f"test {metric} (%)", f"val {metric} (%)",
-            "epochs", "s/epoch", "peak mem (MiB)"]
+    headers = ["dataset", "model", "device", "runs", f"test {metric} (%)", f"val {metric} (%)",
+               "epochs", "s/epoch", "peak mem (MiB)"]
     row = [report["dataset"], report["model"], report["device"],
            f"{report['runs_completed']}/{report['runs_requested']}",
            pm(report["test_acc_mean"], report["test_acc_std"]),
            pm(report["val_acc_mean"], report["val_acc_std"]),
            num(report["epochs_mean"], ".0f"), num(report["seconds_per_epoch_mean"], ".4f"),
            num(report["peak_memory_mib"], ".0f")]
-    widths = [max(len(h), len(r)) for h, r in zip(head, row, strict=True)]
-    lines = [" | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) for cells in (head, row)]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(headers, [row], align="<<<" + ">" * 6)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,361 @@
+r"""The one switch: which kernel runs a call of the attention core.
+
+Every implementation of the three stages is a :class:`Kernel` with a name, a
+:meth:`Kernel.supports` that says whether it can run a given call and, if not,
+why, and a :meth:`Kernel.run`. :func:`select_kernel` applies the ``backend=``
+argument:
+
+* an explicitly named backend runs the call or raises ``ValueError`` with the
+  kernel's reason — it never hands the call to another kernel;
+* ``"auto"`` takes the first kernel of a fixed preference list that supports
+  the call; the list is written (with the measurements behind it) where it is
+  applied, in :func:`select_kernel`.
+
+Which kernel ran is observable: inside ``with gatlib.record_kernels() as log``
+every kernel appends its name to ``log`` when it runs — the fused kernels from
+inside their autograd functions, so an entry means the kernel's own code ran —
+and fused backward passes append ``"<name>.backward"``, or
+``"<name>.backward:reference"`` when a differentiable backward made them
+differentiate the reference instead. Tests assert that the kernel under test ran.
+
+Kernels import only :mod:`gatlib._core` and :mod:`gatlib._plan`; this module
+imports the kernels, never the other way round.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import _core
+from ._core import EdgeScore
+from ._plan import GraphPlan, as_plan
+
+BACKENDS = ("auto", "torch", "scatter", "fused", "triton")
+
+_LOG: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("gatlib_kernel_log",
+                                                                      default=None)
+
+
+@contextlib.contextmanager
+def record_kernels() -> Iterator[List[str]]:
+    """Record which kernel ran each attention call in this block.
+
+    Yields a list that collects, in order, the name of the kernel of every
+    call (``"torch"``, ``"scatter"``, ``"fused"``, ``"triton"``) and of every
+    fused backward pass (``"fused.backward"``, ``"fused.backward:reference"``).
+    """
+    log: List[str] = []
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def _log(entry: str) -> None:
+    if torch.compiler.is_compiling():  # nothing to record inside a traced graph
+        return
+    log = _LOG.get()
+    if log is not None:
+        log.append(entry)
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """One call of the attention core, as every kernel sees it.
+
+    Attributes:
+        score: how each edge is scored.
+        value: ``[N_src, H, C]`` source values.
+        plan: the graph.
+        value_edge: optional ``[E, H, C]`` per-edge value term (edge-list order).
+        p: attention-dropout probability in effect (0 when not training).
+        need_alpha: whether the attention weights are returned.
+    """
+
+    score: EdgeScore
+    value: Tensor
+    plan: GraphPlan
+    value_edge: Optional[Tensor]
+    p: float
+    need_alpha: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.value.device
+
+    def tensors(self) -> Tuple[Tensor, ...]:
+        return tuple(t for t in (self.value, self.value_edge, *self.score.tensors()) if t is not None)
+
+
+def _transforms() -> Tuple[str, ...]:
+    """Names of the torch.func transforms around this call (``"Grad"``, ``"Vmap"``, ...)."""
+    return tuple(str(i.key()).rsplit(".", 1)[-1] for i in torch._C._functorch.get_interpreter_stack() or ())
+
+
+def _traced() -> Optional[str]:
+    """Why a fused kernel cannot run here, if torch.compile/jit tracing or a
+    torch.func transform other than grad/vjp is active; else ``None``."""
+    if torch.compiler.is_compiling():
+        return ("torch.compile traces the call (fused kernels run sparse CSR ops that "
+                "inductor does not compile)")
+    if torch.jit.is_tracing():
+        return "torch.jit.trace records the call"
+    other = [t for t in _transforms() if t != "Grad"]
+    if other:
+        return f"a torch.func transform is active ({', '.join(other)}); fused kernels support grad/vjp only"
+    return None
+
+
+def _fused_context(call: AttentionCall) -> Optional[str]:
+    """Why no fused kernel runs ``call`` in this context (tracing, transforms other
+    than grad/vjp, forward-mode AD), or ``None``. Their autograd functions have a
+    backward (and a differentiable one for higher orders), no jvp or vmap rule."""
+    import torch.autograd.forward_ad as fwAD
+
+    reason = _traced()
+    if reason is None and any(fwAD.unpack_dual(t).tangent is not None for t in call.tensors()):
+        reason = "forward-mode AD (dual tensors): fused kernels have no jvp"
+    return reason
+
+
+class Kernel:
+    """An implementation of the three stages for the calls it supports."""
+
+    name = ""
+
+    def available(self, device: torch.device) -> Optional[str]:
+        """``None`` when this kernel can run on ``device`` here (its package is
+        installed, ...); else the reason it cannot."""
+        return None
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        """``None`` when this kernel runs ``call``; else the reason it does not."""
+        return self.available(call.device)
+
+    def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(out [N_dst, H, C] in value's dtype, alpha [E, H] in edge-list order or None)``."""
+        raise NotImplementedError
+
+
+class ReferenceKernel(Kernel):
+    """The pure-PyTorch specification (:func:`gatlib._core.reference_attention`).
+    Runs every call: any device and floating dtype, autograd to any order,
+    torch.func transforms, autocast, torch.compile."""
+
+    name = "torch"
+
+    softmax = staticmethod(_core.segment_softmax)
+    aggregate = staticmethod(_core.segment_aggregate)
+
+    def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
+        _log(self.name)
+        src, index = call.plan.coo()
+        out, alpha = _core.reference_attention(call.score, call.value, src, index, call.plan.num_dst,
+                                               call.value_edge, p=call.p, softmax=self.softmax,
+                                               aggregate=self.aggregate)
+        return out, (alpha if call.need_alpha else None)
+
+
+def _scatter_softmax(score: Tensor, index: Tensor, num_segments: int) -> Tensor:
+    from torch_scatter import scatter
+
+    dtype = score.dtype
+    s = score.to(_core._acc_dtype(dtype))
+    seg_max = scatter(s.detach(), index, 0, dim_size=num_segments, reduce="max")
+    ex = (s - seg_max.index_select(0, index)).exp()
+    denom = scatter(ex, index, 0, dim_size=num_segments, reduce="sum")
+    return (ex / denom.index_select(0, index)).to(dtype)
+
+
+def _scatter_aggregate(alpha, value, src, index, num_segments, value_edge=None):
+    from torch_scatter import scatter
+
+    acc = _core._acc_dtype(value.dtype)
+    msg = value.to(acc).index_select(0, src)
+    if value_edge is not None:
+        msg = msg + value_edge.to(acc)
+    msg = msg * alpha.to(acc).unsqueeze(-1)
+    return scatter(msg, index, 0, dim_size=num_segments, reduce="sum").to(value.dtype)
+
+
+class ScatterKernel(ReferenceKernel):
+    """Stages 2 and 3 with torch_scatter's scatter kernels, stage 1 as the reference."""
+
+    name = "scatter"
+
+    def available(self, device: torch.device) -> Optional[str]:
+        if importlib.util.find_spec("torch_scatter") is None:
+            return "torch_scatter is not installed (pip install 'gatlib[scatter]')"
+        return None
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        if self.available(call.device) is not None:
+            return self.available(call.device)
+        if torch.compiler.is_compiling():
+            return "torch_scatter's operators are not traced by torch.compile"
+        if _transforms():
+            return "torch_scatter's operators have no torch.func (functorch) rules"
+        return None
+
+    softmax = staticmethod(_scatter_softmax)
+    aggregate = staticmethod(_scatter_aggregate)
+
+
+class FusedCPUKernel(Kernel):
+    """Fused CSR attention for CPU tensors (:mod:`gatlib._fused_cpu`)."""
+
+    name = "fused"
+
+    def available(self, device: torch.device) -> Optional[str]:
+        if device.type != "cpu":
+            return f"the fused CPU kernel runs on CPU tensors; got {device} (on CUDA: 'triton')"
+        return None
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        from . import _fused_cpu
+
+        return (self.available(call.device) or _fused_context(call)
+                or _fused_cpu.unsupported(call.score, call.value, call.value_edge))
+
+    def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
+        from . import _fused_cpu
+
+        return _fused_cpu.attention(call.score, call.value, call.plan, call.value_edge, call.p,
+                                    call.need_alpha, _LOG.get())
+
+
+class TritonKernel(Kernel):
+    """Fused Triton kernels (:mod:`gatlib._triton`): CUDA tensors, or CPU tensors
+    under ``TRITON_INTERPRET=1`` (how CI tests the kernels)."""
+
+    name = "triton"
+
+    def available(self, device: torch.device) -> Optional[str]:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install 'gatlib[triton]')"
+        if not (device.type == "cuda" or (device.type == "cpu" and _interpreting())):
+            return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device}"
+        return None
+
+    def supports(self, call: AttentionCall) -> Optional[str]:
+        reason = self.available(call.device) or _fused_context(call)
+        if reason is None:
+            from . import _triton
+
+            reason = _triton.unsupported(call.score, call.value, call.value_edge)
+        return reason
+
+    def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
+        from . import _triton
+
+        return _triton.attention(call.score, call.value, call.plan, call.value_edge, call.p,
+                                 call.need_alpha, _LOG.get())
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+KERNELS: Dict[str, Kernel] = {k.name: k for k in (ReferenceKernel(), ScatterKernel(),
+                                                    FusedCPUKernel(), TritonKernel())}
+
+
+def check_backend_name(backend) -> str:
+    """Validate a ``backend=`` argument (at construction time, too)."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {BACKENDS}; got {type(backend).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend in ("scatter", "triton"):
+        name = {"scatter": "torch_scatter", "triton": "triton"}[backend]
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"backend={backend!r} is not available: {name} is not installed "
+                             f"(pip install 'gatlib[{backend}]')")
+    return backend
+
+
+def select_kernel(backend: str, call: AttentionCall) -> Kernel:
+    """The kernel that runs ``call`` for ``backend=`` (see the module docstring)."""
+    check_backend_name(backend)
+    dev = call.device.type
+    if backend == "auto":
+        # The rule (measurements in benchmarks/NOTES.md and the README):
+        #   CPU:  "fused" — 4.5-6x PyG's forward+backward on the arxiv-like graph at
+        #         under 1/10 of its memory; where it cannot run (torch.compile,
+        #         torch.func vmap/jvp, forward-mode AD, non-float dtypes): "torch".
+        #   CUDA and other devices: "torch". The Triton kernels have not run on a
+        #         GPU yet; until they are measured there they are opt-in.
+        for name in (("fused", "torch") if dev == "cpu" else ("torch",)):
+            if KERNELS[name].supports(call) is None:
+                return KERNELS[name]
+        raise AssertionError("the reference kernel supports every call")  # pragma: no cover
+    # "fused" names the family that never builds [E, H, C]: the CSR kernel on CPU,
+    # the Triton kernels on CUDA.
+    name = "triton" if backend == "fused" and dev == "cuda" else backend
+    kernel = KERNELS[name]
+    reason = kernel.supports(call)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
+    return kernel
+
+
+def available_backends(device: Union[torch.device, str] = "cpu") -> Tuple[str, ...]:
+    """Names of the kernels that can run on ``device`` here (``"torch"`` always
+    can); whether one runs a particular call is :meth:`Kernel.supports`'s to say."""
+    device = torch.device(device)
+    return tuple(n for n, k in KERNELS.items() if k.available(device) is None)
+
+
+def graph_attention(
+    score: EdgeScore,
+    value: Tensor,
+    edge_index: Union[Tensor, GraphPlan],
+    num_dst: int,
+    *,
+    value_edge: Optional[Tensor] = None,
+    dropout: float = 0.0,
+    training: bool = False,
+    concat: bool = True,
+    backend: str = "auto",
+    return_attention: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    r"""Sparse multi-head attention over the edges of a graph.
+
+    .. math::
+        \alpha_{ij} = \operatorname{softmax}_{j \in \mathcal{N}(i)}(e_{ij}),
+        \qquad
+        h_i' = \big\Vert_{h=1}^{H} \text{ or } \tfrac{1}{H}\sum_{h=1}^{H}
+        \; \sum_{j \in \mathcal{N}(i)} \alpha^{h}_{ij}\,(v^{h}_j + u^{h}_{ij})
+
+    Args:
+        score: an :class:`EdgeScore` holding the per-node terms of ``e_ij``.
+        value: ``[N_src, H, C]`` values of the source nodes.
+        edge_index: ``[2, E]`` integer ``(src, dst)`` pairs, a PyG ``EdgeIndex``
+            or a :class:`GraphPlan` of ``N_src`` sources and ``num_dst`` destinations.
+        num_dst: number of destination nodes ``N_dst``.
+        value_edge: optional ``[E, H, C]`` term added to each edge's value.
+        dropout: probability of dropping an attention weight (training only).
+        training: whether dropout is active.
+        concat: concatenate heads (``[N, H*C]``) or average them (``[N, C]``).
+        backend: ``"auto"``, ``"torch"``, ``"scatter"``, ``"fused"`` or
+            ``"triton"`` (see :func:`gatlib.available_backends`).
+        return_attention: also return the ``[E, H]`` weights (before dropout),
+            in the order of ``edge_index``.
+
+    Returns:
+        ``out`` or ``(out, alpha)``.
+    """
+    plan = as_plan(edge_index, value.size(0), num_dst, value.device)
+    p = float(dropout) if training and dropout > 0 else 0.0
+    call = AttentionCall(score, value, plan, value_edge, p, bool(return_attention))
+    out, alpha = select_kernel(backend, call).run(call)
+    out = _core.combine_heads(out, concat)
+    return (out, alpha) if return_attention else out

@@ -1,0 +1,423 @@
+r"""Graph plans: a graph's edges, checked once and held in the orders kernels read.
+
+A :class:`GraphPlan` owns everything that is derived from a graph's edges —
+the checked edge list, the destination-sorted CSR and source-sorted CSC
+layout, its self-loop'ed twin and the layouts private to a kernel — and nothing
+else in gatlib holds such state: there is no module-level cache. So:
+
+* a plan can never disagree with the indices it was built from: it copies
+  them when it is built, never hands its own tensors out (:attr:`edge_index`
+  returns a copy), and whatever it derives later is derived from its copy;
+* everything it derives is freed with it;
+* it works the same under ``no_grad`` and ``inference_mode`` and in DataLoader
+  workers: derived tensors are always built as normal tensors, so a plan first
+  used under ``inference_mode`` still trains afterwards.
+
+Layers take a plan wherever they take an ``edge_index``. Given a plain
+``[2, E]`` tensor or a PyG :class:`~torch_geometric.EdgeIndex`, a layer builds a
+throw-away plan for that call; build a plan yourself to check and sort the
+graph once for many calls (full-batch training)::
+
+    plan = gatlib.GraphPlan(edge_index, num_nodes=N)
+    for epoch in range(epochs):
+        out = model(x, plan)
+
+Nothing is sorted that is already in order: a destination-sorted ``[2, E]``
+tensor keeps its order, an ``EdgeIndex`` sorted by row or column supplies its
+own (cached) CSR/CSC, and adding self-loops to a plan merges them into its
+layout in O(E) instead of sorting again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _validate as V
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Destination-sorted CSR of a graph plus the source-sorted (CSC) view.
+
+    Edge ``k`` in CSR order is edge ``perm[k]`` of the plan's edge list; row
+    ``i`` holds ``ptr[i]:ptr[i+1]``, in the edge list's order. The CSC view
+    lists, for each source node, its out-edges as positions in CSR order
+    (``csc_edge``, increasing), so a backward pass can gather per-edge
+    quantities saved in CSR order without atomics. Index tensors are int32 when
+    every value fits, else int64; ``perm`` is int64.
+    """
+
+    ptr: Tensor  # [N_dst + 1]
+    src: Tensor  # [E]  source of each edge, CSR order
+    dst: Tensor  # [E]  destination of each edge, CSR order (sorted)
+    perm: Tensor  # [E]  edge-list position of each CSR edge (int64)
+    csc_ptr: Tensor  # [N_src + 1]
+    csc_edge: Tensor  # [E]  CSR position of each edge, source-sorted
+    csc_dst: Tensor  # [E]  destination of each edge, source-sorted
+    num_src: int
+    num_dst: int
+
+    @property
+    def num_edges(self) -> int:
+        return self.src.numel()
+
+
+def index_dtype(*bounds: int) -> torch.dtype:
+    """int32 when every index and count below ``max(bounds)`` fits, else int64."""
+    return torch.int32 if max(bounds, default=0) < 2**31 - 1 else torch.int64
+
+
+class GraphPlan:
+    r"""A graph's edges, checked once, with the CSR/CSC layouts kernels read.
+
+    Args:
+        edge_index (Tensor or EdgeIndex): ``[2, E]`` integer ``(source,
+            destination)`` pairs (int64 or int32), or a PyG ``EdgeIndex``
+            (whose own sorted layout is used).
+        num_nodes (int, optional): number of nodes of a graph whose sources
+            and destinations are the same nodes. (default: the largest index
+            plus one)
+        size ((int, int), optional): ``(N_src, N_dst)`` of a bipartite graph;
+            instead of ``num_nodes``.
+
+    A layer called with a plan checks that the plan's sizes match its inputs
+    (``N_src`` rows of source features, ``N_dst`` of destination features)
+    and raises ``ValueError`` otherwise.
+
+    Shapes:
+        - **edge_index:** ``[2, E]``; the plan copies it, so later writes to it
+          do not reach the plan.
+    """
+
+    def __init__(self, edge_index: Tensor, num_nodes: Optional[int] = None, *,
+                 size: Optional[Tuple[int, int]] = None):
+        if isinstance(edge_index, GraphPlan):
+            raise TypeError("edge_index is already a GraphPlan")
+        num_src, num_dst = _sizes(num_nodes, size)
+        ei, layout_fn = checked_edge_list(edge_index, num_src, num_dst)
+        if num_src is None:  # infer from the indices, as PyG's maybe_num_nodes does
+            n = int(ei.max()) + 1 if ei.numel() else 0
+            num_src = num_dst = n
+        self._init(ei, num_src, num_dst, layout_fn)
+
+    # -- construction ---------------------------------------------------------
+    def _init(self, ei: Tensor, num_src: int, num_dst: int,
+              layout_fn: Optional[Callable[[], Layout]]) -> None:
+        self._ei = ei  # [2, E] int64, contiguous, owned by this plan
+        self.num_src = num_src
+        self.num_dst = num_dst
+        self._layout: Optional[Layout] = None
+        self._layout_fn_sorted = layout_fn is not None  # from a sorted EdgeIndex
+        self._layout_fn = layout_fn or (lambda: build_layout(ei[0], ei[1], num_src, num_dst))
+        self._loops: Dict[int, GraphPlan] = {}
+        self._base: Optional[GraphPlan] = None  # the plan this one added self-loops to
+        self._derived: Dict[Hashable, Any] = {}
+
+    @classmethod
+    def _owned(cls, ei: Tensor, num_src: int, num_dst: int,
+               layout_fn: Optional[Callable[[], Layout]] = None) -> "GraphPlan":
+        """A plan around an already checked int64 ``[2, E]`` that nobody else holds."""
+        plan = cls.__new__(cls)
+        plan._init(ei, num_src, num_dst, layout_fn)
+        return plan
+
+    # -- what users read ------------------------------------------------------
+    @property
+    def num_edges(self) -> int:
+        return self._ei.size(1)
+
+    @property
+    def device(self) -> torch.device:
+        return self._ei.device
+
+    @property
+    def edge_index(self) -> Tensor:
+        """A copy of the ``[2, E]`` int64 edge list (editing it changes nothing here)."""
+        return self._ei.clone()
+
+    def with_self_loops(self, num_nodes: Optional[int] = None) -> "GraphPlan":
+        """This graph without its self-loops, plus one self-loop on each of the
+        first ``num_nodes`` nodes (default ``min(N_src, N_dst)``), appended after
+        the other edges in the edge list — as PyG's ``remove_self_loops`` followed
+        by ``add_self_loops`` orders them. Built once per plan and ``num_nodes``."""
+        n = min(self.num_src, self.num_dst) if num_nodes is None else num_nodes
+        if not 0 <= n <= min(self.num_src, self.num_dst):
+            raise ValueError(f"num_nodes must be in [0, {min(self.num_src, self.num_dst)}] "
+                             f"(self-loops need both a source and a destination); got {n}")
+        looped = self._loops.get(n)
+        if looped is None:
+            looped = self._looped(n, *_normal(_drop_and_add_loops, self._ei, n))
+        return looped
+
+    def _looped(self, n: int, keep: Tensor, looped_ei: Tensor) -> "GraphPlan":
+        """The plan of ``looped_ei`` (:func:`_drop_and_add_loops` of this plan's edges),
+        kept on this plan."""
+        def layout() -> Layout:
+            # Merging the loops into this plan's layout takes a few O(E) passes and
+            # sorts nothing, so it is the way when this plan's layout needs no sort by
+            # destination (built already, destination-sorted input, a sorted
+            # EdgeIndex); otherwise the looped edges are sorted directly (measured
+            # ~2x faster than building this plan's layout and merging).
+            if self._layout is None and not self._sorted_input:
+                return build_layout(looped_ei[0], looped_ei[1], self.num_src, self.num_dst)
+            return _layout_with_loops(self.layout(), keep, looped_ei.size(1), n)
+
+        looped = GraphPlan._owned(looped_ei, self.num_src, self.num_dst, layout)
+        looped._base = self
+        return self._loops.setdefault(n, looped)  # atomic: concurrent callers get one plan
+
+    @property
+    def _sorted_input(self) -> bool:
+        """Whether this plan's layout needs no sort by destination."""
+        return self._layout_fn_sorted or _nondecreasing(self._ei[1])
+
+    def to(self, device: torch.device | str) -> "GraphPlan":
+        """This plan's graph on ``device`` (layouts are rebuilt there when used)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return GraphPlan._owned(self._ei.to(device), self.num_src, self.num_dst)
+
+    def __repr__(self) -> str:
+        return (f"GraphPlan(num_src={self.num_src}, num_dst={self.num_dst}, "
+                f"num_edges={self.num_edges}, device={self.device})")
+
+    def __getstate__(self):  # picklable (DataLoader workers): derived state is rebuilt there
+        return {"ei": self._ei, "num_src": self.num_src, "num_dst": self.num_dst}
+
+    def __setstate__(self, state):
+        self._init(state["ei"], state["num_src"], state["num_dst"], None)
+
+    # -- what kernels read (read-only: kernels never write to these) ----------
+    def coo(self) -> Tuple[Tensor, Tensor]:
+        """``(src, dst)``, each ``[E]`` int64, in edge-list order."""
+        return self._ei[0], self._ei[1]
+
+    def layout(self) -> Layout:
+        """The CSR/CSC :class:`Layout`, built on first use."""
+        if self._layout is None:
+            self._layout = self.derived("layout", self._layout_fn)
+        return self._layout
+
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()`` once per plan and ``key``: where kernels keep what they derive
+        from the graph (e.g. a layout over heads), so that it lives and dies with
+        the plan. ``build`` must only read the plan."""
+        value = self._derived.get(key)
+        if value is None:
+            value = _normal(build)
+            value = self._derived.setdefault(key, value)  # atomic: concurrent callers get one value
+        return value
+
+
+def _normal(fn: Callable, *args):
+    """``fn(*args)``, building normal tensors even inside ``inference_mode``
+    (an inference tensor kept on a plan could not be saved for backward by a
+    later training call)."""
+    # (dynamo traces neither the inference-mode query nor graph breaks inside a
+    # with block it cannot resume; under torch.compile inference mode is off)
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
+        return fn(*args)
+    with torch.inference_mode(False):
+        return fn(*args)
+
+
+def _drop_and_add_loops(ei: Tensor, n: int) -> Tuple[Tensor, Tensor]:
+    """``(keep [E] bool, looped [2, E'])``: the edges that are not self-loops, then
+    loops ``i -> i`` for ``i < n``."""
+    keep = ei[0] != ei[1]  # [E]
+    loops = torch.arange(n, device=ei.device)
+    return keep, torch.cat([ei[:, keep], torch.stack([loops, loops])], dim=1)
+
+
+def _sizes(num_nodes, size) -> Tuple[Optional[int], Optional[int]]:
+    if num_nodes is not None and size is not None:
+        raise ValueError("pass either num_nodes or size=(N_src, N_dst), not both")
+    if size is not None:
+        if not isinstance(size, (tuple, list)) or len(size) != 2:
+            raise ValueError(f"size must be a pair (N_src, N_dst); got {size!r}")
+        return (V.check_positive_int("size[0]", size[0], minimum=0),
+                V.check_positive_int("size[1]", size[1], minimum=0))
+    if num_nodes is not None:
+        n = V.check_positive_int("num_nodes", num_nodes, minimum=0)
+        return n, n
+    return None, None
+
+
+def checked_edge_list(edge_index, num_src: Optional[int], num_dst: Optional[int],
+                      device: Optional[torch.device] = None,
+                      ) -> Tuple[Tensor, Optional[Callable[[], Layout]]]:
+    """A checked int64 ``[2, E]`` copy of ``edge_index`` and, for a sorted
+    ``EdgeIndex``, a builder of its layout from the EdgeIndex's own CSR/CSC."""
+    from torch_geometric import EdgeIndex
+
+    ei = _normal(V.check_edge_index, edge_index, num_src, num_dst, device)  # an owned int64 copy
+    layout_fn = None
+    if isinstance(edge_index, EdgeIndex):
+        V.check_edge_index_sizes(edge_index, num_src, num_dst)
+        if edge_index.is_sorted and ei.numel():
+            n_src = num_src if num_src is not None else edge_index.get_num_rows()
+            n_dst = num_dst if num_dst is not None else edge_index.get_num_cols()
+            layout_fn = _edge_index_layout_fn(edge_index, n_src, n_dst)
+    return ei, layout_fn
+
+
+def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.device,
+            self_loops: bool = False, loop_nodes: Optional[int] = None) -> GraphPlan:
+    """The plan a layer runs on: ``edge_index`` itself if it is a :class:`GraphPlan`
+    of the right sizes (``num_dst=None``: any), else a throw-away plan of the
+    checked ``[2, E]`` tensor; with ``self_loops``, that plan's
+    :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)`` (whose ``_base`` is the
+    plan without them)."""
+    if not isinstance(edge_index, GraphPlan):
+        ei, layout_fn = checked_edge_list(edge_index, num_src, num_dst, device)
+        if not self_loops:
+            return GraphPlan._owned(ei, num_src, num_dst, layout_fn)
+        # The loops are computed before any plan object exists: removing self-loops
+        # has a data-dependent size, where torch.compile splits the graph, and it
+        # can resume after that only with tensors (not new objects) in flight.
+        # (A plan made here lives for one call: inference tensors in it are fine.)
+        n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
+        keep, looped_ei = _drop_and_add_loops(ei, n)
+        return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(n, keep, looped_ei)
+    plan = _check_plan(edge_index, num_src, num_dst, device)
+    return plan.with_self_loops(loop_nodes) if self_loops else plan
+
+
+def _check_plan(plan: GraphPlan, num_src: int, num_dst: Optional[int],
+                device: torch.device) -> GraphPlan:
+    """``plan``, if its sizes match the inputs' (``num_dst=None``: any) and its device."""
+    num_dst = plan.num_dst if num_dst is None else num_dst
+    if (plan.num_src, plan.num_dst) != (num_src, num_dst):
+        raise ValueError(
+            f"edge_index is a GraphPlan of a graph with {plan.num_src} source and "
+            f"{plan.num_dst} destination nodes, but the inputs have {num_src} and "
+            f"{num_dst}: build the plan with num_nodes= (or size=) matching x")
+    if plan.device != device:
+        raise ValueError(f"edge_index is a GraphPlan on {plan.device} but x is on {device}")
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# Layout construction.
+# ---------------------------------------------------------------------------
+def _nondecreasing(x: Tensor) -> bool:
+    return x.numel() == 0 or bool((x[1:] >= x[:-1]).all())
+
+
+def _ptr(sorted_index: Tensor, n: int) -> Tensor:
+    """``[n + 1]`` offsets of the runs of each value ``0..n-1`` in ``sorted_index``."""
+    bounds = torch.arange(n + 1, dtype=sorted_index.dtype, device=sorted_index.device)
+    return torch.searchsorted(sorted_index, bounds).to(sorted_index.dtype)
+
+
+def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int) -> Layout:
+    """CSR + CSC of a checked edge list (stable sorts; no sort where ``dst`` is
+    already non-decreasing)."""
+    E = src.numel()
+    idt = index_dtype(E, num_src, num_dst)
+    dst_i = dst.to(idt)
+    if _nondecreasing(dst_i):  # already destination-sorted
+        perm = torch.arange(E, device=src.device)
+        dst_csr, src_csr = dst_i.clone(), src.to(idt, copy=True)
+    else:
+        dst_csr, perm = torch.sort(dst_i, stable=True)
+        src_csr = src.index_select(0, perm).to(idt)
+    return _with_csc(_ptr(dst_csr, num_dst), src_csr, dst_csr, perm, num_src, num_dst)
+
+
+def _with_csc(ptr, src_csr, dst_csr, perm, num_src, num_dst) -> Layout:
+    """Complete a CSR with its CSC view: each source's out-edges in CSR order."""
+    src_sorted, csc_edge = torch.sort(src_csr, stable=True)
+    return Layout(ptr=ptr, src=src_csr, dst=dst_csr, perm=perm,
+                  csc_ptr=_ptr(src_sorted, num_src), csc_edge=csc_edge.to(src_csr.dtype),
+                  csc_dst=dst_csr.index_select(0, csc_edge), num_src=num_src, num_dst=num_dst)
+
+
+def _edge_index_layout_fn(ei, num_src: int, num_dst: int) -> Callable[[], Layout]:
+    """Layout from a sorted EdgeIndex's CSC ``(colptr, row), perm`` (cached on the
+    EdgeIndex by PyG); copied, so the plan does not alias the user's object."""
+    def build() -> Layout:
+        (colptr, row), perm = ei.get_csc()
+        E = row.numel()
+        idt = index_dtype(E, num_src, num_dst)
+        perm = (torch.arange(E, device=row.device) if perm is None else perm.to(torch.int64, copy=True))
+        ptr = colptr.to(idt, copy=True)
+        dst_csr = torch.repeat_interleave(torch.arange(num_dst, dtype=idt, device=row.device),
+                                          ptr.diff(), output_size=E)
+        return _with_csc(ptr, row.to(idt, copy=True), dst_csr, perm, num_src, num_dst)
+
+    return build
+
+
+def _layout_with_loops(base: Layout, keep_list: Tensor, num_edges: int, n: int) -> Layout:
+    """The layout of ``base``'s graph without self-loops plus loops ``i -> i``
+    for ``i < n``, appended to the edge list (see :meth:`GraphPlan.with_self_loops`),
+    merged into ``base``'s CSR/CSC in O(E) without sorting.
+
+    In CSR order the loop of row ``i`` is its last entry (it comes last in the
+    edge list); in CSC order the loop of source ``j`` follows ``j``'s out-edges
+    into rows below ``j`` and precedes those into rows above it (CSC rows are
+    ordered by CSR position, i.e. by destination).
+    """
+    dev = base.src.device
+    idt = index_dtype(num_edges, base.num_src, base.num_dst)
+    ptr, src, dst, perm = base.ptr.long(), base.src.long(), base.dst.long(), base.perm
+    loops = torch.arange(n, device=dev)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def excl(mask: Tensor) -> Tensor:  # [len + 1] exclusive prefix counts
+        return torch.cat([zero, mask.long().cumsum(0)])
+
+    def kept(mask: Tensor) -> Optional[Tensor]:  # positions where mask holds; None: all of them
+        return None if bool(mask.all()) else mask.nonzero().squeeze(1)
+
+    def sel(x: Tensor, idx: Optional[Tensor]) -> Tensor:
+        return x if idx is None else x.index_select(0, idx)
+
+    def place(kept_pos: Tensor, kept_vals: Tensor, loop_pos: Tensor, loop_vals: Tensor, dtype) -> Tensor:
+        out = torch.empty(num_edges, dtype=dtype, device=dev)
+        out.index_copy_(0, kept_pos, kept_vals.to(dtype))
+        return out.index_copy_(0, loop_pos, loop_vals.to(dtype))
+
+    # CSR: a kept edge moves down by the loops of the rows above it.
+    keep = src != dst  # [E] CSR order
+    ke = kept(keep)
+    ck = excl(keep)
+    kept_rows = ck.index_select(0, ptr[1:]) - ck.index_select(0, ptr[:-1])  # [N_dst]
+    has_loop = torch.arange(base.num_dst, device=dev) < n
+    new_ptr = torch.cat([zero, (kept_rows + has_loop).cumsum(0)])
+    pos = sel(ck[:-1] + torch.clamp(dst, max=n), ke)  # new CSR position of each kept edge
+    loop_pos = new_ptr[1:n + 1] - 1  # the last entry of rows 0..n-1
+    rank = keep_list.long().cumsum(0) - 1  # edge-list position among the kept edges
+    new_src = place(pos, sel(src, ke), loop_pos, loops, idt)
+    new_dst = place(pos, sel(dst, ke), loop_pos, loops, idt)
+    new_perm = place(pos, rank.index_select(0, sel(perm, ke)), loop_pos, (num_edges - n) + loops,
+                     torch.int64)
+
+    # CSC: the same kept entries, now pointing at new CSR positions; the loop of
+    # source j goes after j's kept out-edges into rows below j.
+    cptr, cedge, cdst = base.csc_ptr.long(), base.csc_edge.long(), base.csc_dst.long()
+    csrc = src.index_select(0, cedge)  # source of each CSC entry
+    ckeep = cdst != csrc
+    kt = kept(ckeep)
+    cck = excl(ckeep)
+    kept_out = cck.index_select(0, cptr[1:]) - cck.index_select(0, cptr[:-1])  # [N_src]
+    src_loop = torch.arange(base.num_src, device=dev) < n
+    new_cptr = torch.cat([zero, (kept_out + src_loop).cumsum(0)])
+    below = excl(ckeep & (cdst < csrc))
+    n_below = (below.index_select(0, cptr[1:]) - below.index_select(0, cptr[:-1]))[:n]  # [n]
+    rank_in_row = cck[:-1] - cck.index_select(0, cptr[:-1]).index_select(0, csrc)
+    after_loop = src_loop.index_select(0, csrc) & (cdst > csrc)
+    cpos = sel(new_cptr.index_select(0, csrc) + rank_in_row + after_loop, kt)
+    loop_cpos = new_cptr[:n] + n_below
+    new_pos = pos if ke is None else torch.empty(base.num_edges, dtype=torch.long,
+                                                 device=dev).index_copy_(0, ke, pos)
+    return Layout(ptr=new_ptr.to(idt), src=new_src, dst=new_dst, perm=new_perm,
+                  csc_ptr=new_cptr.to(idt),
+                  csc_edge=place(cpos, new_pos.index_select(0, sel(cedge, kt)), loop_cpos, loop_pos, idt),
+                  csc_dst=place(cpos, sel(cdst, kt), loop_cpos, loops, idt),
+                  num_src=base.num_src, num_dst=base.num_dst)

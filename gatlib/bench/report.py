@@ -1,0 +1,165 @@
+"""What every result file carries, written once for the whole harness.
+
+* :func:`environment` — the device, library versions and git commit: what a
+  reader needs to trust (or reproduce) a number;
+* :func:`command_line` — the command that produced it;
+* :func:`write_json` — an atomic write, so an interrupted run never leaves
+  half a file where a previous result was;
+* :func:`format_table` — the aligned tables printed at the end of a run (or
+  written as Markdown).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+_PACKAGE = Path(__file__).resolve().parents[1]  # gatlib/
+_ROOT = _PACKAGE.parent  # the checkout (or site-packages) holding gatlib/
+# Distributions whose versions a result file records, by the name they are installed as.
+_DISTRIBUTIONS = ("torch_geometric", "triton", "torch_scatter", "torch_sparse", "pyg_lib", "ogb")
+
+
+def _version(dist: str) -> Optional[str]:
+    for name in (dist, dist.replace("_", "-")):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _git(*args: str) -> Optional[str]:
+    try:
+        res = subprocess.run(["git", "-C", str(_PACKAGE), *args], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        if m:
+            return m.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device | str) -> Dict[str, Any]:
+    """Device, library versions and git commit of a run on ``device``.
+
+    Returns:
+        ``device``, ``device_name`` (the GPU's name, or the CPU model),
+        ``cpu_model``, ``num_threads`` (torch's), ``cpu_count``, ``versions``
+        (python, torch, torch_geometric, gatlib, triton, torch_scatter,
+        torch_sparse, pyg_lib, ogb, cuda; ``None`` where not installed),
+        ``git_sha`` and ``git_dirty`` (whether the ``gatlib`` package —
+        library and harness, untracked files included — differs from that
+        commit; both ``None`` outside a git checkout) and ``platform``.
+    """
+    from .. import __version__
+
+    device = torch.device(device)
+    sha = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--", ".") if sha is not None else None
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "gatlib": __version__, "cuda": torch.version.cuda}
+    versions.update({dist: _version(dist) for dist in _DISTRIBUTIONS})
+    return {
+        "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                        else cpu_model()),
+        "cpu_model": cpu_model(),
+        "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "versions": versions,
+        "git_sha": sha,
+        "git_dirty": None if status is None else bool(status),
+        "platform": platform.platform(),
+    }
+
+
+def command_line(argv: Optional[Sequence[str]] = None) -> str:
+    """``argv`` (default ``sys.argv``) as a command to paste into a shell:
+    a module of this package as ``python -m gatlib.bench.compare``, a script of
+    the checkout as ``python benchmarks/x.py``, anything else (the ``gatlib``
+    console script) by its name."""
+    argv = list(sys.argv if argv is None else argv)
+    prog = Path(argv[0]).resolve() if argv else Path("python")
+    try:
+        rel = prog.relative_to(_ROOT)
+    except ValueError:
+        exe = prog.name
+    else:
+        if rel.parts[:1] == (_PACKAGE.name,):
+            parts = rel.with_suffix("").parts
+            exe = "python -m " + ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
+        else:
+            exe = f"python {rel}"
+    return " ".join([exe, shlex.join(argv[1:])]).rstrip()
+
+
+def write_json(path: os.PathLike | str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path``, atomically.
+
+    The text is serialised first and written to a temporary file beside
+    ``path``, which then replaces ``path`` (``os.replace``): a failure —
+    an object JSON cannot hold, a full disk, Ctrl-C — leaves the previous file
+    (or none) and no partial one. Parent folders are created.
+    """
+    text = json.dumps(obj, indent=2) + "\n"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
+                 align: Optional[str] = None, markdown: bool = False) -> str:
+    """An aligned table: the header, a rule, one line per row.
+
+    Args:
+        headers: column titles.
+        rows: cells (anything ``str`` can print), one sequence per row, as
+            many cells as headers.
+        align: one character per column, ``"<"`` (left) or ``">"`` (right);
+            default: the first column left, the others right (names, then numbers).
+        markdown: a Markdown (GitHub) table, still aligned for reading as
+            text; default plain text, columns two spaces apart.
+    """
+    cells: List[List[str]] = [[str(h) for h in headers]]
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"a row has {len(row)} cells for {len(headers)} columns: {row!r}")
+        cells.append([str(c) for c in row])
+    align = align or "<" + ">" * (len(headers) - 1)
+    if len(align) != len(headers) or set(align) - {"<", ">"}:
+        raise ValueError(f"align needs one '<' or '>' per column; got {align!r}")
+    widths = [max(3, *(len(line[i]) for line in cells)) if markdown else
+              max(len(line[i]) for line in cells) for i in range(len(headers))]
+    padded = [[f"{c:{a}{w}}" for c, a, w in zip(line, align, widths, strict=True)]
+              for line in cells]
+    if markdown:
+        rule = ["-" * (w - 1) + ":" if a == ">" else ":" + "-" * (w - 1)
+                for a, w in zip(align, widths, strict=True)]
+        return "\n".join("| " + " | ".join(line) + " |" for line in [padded[0], rule, *padded[1:]])
+    rule = ["-" * w for w in widths]
+    return "\n".join("  ".join(line).rstrip() for line in [padded[0], rule, *padded[1:]])

@@ -1,0 +1,246 @@
+"""One regression test per defect of issue 12 (each failed on the main of the
+day: a per-tensor cache keyed by id(), a fused path that fell back silently, ...).
+Defect 8 (low-precision tests that did not protect the reference) is
+tests/test_core.py::test_low_precision_bound and ::test_reference_bound_catches_a_low_precision_reference;
+defect 10's structure rules are tests/test_structure.py."""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch_geometric.nn as pyg
+
+import gatlib
+
+from testing import LAYERS, kernels, random_graph
+
+
+def conv(layer="GATConv", **kw):
+    torch.manual_seed(0)
+    return getattr(gatlib, layer)(6, 4, heads=2, **kw)
+
+
+# 1. ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernels())
+def test_1_edge_index_is_not_kept_alive(backend):
+    """A mini-batch loop passes a new edge_index each time: none may outlive its
+    batch (an int64 edge_index used to be its own cache key's value)."""
+    m = conv(backend=backend)
+    refs = []
+    for i in range(20):
+        ei = random_graph(30, 100, seed=i)
+        m(torch.randn(30, 6), ei).sum().backward()
+        refs.append(weakref.ref(ei))
+        del ei
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+# 2. ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", LAYERS)
+def test_2_rewritten_buffer_gives_the_new_graph(layer):
+    """A torch.from_numpy buffer refilled in place for the next batch (no version
+    bump): the layer computes on the new graph, and checks its range."""
+    m = conv(layer)
+    x = torch.randn(20, 6)
+    buf = np.zeros((2, 60), dtype=np.int64)
+    ei = torch.from_numpy(buf)
+    outs = []
+    for seed in (1, 2):
+        buf[:] = random_graph(20, 60, seed=seed).numpy()
+        outs.append(m(x, ei))
+        torch.testing.assert_close(outs[-1], m(x, torch.from_numpy(buf.copy())))
+    assert not torch.allclose(outs[0], outs[1])
+    buf[0, 0] = 20
+    with pytest.raises(IndexError, match="contains index 20"):
+        m(x, ei)
+    view = ei.view(-1)  # another tensor on the same storage, and .data
+    ei.data[0, 0] = 0
+    view[1] = 25
+    with pytest.raises(IndexError, match="contains index 25"):
+        m(x, ei)
+
+
+# 3. ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("layer", LAYERS)
+def test_3_inference_mode_then_training(layer, backend):
+    m = conv(layer, backend=backend)
+    x = torch.randn(15, 6)
+    ei = random_graph(15, 50, seed=3)
+    plan = gatlib.GraphPlan(ei, num_nodes=15)
+    with torch.inference_mode():
+        a = m(x, ei)
+        b = m(x, plan)
+    for g in (ei, plan):  # the same graph, now in training
+        out = m(x.requires_grad_(), g)
+        out.sum().backward()
+        torch.testing.assert_close(out.detach(), a)
+    torch.testing.assert_close(a, b)
+
+
+# 4. ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", LAYERS)
+def test_4_returned_edge_index_is_the_callers(layer):
+    m = conv(layer)
+    x = torch.randn(15, 6)
+    ei = random_graph(15, 50, seed=4)
+    out, (returned, _) = m(x, ei, return_attention_weights=True)
+    returned.fill_(0)
+    torch.testing.assert_close(m(x, ei), out)
+
+
+# 5. ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("concat", [True, False], ids=["concat", "mean"])
+@pytest.mark.parametrize("layer", LAYERS)
+def test_5_zero_nodes_and_zero_edges(layer, concat, backend):
+    """Like PyG: a graph without nodes gives [0, H*C] (or [0, C]); without edges,
+    the layer's output for isolated nodes."""
+    m = conv(layer, concat=concat, backend=backend)
+    theirs = getattr(pyg, layer)(6, 4, heads=2, concat=concat)
+    theirs.load_state_dict(m.state_dict())
+    for n in (0, 5):
+        x = torch.randn(n, 6, requires_grad=True)
+        ei = torch.zeros(2, 0, dtype=torch.long)
+        with gatlib.record_kernels() as log:
+            out = m(x, ei)
+            out.sum().backward()
+        assert log[0] == backend
+        torch.testing.assert_close(out, theirs(x, ei))
+
+
+# 6. ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", LAYERS)
+def test_6_double_backward_on_the_default_path(layer):
+    """A gradient penalty through the default (fused) path equals the reference's."""
+    x = torch.randn(20, 6, dtype=torch.float64)
+    ei = random_graph(20, 70, seed=6)
+    res = {}
+    for backend in ("auto", "torch"):
+        m = conv(layer, backend=backend).double()
+        xx = x.clone().requires_grad_()
+        with gatlib.record_kernels() as log:
+            gx, = torch.autograd.grad(m(xx, ei).square().sum(), xx, create_graph=True)
+            gx.square().sum().backward()
+        res[backend] = [gx.detach(), *(p.grad for p in m.parameters())]
+        assert log[0] == ("fused" if backend == "auto" else "torch")
+    for a, b in zip(res["auto"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_6_torch_func_grad(layer):
+    from torch.func import functional_call, grad
+
+    x = torch.randn(20, 6)
+    ei = random_graph(20, 70, seed=7)
+    grads = {}
+    for backend in ("auto", "torch"):
+        m = conv(layer, backend=backend)
+        params = {k: v.detach() for k, v in m.named_parameters()}
+        with gatlib.record_kernels() as log:
+            grads[backend] = grad(lambda p, m=m: functional_call(m, p, (x, ei)).square().sum())(params)
+        assert log[0] == ("fused" if backend == "auto" else "torch")
+    for k in grads["torch"]:
+        torch.testing.assert_close(grads["auto"][k], grads["torch"][k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_6_autocast_bfloat16(layer):
+    x = torch.randn(20, 6)
+    ei = random_graph(20, 70, seed=8)
+    outs = {}
+    for backend in ("auto", "torch"):
+        m = conv(layer, backend=backend)
+        with torch.autocast("cpu", dtype=torch.bfloat16), gatlib.record_kernels() as log:
+            outs[backend] = m(x.requires_grad_(), ei)
+            outs[backend].float().sum().backward()
+        assert log[0] == ("fused" if backend == "auto" else "torch")
+    assert outs["auto"].dtype == outs["torch"].dtype
+    torch.testing.assert_close(outs["auto"], outs["torch"], rtol=2e-2, atol=2e-2)
+
+
+# 7. ---------------------------------------------------------------------------
+def test_7_explicit_backend_that_cannot_run_raises():
+    """A kernel that cannot run a call is never replaced by another one."""
+    pytest.importorskip("triton")
+    from gatlib import _triton
+
+    x = torch.randn(10, 6)
+    ei = random_graph(10, 30, seed=9)
+    m = gatlib.TransformerConv(6, _triton._MAX_C + 1, backend="triton")
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run this call"):
+        m(x, ei)
+
+
+def test_7_auto_says_what_ran():
+    """auto picks the reference where fused cannot run — and says so."""
+    m = conv()
+    x = torch.randn(10, 6)
+    ei = random_graph(10, 30, seed=9)
+    with gatlib.record_kernels() as log:
+        m(x, ei)
+        torch.func.vmap(lambda t: m(t, ei))(x[None].expand(2, -1, -1))
+    assert log == ["fused", "torch"]
+
+
+# 9. ---------------------------------------------------------------------------
+def _two_layer(module, layer):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            cls = getattr(module, layer)
+            self.conv1 = cls(16, 8, heads=2)
+            self.conv2 = cls(16, 3, heads=1, concat=False)
+
+        def forward(self, x, edge_index):
+            return self.conv2(torch.nn.functional.elu(self.conv1(x, edge_index)), edge_index)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_9_compile_breaks_no_more_than_pyg(layer):
+    """torch.compile of a full-batch training step splits the graph no more often
+    than PyG's same model does, and computes the same loss."""
+    import torch._dynamo as dynamo
+
+    x = torch.randn(40, 16)
+    ei = random_graph(40, 160, seed=10)
+    if layer == "TransformerConv":  # no self-loops of its own
+        ei = torch.cat([ei, torch.arange(40).repeat(2, 1)], dim=1)
+    y = torch.randint(0, 3, (40,))
+    counts = {}
+    for name, module in (("pyg", pyg), ("gatlib", gatlib)):
+        model = _two_layer(module, layer)
+
+        def step(x, ei, model=model):
+            loss = torch.nn.functional.cross_entropy(model(x, ei), y)
+            loss.backward()
+            return loss
+
+        dynamo.reset()
+        counts[name] = dynamo.explain(step)(x, ei).graph_break_count
+    dynamo.reset()
+    assert counts["gatlib"] <= counts["pyg"], counts
+    if layer == "GATConv":  # inductor's compile takes ~30 s a model: one is enough
+        eager = step(x, ei)
+        torch.testing.assert_close(torch.compile(step)(x, ei), eager)
+        dynamo.reset()
+
+
+def test_9_no_process_wide_thread_changes(monkeypatch):
+    """The kernels never call torch.set_num_threads (a process-wide setting)."""
+    def forbidden(n):
+        raise AssertionError("library code called torch.set_num_threads")
+
+    monkeypatch.setattr(torch, "set_num_threads", forbidden)
+    n = 3000  # big enough for the edge blocks of GATv2 and edge features
+    ei = random_graph(n, 40000, seed=11)
+    x = torch.randn(n, 6)
+    for layer in LAYERS:
+        m = getattr(gatlib, layer)(6, 4, heads=2, edge_dim=3, backend="fused")
+        m(x, ei, torch.randn(ei.size(1), 3)).sum().backward()
