@@ -32,11 +32,12 @@ second-order gradients are exact. Autocast is switched off inside: the kernel
 picks its own precision (float32 accumulation for float16/bfloat16, as the
 reference does; torch's CPU sparse kernels have no half-precision path).
 
-Edge blocks run one after another on the calling thread with torch's own
-intra-op threads; the kernel never changes the process's thread settings.
+Edge blocks run on one Python thread per intra-op thread with single-threaded
+ops (:func:`_for_blocks`); the kernel never changes a process-wide setting.
 """
 from __future__ import annotations
 
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -52,6 +53,8 @@ from ._plan import GraphPlan, Layout, index_dtype
 # large enough that Python overhead per block is noise, small enough to stay in
 # cache and under glibc's mmap threshold (see benchmarks/NOTES.md).
 _CHUNK_BYTES = 1 << 20
+# Below this many edges per thread, a second thread is not worth starting.
+_MIN_PART_EDGES = 4096
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -172,7 +175,7 @@ def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
         # sampled_addmm rejects that pattern, so take the edge blocks.
         out = a.new_empty(E, H)
 
-        def block(e0, e1):
+        def block(e0, e1, part):
             torch.linalg.vecdot(a.index_select(0, lay.dst[e0:e1]),
                                 b.index_select(0, lay.src[e0:e1]), out=out[e0:e1])
 
@@ -189,20 +192,95 @@ def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
 # ---------------------------------------------------------------------------
 # Edge blocks for what does not factor into node terms.
 # ---------------------------------------------------------------------------
-def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int], None]) -> None:
-    """Call ``fn(e0, e1)`` on consecutive blocks ``[e0, e1)`` of CSR edges of about
-    :data:`_CHUNK_BYTES` of ``row_bytes``-sized rows, without autograd.
+def _openmp_set_num_threads() -> Optional[Callable[[int], None]]:
+    """``omp_set_num_threads`` of the OpenMP runtime torch runs on, or ``None``.
 
-    Blocks run one after another on this thread; each op inside uses torch's
-    intra-op threads. (An earlier version ran one Python thread per core with
-    single-threaded ops, which needed process-wide ``torch.set_num_threads``
-    changes; on an idle machine it was also slower: GATv2 forward+backward on
-    the arxiv-like graph 6.0 s against 5.4 s, benchmarks/NOTES.md.)
+    It sets the *calling* thread's OpenMP thread count only (OpenMP's per-thread
+    ``nthreads-var``), unlike ``torch.set_num_threads``, which also changes a
+    process-wide default that every thread started later inherits.
     """
+    import ctypes
+    import glob
+    import os
+
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for pattern in ("libgomp*.so*", "libiomp5*", "libomp*"):
+        for path in sorted(glob.glob(os.path.join(lib, pattern))):
+            try:
+                return ctypes.CDLL(path).omp_set_num_threads
+            except (OSError, AttributeError):
+                continue
+    return None
+
+
+_OMP_SET_NUM_THREADS = _openmp_set_num_threads() if torch.backends.openmp.is_available() else None
+
+
+def _num_parts(lay: Layout) -> int:
+    """How many threads :func:`_for_blocks` splits the edges of ``lay`` over."""
+    if _OMP_SET_NUM_THREADS is None:
+        return 1
+    return max(1, min(torch.get_num_threads(), lay.num_edges // _MIN_PART_EDGES))
+
+
+def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]) -> None:
+    """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges,
+    of about :data:`_CHUNK_BYTES` of ``row_bytes``-sized rows, without autograd.
+
+    The edges are split at destination-row boundaries into one range per intra-op
+    thread (``torch.get_num_threads()``); each range runs on its own Python thread
+    (torch releases the GIL in its ops), block after block, with single-threaded
+    torch ops: that thread's OpenMP thread count is set to 1 through the OpenMP
+    runtime, which touches no other thread and no process-wide setting. One
+    OpenMP region per op and block instead would be thousands of regions a pass,
+    each waiting for every thread: GATv2 forward+backward on the arxiv-like graph
+    took 5.3-6.4 s this way against 5.9-8.4 s with multi-threaded ops (three runs
+    each, benchmarks/NOTES.md). Parts never share a destination row, so ``fn`` may
+    update rows of ``[N_dst, ...]`` outputs in place; anything indexed by source
+    needs one accumulator per ``part``. Without a known OpenMP runtime, one part
+    runs on the calling thread.
+    """
+    E = lay.num_edges
+    if E == 0:
+        return
     step = max(1, _CHUNK_BYTES // max(1, row_bytes))
-    with torch.no_grad():
-        for e0 in range(0, lay.num_edges, step):
-            fn(e0, min(lay.num_edges, e0 + step))
+    parts = _num_parts(lay)
+    if parts == 1:
+        with torch.no_grad():
+            for e0 in range(0, E, step):
+                fn(e0, min(E, e0 + step), 0)
+        return
+    # part k starts at the first row boundary at or after k*E/parts
+    targets = torch.arange(parts + 1, dtype=torch.float64) * (E / parts)
+    rows = torch.searchsorted(lay.ptr.double(), targets)
+    bounds = lay.ptr.long()[rows.clamp_(max=lay.ptr.numel() - 1)].tolist()
+    bounds[0], bounds[-1] = 0, E
+    errors: List[BaseException] = []
+
+    def run(part: int) -> None:
+        try:
+            torch.get_num_threads()  # torch's own per-thread set-up first, then ours
+            _OMP_SET_NUM_THREADS(1)
+            with torch.no_grad():  # grad mode is per thread too: no graph from the workers
+                for e0 in range(bounds[part], bounds[part + 1], step):
+                    fn(e0, min(bounds[part + 1], e0 + step), part)
+        except BaseException as exc:  # re-raised on the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(parts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _sum_(parts: List[Tensor]) -> Tensor:
+    """Sum of per-part accumulators, in place into the first."""
+    for t in parts[1:]:
+        parts[0] += t
+    return parts[0]
 
 
 def _add_row_sums(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
@@ -249,7 +327,7 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
     if u is not None:
         H, C = v.shape[1:]
 
-        def block(e0, e1):
+        def block(e0, e1, part):
             ub = u.index_select(0, lay.perm[e0:e1]).to(out.dtype)  # [n, H, C]
             _add_row_sums(out, ub.mul_(a[e0:e1, :, None]), lay, e0, e1)
 
@@ -281,7 +359,7 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
             if need_u:
                 du = torch.empty_like(u)
 
-            def block(e0, e1):
+            def block(e0, e1, part):
                 g_e = g.index_select(0, lay.dst[e0:e1])  # [n, H, C]
                 ub = u.index_select(0, lay.perm[e0:e1]).to(g.dtype)
                 dot[e0:e1] += torch.linalg.vecdot(g_e, ub)
@@ -358,7 +436,7 @@ def _gatv2_forward(x, y, w, att, hl, scale, slope) -> Tensor:
     H, C = att.shape
     e = x.new_empty(lay.num_edges, H)  # [E, H]
 
-    def block(e0, e1):
+    def block(e0, e1, part):
         z = _gatv2_z(x, y, w, lay, e0, e1)  # [n, H, C]
         torch.linalg.vecdot(F.leaky_relu_(z, slope), att, out=e[e0:e1])
 
@@ -378,27 +456,29 @@ def _gatv2_backward(de, x, y, w, att, hl, scale, slope, need):
     """
     lay = hl.lay
     H, C = att.shape
-    dx = torch.zeros_like(x) if need[0] else None
+    parts = _num_parts(lay)
+    # sources are shared between parts: one accumulator each
+    dx = [torch.zeros_like(x) for _ in range(parts)] if need[0] else None
     dy = torch.zeros_like(y) if need[1] else None
     dw = torch.empty_like(w) if need[2] and w is not None else None
-    datt = torch.zeros_like(att) if need[3] else None
+    datt = [torch.zeros_like(att) for _ in range(parts)] if need[3] else None
 
-    def block(e0, e1):
+    def block(e0, e1, part):
         z = _gatv2_z(x, y, w, lay, e0, e1)  # [n, H, C]
         g = de[e0:e1, :, None] * att  # [n, H, C]  dL/d leaky_relu(z)
         if datt is not None:
-            datt.add_(torch.einsum("nh,nhc->hc", de[e0:e1], F.leaky_relu(z, slope)))
+            datt[part] += torch.einsum("nh,nhc->hc", de[e0:e1], F.leaky_relu(z, slope))
         # g * (1 if z > 0 else slope) in one pass (where() with broadcasting is 10x slower)
         dz = torch.ops.aten.leaky_relu_backward(g, z, slope, False)  # [n, H, C]
         if dy is not None:
             _add_row_sums(dy, dz, lay, e0, e1)
         if dx is not None:
-            dx.index_add_(0, lay.src[e0:e1], dz)
+            dx[part].index_add_(0, lay.src[e0:e1], dz)
         if dw is not None:
             _scatter_rows(dw, dz, lay, e0, e1)
 
     _for_blocks(lay, H * C * x.element_size(), block)
-    return dx, dy, dw, datt
+    return (None if dx is None else _sum_(dx)), dy, dw, (None if datt is None else _sum_(datt))
 
 
 def _dot_forward(k, q, w, att, hl, scale, slope) -> Tensor:
@@ -412,7 +492,7 @@ def _dot_forward(k, q, w, att, hl, scale, slope) -> Tensor:
     if w is not None:
         H, C = q.shape[1:]
 
-        def block(e0, e1):
+        def block(e0, e1, part):
             q_e = q.index_select(0, lay.dst[e0:e1])  # [n, H, C]
             u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)
             e[e0:e1] += torch.linalg.vecdot(q_e, u).mul_(scale)
@@ -437,7 +517,7 @@ def _dot_backward(de, k, q, w, att, hl, scale, slope, need):
         H, C = q.shape[1:]
         dw = torch.empty_like(w) if need[2] else None
 
-        def block(e0, e1):
+        def block(e0, e1, part):
             d = ds[e0:e1, :, None]  # [n, H, 1]
             if dq is not None:
                 u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)

@@ -113,7 +113,7 @@ class GraphPlan:
         self._layout_fn_sorted = layout_fn is not None  # from a sorted EdgeIndex
         self._layout_fn = layout_fn or (lambda: build_layout(ei[0], ei[1], num_src, num_dst))
         self._loops: Dict[int, GraphPlan] = {}
-        self._base: Optional[GraphPlan] = None  # the plan this one added self-loops to
+        self._base_ei: Optional[Tensor] = None  # the edges before with_self_loops added loops
         self._derived: Dict[Hashable, Any] = {}
 
     @classmethod
@@ -154,25 +154,25 @@ class GraphPlan:
 
     def _looped(self, n: int, keep: Tensor, looped_ei: Tensor) -> "GraphPlan":
         """The plan of ``looped_ei`` (:func:`_drop_and_add_loops` of this plan's edges),
-        kept on this plan."""
+        kept on this plan. It holds this plan's edge list and layout builder, not
+        this plan: no reference cycle, so both are freed as soon as they are dropped."""
+        num_src, num_dst = self.num_src, self.num_dst
+        base_ei, base_layout, base_fn = self._ei, self._layout, self._layout_fn
+        edge_index_sorted = self._layout_fn_sorted
+
         def layout() -> Layout:
-            # Merging the loops into this plan's layout takes a few O(E) passes and
-            # sorts nothing, so it is the way when this plan's layout needs no sort by
+            # Merging the loops into the base layout takes a few O(E) passes and sorts
+            # nothing, so it is the way when the base layout needs no sort by
             # destination (built already, destination-sorted input, a sorted
             # EdgeIndex); otherwise the looped edges are sorted directly (measured
-            # ~2x faster than building this plan's layout and merging).
-            if self._layout is None and not self._sorted_input:
-                return build_layout(looped_ei[0], looped_ei[1], self.num_src, self.num_dst)
-            return _layout_with_loops(self.layout(), keep, looped_ei.size(1), n)
+            # ~2x faster than building the base layout and merging).
+            if base_layout is None and not (edge_index_sorted or _nondecreasing(base_ei[1])):
+                return build_layout(looped_ei[0], looped_ei[1], num_src, num_dst)
+            return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
 
-        looped = GraphPlan._owned(looped_ei, self.num_src, self.num_dst, layout)
-        looped._base = self
+        looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout)
+        looped._base_ei = base_ei
         return self._loops.setdefault(n, looped)  # atomic: concurrent callers get one plan
-
-    @property
-    def _sorted_input(self) -> bool:
-        """Whether this plan's layout needs no sort by destination."""
-        return self._layout_fn_sorted or _nondecreasing(self._ei[1])
 
     def to(self, device: torch.device | str) -> "GraphPlan":
         """This plan's graph on ``device`` (layouts are rebuilt there when used)."""
@@ -270,8 +270,8 @@ def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.devi
     """The plan a layer runs on: ``edge_index`` itself if it is a :class:`GraphPlan`
     of the right sizes (``num_dst=None``: any), else a throw-away plan of the
     checked ``[2, E]`` tensor; with ``self_loops``, that plan's
-    :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)`` (whose ``_base`` is the
-    plan without them)."""
+    :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)`` (whose ``_base_ei`` is the
+    edge list without them)."""
     if not isinstance(edge_index, GraphPlan):
         ei, layout_fn = checked_edge_list(edge_index, num_src, num_dst, device)
         if not self_loops:

@@ -410,6 +410,7 @@ def _bwd_dst_kernel(
         d_acc = tl.zeros([BLOCK_R], ACC)
     else:
         d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
         att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
                       other=0).to(ACC)  # [R, 1, CK]
     att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)

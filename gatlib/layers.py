@@ -83,11 +83,12 @@ class _AttentionConv(torch.nn.Module):
         it for the next call) or a tensor (then the plan lives for this call).
         """
         plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
-        base = plan._base if self_loops else plan
-        edge_attr = V.check_edge_attr(edge_attr, base.num_edges, self.edge_dim, x)
-        if self_loops and edge_attr is not None:
-            n = min(base.num_src, base.num_dst) if loop_nodes is None else loop_nodes
-            ei, edge_attr = _remove_self_loops(torch.stack(base.coo()), edge_attr)
+        edges = plan._base_ei if self_loops else None  # [2, E] before the loops (read-only)
+        edge_attr = V.check_edge_attr(edge_attr, plan.num_edges if edges is None else edges.size(1),
+                                      self.edge_dim, x)
+        if edges is not None and edge_attr is not None:
+            n = min(plan.num_src, plan.num_dst) if loop_nodes is None else loop_nodes
+            ei, edge_attr = _remove_self_loops(edges, edge_attr)
             edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return plan, edge_attr
 

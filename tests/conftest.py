@@ -7,3 +7,11 @@ import torch
 # emulation). The variable must be set before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Property tests: random examples on a developer's machine, the same ones on
+# every CI run (a failure there is reproducible; shrinking works either way).
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")

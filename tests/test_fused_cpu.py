@@ -15,10 +15,12 @@ from testing import KINDS, LAYERS, hub_graph, leaves, make_score, random_graph
 
 @pytest.fixture(params=["one_block", "tiny_blocks"])
 def blocks(request, monkeypatch):
-    """Run with the default edge blocks and with blocks of a few edges, so that
-    destination rows straddle block boundaries even on small graphs."""
+    """Run with the default edge blocks and with blocks of a few edges on two
+    threads, so that destination rows straddle block boundaries and sources are
+    shared between threads even on small graphs."""
     if request.param == "tiny_blocks":
         monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
+        monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
     return request.param
 
 

@@ -190,3 +190,24 @@ def test_layers_in_dataloader_workers():
     for i, (out, log) in enumerate(got):
         assert log == ["fused"]
         torch.testing.assert_close(out, ds[i][0])
+
+
+def test_no_reference_cycles():
+    """A plan and what it derives are freed by reference counting alone, the
+    moment they are dropped (a cycle would keep their tensors until the cyclic
+    garbage collector happens to run)."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        n = 12
+        plan = GraphPlan(random_graph(n, 40, seed=6), num_nodes=n)
+        looped = plan.with_self_loops()
+        looped.layout()
+        gatlib.GATConv(4, 3, backend="fused")(torch.randn(n, 4), plan).sum().backward()
+        refs = [weakref.ref(plan), weakref.ref(looped), weakref.ref(looped.layout().src)]
+        del plan, looped
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()

@@ -59,6 +59,7 @@ CASES = [  # (graph, heads, edge features + value_edge)
     ("unsorted", 2, False),
     ("empty", 3, True),
     ("no_nodes", 2, True),
+    ("no_sources", 2, True),
 ]
 
 

@@ -91,12 +91,15 @@ def graph_case(name, device="cpu"):
         ei, ns, nd = torch.empty(2, 0, dtype=torch.long), 7, 5
     elif name == "no_nodes":
         ei, ns, nd = torch.empty(2, 0, dtype=torch.long), 0, 0
+    elif name == "no_sources":  # destinations but no source nodes (an empty value tensor)
+        ei, ns, nd = torch.empty(2, 0, dtype=torch.long), 0, 4
     else:
         raise ValueError(name)
     return ei.to(device), ns, nd
 
 
-GRAPH_CASES = ["random", "bipartite", "hub", "isolated", "duplicates", "unsorted", "empty", "no_nodes"]
+GRAPH_CASES = ["random", "bipartite", "hub", "isolated", "duplicates", "unsorted", "empty", "no_nodes",
+               "no_sources"]
 
 
 @st.composite
