@@ -156,7 +156,8 @@ class ReferenceKernel(Kernel):
     aggregate = staticmethod(_core.segment_aggregate)
 
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
-        _log(self.name)
+        if self.name == "torch":  # (the scatter kernel logs from its own stage)
+            _log(self.name)
         src, index = call.plan.coo()
         out, alpha = _core.reference_attention(call.score, call.value, src, index, call.plan.num_dst,
                                                call.value_edge, p=call.p, softmax=self.softmax,
@@ -177,6 +178,8 @@ def _scatter_softmax(score: Tensor, index: Tensor, num_segments: int) -> Tensor:
 
 def _scatter_aggregate(alpha, value, src, index, num_segments, value_edge=None):
     from torch_scatter import scatter
+
+    _log("scatter")
 
     acc = _core._acc_dtype(value.dtype)
     msg = value.to(acc).index_select(0, src)
