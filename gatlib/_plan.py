@@ -29,6 +29,7 @@ layout in O(E) instead of sorting again.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
@@ -137,6 +138,29 @@ class GraphPlan:
     def edge_index(self) -> Tensor:
         """A copy of the ``[2, E]`` int64 edge list (editing it changes nothing here)."""
         return self._ei.clone()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors this plan holds: its edge list and everything it has
+        derived so far (layouts, kernel layouts, self-loop'ed twins)."""
+        seen = set()
+
+        def size(obj) -> int:
+            if isinstance(obj, Tensor):
+                if obj.data_ptr() in seen:
+                    return 0
+                seen.add(obj.data_ptr())
+                return obj.numel() * obj.element_size()
+            if isinstance(obj, GraphPlan):
+                return sum(map(size, (obj._ei, obj._layout, *obj._derived.values(),
+                                      *obj._loops.values())))
+            if dataclasses.is_dataclass(obj):
+                return sum(size(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+            if isinstance(obj, (tuple, list)):
+                return sum(map(size, obj))
+            return 0
+
+        return size(self)
 
     def with_self_loops(self, num_nodes: Optional[int] = None) -> "GraphPlan":
         """This graph without its self-loops, plus one self-loop on each of the

@@ -211,3 +211,14 @@ def test_no_reference_cycles():
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+def test_nbytes_counts_what_the_plan_derived():
+    n, E = 20, 60
+    plan = GraphPlan(random_graph(n, E, seed=7), num_nodes=n)
+    assert plan.nbytes == 2 * E * 8  # the int64 edge list
+    plan.layout()  # int32 ptr [N+1], src/dst/csc_edge/csc_dst [E], csc_ptr [N+1]; int64 perm [E]
+    assert plan.nbytes == 2 * E * 8 + 4 * (2 * (n + 1) + 4 * E) + 8 * E
+    before = plan.nbytes
+    gatlib.GATConv(4, 3, heads=2, backend="fused")(torch.randn(n, 4), plan)
+    assert plan.nbytes > before  # + the self-loop'ed twin and its head layout

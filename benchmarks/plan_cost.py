@@ -1,0 +1,96 @@
+"""What a GraphPlan costs to build, step by step, and what it holds.
+
+    python benchmarks/plan_cost.py --graph arxiv-like --heads 4 --json benchmarks/results/plan_cost_arxiv-like_cpu.json
+
+A layer given a plain ``[2, E]`` tensor builds all of this on every call; given
+a :class:`gatlib.GraphPlan`, on its first call only. Each step is timed alone
+(median of ``--repeats`` runs after one warm-up, on fresh objects each time):
+checking and copying the edge list; the CSR/CSC layout of unsorted and of
+destination-sorted input; the self-loop'ed twin's edge list and layout (sorted
+directly, and merged into an existing base layout); the fused CPU kernel's head
+layout; and everything a GATConv call derives. The plan's bytes are reported
+beside the edge list's own.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gatlib import GraphPlan
+from gatlib import _fused_cpu
+from gatlib.bench import report, synthetic
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--graph", default="arxiv-like", help="a gatlib.bench.synthetic preset or synthetic:N:E:F")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = synthetic.synthetic_graph(args.graph)
+    ei, N, H = g.edge_index, g.x.size(0), args.heads
+    ei_sorted = ei[:, ei[1].argsort(stable=True)]
+    base = GraphPlan(ei, num_nodes=N)
+    base.layout()
+
+    def loops_merged():  # a plan whose base layout exists already
+        plan = GraphPlan(ei, num_nodes=N)
+        plan._layout = base.layout()
+        plan.with_self_loops().layout()
+
+    def everything():  # what GATConv(..., heads=H) derives from a fresh plan
+        _fused_cpu.head_layout(GraphPlan(ei, num_nodes=N).with_self_loops(), H)
+
+    def plan(edges=ei):
+        return GraphPlan(edges, num_nodes=N)
+
+    looped = base.with_self_loops().layout()
+    steps = {
+        "check and copy the edge list": plan,
+        "CSR/CSC layout, unsorted input (2 sorts)": lambda: plan().layout(),
+        "CSR/CSC layout, destination-sorted input (1 sort)": lambda: plan(ei_sorted).layout(),
+        "self-loops: edge list": lambda: plan().with_self_loops(),
+        "self-loops: edge list + layout, sorted directly": lambda: plan().with_self_loops().layout(),
+        "self-loops: edge list + layout, merged into the base": loops_merged,
+        f"fused CPU head layout, H={H}": lambda: _fused_cpu._build_head_layout(looped, H),
+        f"all a GATConv(heads={H}) call derives": everything,
+    }
+    rows, results = [], {}
+    for name, fn in steps.items():
+        s = timed(fn, args.repeats)
+        results[name] = s
+        rows.append([name, f"{s * 1e3:.1f}"])
+    plan = GraphPlan(ei, num_nodes=N)
+    _fused_cpu.head_layout(plan.with_self_loops(), H)
+    sizes = {"edge list [2, E] int64 (MiB)": ei.numel() * 8 / 2**20,
+             "plan after a GATConv call (MiB)": plan.nbytes / 2**20}
+    print(f"{args.graph}: N={N:,}, E={ei.size(1):,} (+{N:,} self-loops), H={H}, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    print(report.format_table(["step", "ms"], rows, align="<>"))
+    print(report.format_table(["held", "MiB"], [[k, f"{v:,.1f}"] for k, v in sizes.items()], align="<>"))
+    if args.json:
+        report.write_json(args.json, {
+            "command": report.command_line(), "environment": report.environment("cpu"),
+            "graph": {"name": args.graph, "num_nodes": N, "num_edges": ei.size(1)},
+            "heads": H, "repeats": args.repeats, "seconds": results, "mib": sizes})
+
+
+if __name__ == "__main__":
+    main()
