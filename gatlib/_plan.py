@@ -24,8 +24,8 @@ graph once for many calls (full-batch training)::
 
 Nothing is sorted that is already in order: a destination-sorted ``[2, E]``
 tensor keeps its order, an ``EdgeIndex`` sorted by row or column supplies its
-own (cached) CSR/CSC, and adding self-loops to a plan merges them into its
-layout in O(E) instead of sorting again.
+own (cached) CSR/CSC, and the self-loops of such a plan (or of one whose layout
+exists) are merged into its layout in O(E) instead of being sorted in.
 """
 from __future__ import annotations
 
@@ -108,8 +108,8 @@ class GraphPlan:
     def _init(self, ei: Tensor, num_src: int, num_dst: int,
               layout_fn: Optional[Callable[[], Layout]]) -> None:
         self._ei = ei  # [2, E] int64, contiguous, owned by this plan
-        self.num_src = num_src
-        self.num_dst = num_dst
+        self._num_src = num_src
+        self._num_dst = num_dst
         self._layout: Optional[Layout] = None
         self._layout_fn_sorted = layout_fn is not None  # from a sorted EdgeIndex
         self._layout_fn = layout_fn or (lambda: build_layout(ei[0], ei[1], num_src, num_dst))
@@ -126,6 +126,14 @@ class GraphPlan:
         return plan
 
     # -- what users read ------------------------------------------------------
+    @property
+    def num_src(self) -> int:
+        return self._num_src
+
+    @property
+    def num_dst(self) -> int:
+        return self._num_dst
+
     @property
     def num_edges(self) -> int:
         return self._ei.size(1)

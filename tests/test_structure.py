@@ -113,3 +113,18 @@ def test_kernels_read_the_score_kind_not_its_class():
             if re.search(r"(isinstance\(|type\()[^)]*Score", code):
                 offenders.append(f"{path.name}:{no}: {line.strip()}")
     assert not offenders, offenders
+
+
+def test_provenance_and_tables_are_written_once():
+    """Git commit, library versions, result JSON and tables come from
+    gatlib/bench/report.py: no other module of the package or benchmark script
+    computes them again."""
+    pattern = re.compile(r"rev-parse|importlib\.metadata|platform\.python_version|"
+                         r"def (environment|write_json|format_table)\b")
+    files = [*PKG.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    offenders = [f"{path.relative_to(ROOT)}:{no}"
+                 for path in files if path.name != "report.py"
+                 for no, line in enumerate(path.read_text().splitlines(), 1)
+                 if pattern.search(line.split("#", 1)[0])]
+    assert not offenders, offenders
+    assert (PKG / "bench" / "report.py").exists()
