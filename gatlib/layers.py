@@ -115,6 +115,18 @@ class _AttentionConv(torch.nn.Module):
         return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
 
 
+def _projected_scores(x: Tensor, lin: Linear, att: Tensor) -> Tensor:
+    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``,
+    computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
+    (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
+    an ``[N, H, C]`` projection reduced over ``C`` — which, with its backward, cost
+    GATConv forward+backward ~20% of its time on the arxiv-like graph — and edge
+    features never become ``[E, H, C]``."""
+    H, C = att.shape[1:]
+    w = (lin.weight.view(H, C, -1) * att.view(H, C, 1)).sum(1)  # [H, F]
+    return x @ w.t()
+
+
 class GATConv(_AttentionConv):
     r"""The graph attention layer of `Veličković et al. (2018)
     <https://arxiv.org/abs/1710.10903>`_.
@@ -295,18 +307,6 @@ class GATConv(_AttentionConv):
         if self.bias is not None:
             out = out + self.bias
         return self._output(out, alpha, plan, return_attention_weights)
-
-
-def _projected_scores(x: Tensor, lin: Linear, att: Tensor) -> Tensor:
-    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``,
-    computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
-    (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
-    an ``[N, H, C]`` projection reduced over ``C`` — which, with its backward, cost
-    GATConv forward+backward ~20% of its time on the arxiv-like graph — and edge
-    features never become ``[E, H, C]``."""
-    H, C = att.shape[1:]
-    w = (lin.weight.view(H, C, -1) * att.view(H, C, 1)).sum(1)  # [H, F]
-    return x @ w.t()
 
 
 class GATv2Conv(_AttentionConv):
