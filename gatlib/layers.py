@@ -115,14 +115,20 @@ class _AttentionConv(torch.nn.Module):
         return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
 
 
-def _projected_scores(x: Tensor, lin: Linear, att: Tensor) -> Tensor:
-    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``,
-    computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
+def _projected_scores(x: Tensor, lin: Linear, att: Tensor, h: Optional[Tensor] = None) -> Tensor:
+    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``.
+
+    Computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
     (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
     an ``[N, H, C]`` projection reduced over ``C`` — which, with its backward, cost
     GATConv forward+backward ~20% of its time on the arxiv-like graph — and edge
-    features never become ``[E, H, C]``."""
+    features never become ``[E, H, C]``. Where the projection ``h = W x`` exists
+    anyway and is narrower than ``x`` (``H*C < F``: Cora's 1,433 features), reducing
+    ``h`` is the cheaper side: the fold's backward would write another ``[N, F]``
+    input gradient."""
     H, C = att.shape[1:]
+    if h is not None and H * C < x.size(-1):
+        return (h * att).sum(-1)
     w = (lin.weight.view(H, C, -1) * att.view(H, C, 1)).sum(1)  # [H, F]
     return x @ w.t()
 
@@ -295,8 +301,11 @@ class GATConv(_AttentionConv):
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
         # and a_edge·W_e e_ij one [E, H] term per edge (see _projected_scores).
-        a_src = _projected_scores(x_src, lin_src, self.att_src)  # [N_s, H]
-        a_dst = None if x_dst is None else _projected_scores(x_dst, lin_dst, self.att_dst)  # [N_t, H]
+        a_src = _projected_scores(x_src, lin_src, self.att_src, h_src)  # [N_s, H]
+        a_dst = None
+        if x_dst is not None:  # h_src is also W x_dst when both are x under one weight
+            same = x_dst is x_src and lin_dst is lin_src
+            a_dst = _projected_scores(x_dst, lin_dst, self.att_dst, h_src if same else None)  # [N_t, H]
         a_edge = None
         if self.lin_edge is not None:
             a_edge = _projected_scores(edge_attr, self.lin_edge, self.att_edge)  # [E, H]

@@ -317,3 +317,42 @@ def test_module_entry_point():
     res = subprocess.run([sys.executable, "-m", "gatlib.bench.compare", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "--scope" in res.stdout and "--graph-input" in res.stdout
+
+
+def _compare_table():
+    """benchmarks/compare_table.py, imported from its file (benchmarks/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_table.py"
+    spec = importlib.util.spec_from_file_location("compare_table", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_table_renders_a_report_and_judges_the_target(tmp_path):
+    """The Markdown report shows every (layer, pass) of a run with the row builder the CLI
+    prints with, and marks the target only in the target setting, per pass."""
+    table = _compare_table()
+    rc, rep = run_compare(tmp_path, "--layer", "gat", "--no-memory")
+    assert rc == 0
+    path = tmp_path / "compare_tiny.json"
+    path.write_text(json.dumps(rep))
+    md = table.render([path])
+    assert "## compare_tiny" in md and "target (" not in md  # a tiny graph is not the target setting
+    rows = compare.table_rows(rep)
+    assert len(rows) == 2
+    lines = md.splitlines()
+    for r in rows:  # each row's cells on one line of the section's table
+        assert any(all(cell in line for cell in r) for line in lines if line.startswith(f"| {r[0]} ")), r
+
+    row = {"pass": "forward+backward", "speedup": 4.6, "mem_ratio": 0.09}
+    assert table._verdict(row) == "met"
+    assert table._verdict({**row, "speedup": 4.4}) == "not met"
+    assert table._verdict({**row, "mem_ratio": 0.11}) == "not met"
+    assert table._verdict({"pass": "train_step", "speedup": 3.6, "mem_ratio": None}) == "met"
+    assert table._verdict({"pass": "train_step", "speedup": 3.4, "mem_ratio": 0.05}) == "not met"
+    assert table._verdict({"pass": "forward", "speedup": 9.0, "mem_ratio": 0.01}) == ""
+    target = {**rep, "config": {**rep["config"], **table.TARGET}}
+    path.write_text(json.dumps(target))
+    assert "target (forward+backward: ≥4.5x" in table.render([path])

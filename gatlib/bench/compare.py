@@ -382,7 +382,7 @@ def summarize(measurements: List[Dict]) -> List[Dict]:
 def _fmt_ms(r: Dict) -> str:
     if r.get("status") != "ok":
         return r.get("status", "-")
-    return f"{r['median_s'] * 1e3:.2f}" if r.get("median_s") is not None else "-"
+    return f"{r['median_s'] * 1e3:,.1f}" if r.get("median_s") is not None else "-"
 
 
 def _fmt_mib(r: Optional[Dict]) -> str:
@@ -390,7 +390,7 @@ def _fmt_mib(r: Optional[Dict]) -> str:
         return "-"
     if r.get("status") != "ok":
         return r["status"]
-    return f"{r['peak_extra_bytes'] / 2**20:.1f}"
+    return f"{r['peak_extra_bytes'] / 2**20:,.1f}"
 
 
 def _ratio(x: Optional[float]) -> str:
@@ -400,6 +400,25 @@ def _ratio(x: Optional[float]) -> str:
 def _spread(row: Dict) -> str:
     r = row.get("speedup_rounds") or []
     return f"{min(r):.2f}-{max(r):.2f}" if r else "-"
+
+
+TABLE_HEADERS = ["layer", "pass", "PyG ms", "gatlib ms", "gatlib 1st ms", "speedup", "rounds",
+                 "PyG MiB", "gatlib MiB", "mem"]
+
+
+def table_rows(report: Dict) -> List[List[str]]:
+    """One row per (layer, pass) of a report, in the columns of :data:`TABLE_HEADERS`
+    (also what ``benchmarks/compare_table.py`` renders)."""
+    by = {(m["layer"], m["impl"], m["pass"]): m for m in report["measurements"]}
+    rows = []
+    for row in report["summary"]:
+        a, b = by[(row["layer"], "pyg", row["pass"])], by[(row["layer"], "gatlib", row["pass"])]
+        first = b.get("first_call_s")
+        rows.append([LAYERS[row["layer"]], row["pass"], _fmt_ms(a["time"]), _fmt_ms(b["time"]),
+                     "-" if first is None else f"{first * 1e3:,.1f}",
+                     _ratio(row["speedup"]), _spread(row), _fmt_mib(a.get("memory")),
+                     _fmt_mib(b.get("memory")), _ratio(row["mem_ratio"])])
+    return rows
 
 
 def render_table(report: Dict) -> str:
@@ -425,18 +444,7 @@ def render_table(report: Dict) -> str:
         "mem = gatlib peak extra / PyG peak extra",
         "",
     ]
-    by = {(m["layer"], m["impl"], m["pass"]): m for m in report["measurements"]}
-    rows = []
-    for row in report["summary"]:
-        a, b = by[(row["layer"], "pyg", row["pass"])], by[(row["layer"], "gatlib", row["pass"])]
-        first = b.get("first_call_s")
-        rows.append([LAYERS[row["layer"]], row["pass"], _fmt_ms(a["time"]), _fmt_ms(b["time"]),
-                     "-" if first is None else f"{first * 1e3:.2f}",
-                     _ratio(row["speedup"]), _spread(row), _fmt_mib(a.get("memory")),
-                     _fmt_mib(b.get("memory")), _ratio(row["mem_ratio"])])
-    headers = ["layer", "pass", "PyG ms", "gatlib ms", "gatlib 1st", "speedup", "rounds",
-               "PyG MiB", "gatlib MiB", "mem"]
-    return "\n".join(lines) + format_table(headers, rows, align="<<" + ">" * 8)
+    return "\n".join(lines) + format_table(TABLE_HEADERS, table_rows(report), align="<<" + ">" * 8)
 
 
 # ---------------------------------------------------------------------------
