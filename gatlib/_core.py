@@ -218,6 +218,7 @@ def reference_attention(
     *,
     p: float = 0.0,
     drop: Optional[Tensor] = None,
+    edge_weight: Optional[Tensor] = None,
     softmax=segment_softmax,
     aggregate=segment_aggregate,
 ) -> Tuple[Tensor, Tensor]:
@@ -225,7 +226,10 @@ def reference_attention(
 
     Attention dropout: with ``p > 0`` each weight is dropped with probability
     ``p`` (``F.dropout``); ``drop`` ``[E, H]`` instead applies a given mask,
-    already scaled (``keep / (1 - p)``). ``alpha`` is returned undropped.
+    already scaled (``keep / (1 - p)``). ``edge_weight`` ``[E]`` (or ``[E, H]``)
+    then multiplies each edge's weights before aggregation, differentiably
+    (how PyG's explainers mask edges: each message times its mask).
+    ``alpha`` is returned undropped and unweighted.
     ``softmax``/``aggregate`` swap stages 2 and 3 for another implementation
     of the same functions.
 
@@ -245,6 +249,9 @@ def reference_attention(
         a = alpha * drop
     else:
         a = F.dropout(alpha, p=p, training=True) if p > 0 else alpha
+    if edge_weight is not None:
+        w = edge_weight.to(acc)
+        a = a * (w.unsqueeze(-1) if w.dim() == 1 else w)
     out = aggregate(a, v, src, index, num_dst, ve)  # [N_dst, H, C]  stage 3
     return out.to(value.dtype), alpha.to(score_dtype)
 
@@ -274,11 +281,13 @@ def reference_grads(
     differentiable backward is asked for (``create_graph=True``: double
     backward, ``torch.func``).
 
-    ``inputs`` are the score's ``(src, dst, edge, att)`` and ``(value,
-    value_edge)``; ``grads`` the gradients of ``(out, alpha)``; the result
-    holds one gradient per input (``None`` where ``need`` is false). The edge
-    list is ``(src, index)``; per-edge inputs are read at ``edge_order`` (a
-    permutation into that list) when given. Each input is used through a
+    ``inputs`` are the score's ``(src, dst, edge, att)``, ``(value,
+    value_edge)`` and, optionally, a seventh: the ``[E, H]`` multiplier of the
+    attention weights (dropout mask times edge weights, in the order of
+    ``(src, index)``; ``drop`` is then ``None``); ``grads`` the gradients of
+    ``(out, alpha)``; the result holds one gradient per input (``None`` where
+    ``need`` is false). The edge list is ``(src, index)``; per-edge inputs are
+    read at ``edge_order`` (a permutation into that list) when given. Each input is used through a
     fresh alias, so a gradient is the partial derivative with respect to that
     input alone even when one input was computed from another (a GAT layer's
     ``a_src`` from its values), while staying connected to the inputs' own
@@ -286,7 +295,9 @@ def reference_grads(
     """
     with torch.enable_grad():
         alias = [None if t is None else t.view_as(t) for t in inputs]
-        s_src, s_dst, s_edge, s_att, value, value_edge = alias
+        s_src, s_dst, s_edge, s_att, value, value_edge = alias[:6]
+        if len(alias) > 6:
+            drop = alias[6]
         if edge_order is not None:
             s_edge = None if s_edge is None else s_edge.index_select(0, edge_order)
             value_edge = None if value_edge is None else value_edge.index_select(0, edge_order)

@@ -78,6 +78,8 @@ class AttentionCall:
         value_edge: optional ``[E, H, C]`` per-edge value term (edge-list order).
         p: attention-dropout probability in effect (0 when not training).
         need_alpha: whether the attention weights are returned.
+        edge_weight: optional ``[E]`` multiplier of each edge's attention
+            weights after dropout (edge-list order), differentiable.
     """
 
     score: EdgeScore
@@ -86,13 +88,15 @@ class AttentionCall:
     value_edge: Optional[Tensor]
     p: float
     need_alpha: bool
+    edge_weight: Optional[Tensor] = None
 
     @property
     def device(self) -> torch.device:
         return self.value.device
 
     def tensors(self) -> Tuple[Tensor, ...]:
-        return tuple(t for t in (self.value, self.value_edge, *self.score.tensors()) if t is not None)
+        return tuple(t for t in (self.value, self.value_edge, self.edge_weight, *self.score.tensors())
+                     if t is not None)
 
 
 def _transforms() -> Tuple[str, ...]:
@@ -160,7 +164,8 @@ class ReferenceKernel(Kernel):
             _log(self.name)
         src, index = call.plan.coo()
         out, alpha = _core.reference_attention(call.score, call.value, src, index, call.plan.num_dst,
-                                               call.value_edge, p=call.p, softmax=self.softmax,
+                                               call.value_edge, p=call.p,
+                                               edge_weight=call.edge_weight, softmax=self.softmax,
                                                aggregate=self.aggregate)
         return out, (alpha if call.need_alpha else None)
 
@@ -232,7 +237,7 @@ class FusedCPUKernel(Kernel):
         from . import _fused_cpu
 
         return _fused_cpu.attention(call.score, call.value, call.plan, call.value_edge, call.p,
-                                    call.need_alpha, _LOG.get())
+                                    call.need_alpha, _LOG.get(), call.edge_weight)
 
 
 class TritonKernel(Kernel):
@@ -250,6 +255,8 @@ class TritonKernel(Kernel):
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         reason = self.available(call.device) or _fused_context(call)
+        if reason is None and call.edge_weight is not None:
+            reason = "the Triton kernels take no edge weights (explainer edge masks)"
         if reason is None:
             from . import _triton
 
@@ -329,6 +336,7 @@ def graph_attention(
     concat: bool = True,
     backend: str = "auto",
     return_attention: bool = False,
+    edge_weight: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Sparse multi-head attention over the edges of a graph.
 
@@ -352,13 +360,26 @@ def graph_attention(
             ``"triton"`` (see :func:`gatlib.available_backends`).
         return_attention: also return the ``[E, H]`` weights (before dropout),
             in the order of ``edge_index``.
+        edge_weight: optional ``[E]`` floating multiplier of each edge's weights
+            after dropout, in the order of ``edge_index`` and differentiable
+            (how PyG's explainers apply edge masks); the returned weights are
+            not multiplied.
 
     Returns:
         ``out`` or ``(out, alpha)``.
     """
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
     p = float(dropout) if training and dropout > 0 else 0.0
-    call = AttentionCall(score, value, plan, value_edge, p, bool(return_attention))
+    if edge_weight is not None:
+        if not isinstance(edge_weight, Tensor) or not edge_weight.is_floating_point():
+            raise TypeError("edge_weight must be a floating-point torch.Tensor; got "
+                            f"{getattr(edge_weight, 'dtype', type(edge_weight).__name__)}")
+        if edge_weight.shape != (plan.num_edges,):
+            raise ValueError(f"edge_weight must have shape [num_edges={plan.num_edges}]; "
+                             f"got {tuple(edge_weight.shape)}")
+        if edge_weight.device != value.device:
+            raise ValueError(f"edge_weight is on {edge_weight.device} but value is on {value.device}")
+    call = AttentionCall(score, value, plan, value_edge, p, bool(return_attention), edge_weight)
     out, alpha = select_kernel(backend, call).run(call)
     out = _core.combine_heads(out, concat)
     return (out, alpha) if return_attention else out

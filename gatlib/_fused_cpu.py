@@ -340,7 +340,8 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
     return out, alpha
 
 
-def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u):
+def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
+                                need_drop=False):
     r"""Backward of :func:`_softmax_aggregate`, with ``g_i = dL/dout_i`` and
     ``ga_ij = dL/dalpha_ij`` (alpha is an output too)::
 
@@ -349,13 +350,14 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
         de_ij     = alpha_ij * (dalpha_ij - delta_i)              # softmax gradient
         dv_j      = sum_i a_ij g_i                                # SpMM, transposed block CSR
         du_ij     = a_ij g_i                                      # [E, H, C] because u is
+        ddrop_ij  = alpha_ij * <g_i, v_j + u_ij>                  # when drop carries edge weights
 
-    Returns ``(de [E, H] CSR order, dv or None, du or None)``.
+    Returns ``(de [E, H] CSR order, dv or None, du or None, ddrop or None)``.
     """
     lay = hl.lay
     a = alpha if drop is None else alpha * drop  # [E, H]
     d_alpha = torch.zeros_like(alpha) if g_alpha is None else g_alpha.clone()  # [E, H]
-    dv = du = None
+    dv = du = d_drop = None
     if g_out is not None:
         g = g_out.contiguous()  # [N_dst, H, C]
         dot = _sddmm(hl, g, v)  # [E, H]  <g_i, v_j>
@@ -372,12 +374,14 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
                     _scatter_rows(du, g_e.mul_(a[e0:e1, :, None]), lay, e0, e1)
 
             _for_blocks(lay, H * C * g.element_size(), block)
+        if need_drop:
+            d_drop = alpha * dot
         d_alpha += dot if drop is None else dot * drop
         if need_v:
             dv = _spmm(hl, a, g, transpose=True)  # [N_src, H, C]
     ad = alpha * d_alpha  # [E, H]
     delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    return ad.sub_(alpha * delta.index_select(0, lay.dst)), dv, du
+    return ad.sub_(alpha * delta.index_select(0, lay.dst)), dv, du, d_drop
 
 
 # ---------------------------------------------------------------------------
@@ -563,8 +567,9 @@ class _FusedAttention(torch.autograd.Function):
     Inputs: the score's ``src, dst, edge, att`` (``edge`` in edge-list order),
     ``value [N_src, H, C]``, ``value_edge [E, H, C]`` (edge-list order) or
     ``None``, and ``drop [E, H]`` (CSR order: ``keep / (1 - p)``, the dropout
-    mask) or ``None``. Outputs ``out [N_dst, H, C]`` and ``alpha [E, H]`` in
-    CSR order, both in the compute dtype.
+    mask, times the edge weights if any — then it needs a gradient) or ``None``.
+    Outputs ``out [N_dst, H, C]`` and ``alpha [E, H]`` in CSR order, both in the
+    compute dtype.
 
     Forward: stage 1 of the score's kind (``_gat_forward``, ``_gatv2_forward``,
     ``_dot_forward``), then :func:`_softmax_aggregate`. Backward: their
@@ -598,13 +603,13 @@ class _FusedAttention(torch.autograd.Function):
         _log(spec.log, "fused.backward")
         s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
         with torch.autocast("cpu", enabled=False):
-            de, dv, du = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
-                                                     spec.hl, drop, need[4], need[5])
+            de, dv, du, d_drop = _softmax_aggregate_backward(
+                g_out, g_alpha, alpha, value, value_edge, spec.hl, drop, need[4], need[5], need[6])
             score_grads = (None,) * 4
             if any(need[:4]):
                 score_grads = _SCORES[spec.kind][1](de, s_src, s_dst, s_edge, s_att, spec.hl,
                                                     spec.scale, spec.slope, need[:4])
-        return (None, *score_grads, dv, du, None)
+        return (None, *score_grads, dv, du, d_drop)
 
 
 def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequence[bool],
@@ -614,11 +619,13 @@ def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequ
     as the reference does."""
     *tensors, drop = ins
     lay = spec.hl.lay
+    if need[6]:  # edge weights in drop: an input like the others (already in CSR order)
+        tensors, drop = [*tensors, drop], None
     with torch.autocast("cpu", enabled=False):
         grads = reference_grads(spec.kind, spec.scale, spec.slope, tensors, lay.src.long(),
-                                lay.dst.long(), lay.num_dst, drop, (g_out, g_alpha), need[:6],
+                                lay.dst.long(), lay.num_dst, drop, (g_out, g_alpha), need[:7],
                                 edge_order=lay.perm)
-    return [*grads, None]
+    return [*grads, None][:7]
 
 
 def _log(log: Optional[list], entry: str) -> None:
@@ -642,7 +649,8 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
 
 
 def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
-              p: float, need_alpha: bool, log: Optional[list]) -> Tuple[Tensor, Optional[Tensor]]:
+              p: float, need_alpha: bool, log: Optional[list],
+              edge_weight: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """The three stages of :mod:`gatlib._core` without ``[E, H, C]`` saved tensors.
 
     Args:
@@ -653,6 +661,8 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         p: attention dropout probability in effect (0 outside training).
         need_alpha: also return the attention weights.
         log: the :func:`gatlib.record_kernels` list, if one is active.
+        edge_weight: optional ``[E]`` (edge-list order) multiplier of each edge's
+            attention weights after dropout, differentiable.
 
     Returns:
         ``(out [N_dst, H, C] in value.dtype, alpha [E, H] in edge-list order
@@ -669,6 +679,9 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
         drop = (torch.rand(lay.num_edges, H, dtype=acc) >= p) * (1.0 / (1.0 - p) if p < 1 else 0.0)
+    if edge_weight is not None:  # one multiplier per edge and head, CSR order
+        w = edge_weight.to(acc).index_select(0, lay.perm).unsqueeze(1)  # [E, 1]
+        drop = w.expand(lay.num_edges, H) if drop is None else drop * w
 
     def node(t: Optional[Tensor]) -> Optional[Tensor]:  # node-sized: upcast is cheap
         return None if t is None else t.to(acc).contiguous()

@@ -152,8 +152,23 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
                          f"for {num_dst} destination nodes")
 
 
-def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tensor) -> Optional[Tensor]:
-    """``[E, edge_dim]`` (or ``[E]`` when ``edge_dim == 1``) floating features."""
+def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tensor,
+                    user_defined: bool = False) -> Optional[Tensor]:
+    """``[E, edge_dim]`` (or ``[E]`` when ``edge_dim == 1``) floating features.
+
+    ``user_defined``: a subclass's own ``edge_update``/``message`` reads
+    ``edge_attr`` (as PyG passes it on whatever ``edge_dim`` is), so with
+    ``edge_dim=None`` any ``[E, ...]`` floating tensor is accepted as it is."""
+    if edge_dim is None and user_defined and edge_attr is not None:
+        if not isinstance(edge_attr, Tensor) or not edge_attr.is_floating_point():
+            raise TypeError("edge_attr must be a floating-point torch.Tensor; got "
+                            f"{getattr(edge_attr, 'dtype', type(edge_attr).__name__)}")
+        if edge_attr.dim() == 0 or edge_attr.size(0) != num_edges:
+            raise ValueError(f"edge_attr must have one row per edge ({num_edges} edges in "
+                             f"edge_index); got shape {tuple(edge_attr.shape)}")
+        if edge_attr.device != x.device:
+            raise ValueError(f"edge_attr is on {edge_attr.device} but x is on {x.device}")
+        return edge_attr
     if edge_dim is None:
         if edge_attr is not None:
             raise ValueError("edge_attr was given but the layer was built with edge_dim=None; "

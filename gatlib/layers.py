@@ -3,7 +3,11 @@ r"""GATConv, GATv2Conv and TransformerConv: thin layers over the attention core.
 Each layer owns its parameters — with the names, shapes and initialisation of
 PyTorch Geometric 2.8's layer of the same name, so a PyG ``state_dict`` loads
 as it is — computes the per-node terms of its edge score, and hands them to
-:func:`gatlib._core.graph_attention`. No layer holds softmax or scatter code.
+:func:`gatlib._dispatch.graph_attention`. The layers are PyG ``MessagePassing``
+modules; a call that uses MessagePassing's extension points (overridden
+``message``/``edge_update``/``explain_message``, hooks) runs through ``propagate``
+instead, with per-edge ``edge_update``/``message`` methods that compute the same
+thing with the core's softmax (see :class:`_AttentionConv`).
 
 Differences from PyG, on purpose:
 
@@ -28,24 +32,100 @@ import math
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Parameter
 from torch.nn.parameter import UninitializedParameter
+from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
 from torch_geometric.utils import add_self_loops as _add_self_loops
 from torch_geometric.utils import remove_self_loops as _remove_self_loops
 
 from . import _validate as V
-from ._core import EdgeScore
-from ._dispatch import check_backend_name, graph_attention
+from ._core import EdgeScore, combine_heads, segment_softmax
+from ._dispatch import _log, check_backend_name, graph_attention
 from ._plan import GraphPlan, as_plan, checked_edge_list
 
 PairTensor = Tuple[Tensor, Optional[Tensor]]
 
+# MessagePassing's extension points: a subclass (or an instance) that replaces one
+# of these asks for PyG's message-passing flow, which the attention core cannot run.
+_EXTENSION_POINTS = ("message", "aggregate", "update", "message_and_aggregate", "edge_update",
+                     "explain_message")
+_HOOKS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
+          "_message_forward_pre_hooks", "_message_forward_hooks",
+          "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
+          "_message_and_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
+          "_edge_update_forward_pre_hooks", "_edge_update_forward_hooks")
 
-class _AttentionConv(torch.nn.Module):
-    """Shared plumbing: argument checks, input splitting, self-loops, output."""
+
+class _AttentionConv(MessagePassing):
+    """Shared plumbing: argument checks, input splitting, self-loops, output.
+
+    The layers are PyG ``MessagePassing`` modules, so PyG recognises them wherever
+    it looks for one (``to_hetero``, ``HeteroConv``, explainers). An ordinary call
+    runs the attention core. A call that uses one of MessagePassing's extension
+    points — a subclass's (or instance's) own ``message``, ``edge_update``,
+    ``aggregate``, ``update`` or ``explain_message``, or a registered propagate,
+    message, aggregate or edge-update hook — runs through
+    :meth:`MessagePassing.propagate` with the layer's ``edge_update`` and
+    ``message``, exactly as PyG's layer would; it is logged as ``"propagate"`` by
+    :func:`gatlib.record_kernels`, and a layer built with a backend other than
+    ``"auto"``/``"torch"`` raises instead, since that kernel cannot honour it.
+    Explain mode (PyG's explainers' edge masks) needs no such detour: the mask
+    becomes a per-edge weight of the attention core (:meth:`_explain_weight`).
+    """
+
+    def __init__(self):
+        super().__init__(aggr="add", node_dim=0)
+
+    def _propagate_reason(self) -> Optional[str]:
+        """Why this call must run through ``propagate``, or ``None``."""
+        base = next(c for c in type(self).__mro__ if c.__module__ == __name__)  # gatlib's layer
+        for name in _EXTENSION_POINTS:
+            if name in self.__dict__ or getattr(type(self), name) is not getattr(base, name):
+                return f"{name}() is overridden"
+        for name in _HOOKS:
+            if getattr(self, name):
+                return f"a {name.strip('_').replace('_', ' ')[:-1]} is registered"
+        return None
+
+    def _explain_weight(self, plan: GraphPlan) -> Optional[Tensor]:
+        """In explain mode, the edge mask PyG's explainer set, as a weight per edge
+        of ``plan`` — by ``MessagePassing.explain_message``'s rule: sigmoid if
+        asked, and where the layer added self-loops, the mask's own self-loop
+        entries dropped and the added loops weighted 1."""
+        if not self.explain:
+            return None
+        mask = self._edge_mask
+        if mask is None:
+            raise ValueError(f"{type(self).__name__} is in explain mode but has no edge mask "
+                             "(_edge_mask); set one with torch_geometric.explain.algorithm."
+                             "utils.set_masks")
+        if self._apply_sigmoid:
+            mask = mask.sigmoid()
+        if mask.size(0) != plan.num_edges and self._loop_mask is not None:
+            mask = torch.cat([mask[self._loop_mask], mask.new_ones(plan.num_dst)])
+        if mask.size(0) != plan.num_edges:
+            raise ValueError(f"the edge mask has {mask.size(0)} entries but the layer attends "
+                             f"over {plan.num_edges} edges")
+        return mask
+
+    def _use_propagate(self) -> Optional[str]:
+        reason = self._propagate_reason()
+        if reason is not None:
+            if self.backend not in ("auto", "torch"):
+                raise ValueError(f"backend={self.backend!r} cannot run this call: {reason}, "
+                                 "which only MessagePassing.propagate honours; build the layer "
+                                 "with backend='auto' or 'torch'")
+            _log("propagate")
+        return reason
+
+    def _user_edge_attr(self) -> bool:
+        """Whether a subclass's own ``edge_update``/``message`` may read ``edge_attr``."""
+        reason = self._propagate_reason()
+        return reason is not None and reason.startswith(("edge_update", "message"))
 
     def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend,
                       value_dropout):
@@ -86,7 +166,7 @@ class _AttentionConv(torch.nn.Module):
         plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
         edges = plan._base_ei if self_loops else None  # [2, E] before the loops (read-only)
         edge_attr = V.check_edge_attr(edge_attr, plan.num_edges if edges is None else edges.size(1),
-                                      self.edge_dim, x)
+                                      self.edge_dim, x, user_defined=self._user_edge_attr())
         if edges is not None and edge_attr is not None:
             n = min(plan.num_src, plan.num_dst) if loop_nodes is None else loop_nodes
             ei, edge_attr = _remove_self_loops(edges, edge_attr)
@@ -103,7 +183,8 @@ class _AttentionConv(torch.nn.Module):
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
         res = graph_attention(score, value, plan, num_dst, value_edge=value_edge,
                               dropout=self.dropout, training=self.training, concat=self.concat,
-                              backend=self.backend, return_attention=bool(want_alpha))
+                              backend=self.backend, return_attention=bool(want_alpha),
+                              edge_weight=self._explain_weight(plan))
         return res if want_alpha else (res, None)
 
     @staticmethod
@@ -306,16 +387,44 @@ class GATConv(_AttentionConv):
         if x_dst is not None:  # h_src is also W x_dst when both are x under one weight
             same = x_dst is x_src and lin_dst is lin_src
             a_dst = _projected_scores(x_dst, lin_dst, self.att_dst, h_src if same else None)  # [N_t, H]
-        a_edge = None
-        if self.lin_edge is not None:
-            a_edge = _projected_scores(edge_attr, self.lin_edge, self.att_edge)  # [E, H]
-        out, alpha = self._attend(EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope), h_src,
-                                  plan, num_dst, return_attention_weights)
+        if self._use_propagate():  # PyG's flow: edge_update, then message per edge
+            if self.value_dropout > 0.0:
+                h_src = F.dropout(h_src, self.value_dropout, self.training)
+            h_dst = None
+            if x_dst is not None:
+                same = x_dst is x_src and lin_dst is lin_src
+                h_dst = h_src if same else lin_dst(x_dst).view(-1, H, C)
+            ei, size = plan.edge_index.long(), (num_src, num_dst)
+            alpha = self.edge_updater(ei, alpha=(a_src, a_dst), edge_attr=edge_attr, size=size)
+            out = self.propagate(ei, x=(h_src, h_dst), alpha=alpha, size=size)
+            out = combine_heads(out, self.concat)
+        else:
+            a_edge = None
+            if self.lin_edge is not None:
+                a_edge = _projected_scores(edge_attr, self.lin_edge, self.att_edge)  # [E, H]
+            out, alpha = self._attend(EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope),
+                                      h_src, plan, num_dst, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
             out = out + self.bias
         return self._output(out, alpha, plan, return_attention_weights)
+
+
+    # MessagePassing's extension points, run only by the propagate path (see
+    # _AttentionConv): the same computation as the attention core, edge by edge.
+    def edge_update(self, alpha_j: Tensor, alpha_i: Optional[Tensor], edge_attr: Optional[Tensor],
+                    index: Tensor, ptr: Optional[Tensor], dim_size: Optional[int]) -> Tensor:
+        alpha = alpha_j if alpha_i is None else alpha_j + alpha_i
+        if edge_attr is not None and self.lin_edge is not None:
+            alpha = alpha + _projected_scores(edge_attr.view(edge_attr.size(0), -1), self.lin_edge,
+                                              self.att_edge)
+        alpha = F.leaky_relu(alpha, self.negative_slope)
+        alpha = segment_softmax(alpha, index, dim_size)
+        return F.dropout(alpha, p=self.dropout, training=self.training)
+
+    def message(self, x_j: Tensor, alpha: Tensor) -> Tensor:
+        return alpha.unsqueeze(-1) * x_j
 
 
 class GATv2Conv(_AttentionConv):
@@ -445,17 +554,43 @@ class GATv2Conv(_AttentionConv):
             h_dst = h_src
         else:
             h_dst = self.lin_r(x_dst).view(-1, H, C)  # [N_t, H, C]
-        h_edge = None
-        if self.lin_edge is not None:
-            h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
-        out, alpha = self._attend(
-            EdgeScore.gatv2(h_src, h_dst, self.att.view(H, C), h_edge, self.negative_slope),
-            h_src, plan, num_dst, return_attention_weights)
+        if self._use_propagate():  # PyG's flow: edge_update, then message per edge
+            ei = plan.edge_index.long()
+            alpha = self.edge_updater(ei, x=(h_src, h_dst), edge_attr=edge_attr,
+                                      size=(num_src, num_dst))
+            if self.value_dropout > 0.0:  # the scores above saw the undropped features
+                h_src = F.dropout(h_src, self.value_dropout, self.training)
+            out = self.propagate(ei, x=(h_src, h_dst), alpha=alpha, size=(num_src, num_dst))
+            out = combine_heads(out, self.concat)
+        else:
+            h_edge = None
+            if self.lin_edge is not None:
+                h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
+            out, alpha = self._attend(
+                EdgeScore.gatv2(h_src, h_dst, self.att.view(H, C), h_edge, self.negative_slope),
+                h_src, plan, num_dst, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
             out = out + self.bias
         return self._output(out, alpha, plan, return_attention_weights)
+
+
+    # MessagePassing's extension points, run only by the propagate path (see
+    # _AttentionConv): the same computation as the attention core, edge by edge.
+    def edge_update(self, x_j: Tensor, x_i: Tensor, edge_attr: Optional[Tensor], index: Tensor,
+                    ptr: Optional[Tensor], dim_size: Optional[int]) -> Tensor:
+        x = x_i + x_j
+        if edge_attr is not None and self.lin_edge is not None:
+            x = x + self.lin_edge(edge_attr.view(edge_attr.size(0), -1)).view(-1, self.heads,
+                                                                               self.out_channels)
+        x = F.leaky_relu(x, self.negative_slope)
+        alpha = (x * self.att).sum(dim=-1)
+        alpha = segment_softmax(alpha, index, dim_size)
+        return F.dropout(alpha, p=self.dropout, training=self.training)
+
+    def message(self, x_j: Tensor, alpha: Tensor) -> Tensor:
+        return x_j * alpha.unsqueeze(-1)
 
 
 class TransformerConv(_AttentionConv):
@@ -544,6 +679,7 @@ class TransformerConv(_AttentionConv):
         # PyG builds lin_skip even with root_weight=False; keep it for state_dict parity.
         self.lin_skip = Linear(in_dst, width, bias=bias)
         self.lin_beta = Linear(3 * width, 1, bias=False) if self.beta else None
+        self._alpha: Optional[Tensor] = None  # PyG's attribute; set only inside a propagate call
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -566,12 +702,20 @@ class TransformerConv(_AttentionConv):
         query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
         key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
         value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
-        h_edge = None
-        if self.lin_edge is not None:
-            h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
-        out, alpha = self._attend(EdgeScore.dot(query, key, h_edge, 1.0 / math.sqrt(C)),
-                                  value, plan, x_dst.size(0), return_attention_weights,
-                                  value_edge=h_edge)
+        if self._use_propagate():  # PyG's flow: score, softmax and weigh in message
+            if self.value_dropout > 0.0:
+                value = F.dropout(value, self.value_dropout, self.training)
+            out = self.propagate(plan.edge_index.long(), query=query, key=key, value=value,
+                                 edge_attr=edge_attr, size=(x_src.size(0), x_dst.size(0)))
+            out = combine_heads(out, self.concat)
+            alpha, self._alpha = self._alpha, None  # message() left it there, as in PyG
+        else:
+            h_edge = None
+            if self.lin_edge is not None:
+                h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
+            out, alpha = self._attend(EdgeScore.dot(query, key, h_edge, 1.0 / math.sqrt(C)),
+                                      value, plan, x_dst.size(0), return_attention_weights,
+                                      value_edge=h_edge)
         if self.root_weight:
             x_r = self.lin_skip(x_dst)
             if self.lin_beta is not None:
@@ -580,3 +724,19 @@ class TransformerConv(_AttentionConv):
             else:
                 out = out + x_r
         return self._output(out, alpha, plan, return_attention_weights)
+
+    # MessagePassing's extension point, run only by the propagate path (see
+    # _AttentionConv): the same computation as the attention core, edge by edge.
+    def message(self, query_i: Tensor, key_j: Tensor, value_j: Tensor,
+                edge_attr: Optional[Tensor], index: Tensor, ptr: Optional[Tensor],
+                size_i: Optional[int]) -> Tensor:
+        H, C = self.heads, self.out_channels
+        if edge_attr is not None and self.lin_edge is not None:
+            edge_attr = self.lin_edge(edge_attr.view(edge_attr.size(0), -1)).view(-1, H, C)
+            key_j = key_j + edge_attr
+        alpha = (query_i * key_j).sum(dim=-1) / math.sqrt(C)
+        alpha = segment_softmax(alpha, index, size_i)
+        self._alpha = alpha  # PyG's TransformerConv keeps it here; forward takes it back
+        alpha = F.dropout(alpha, p=self.dropout, training=self.training)
+        out = value_j if edge_attr is None else value_j + edge_attr
+        return out * alpha.view(-1, H, 1)

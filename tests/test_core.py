@@ -309,3 +309,65 @@ def test_reference_bound_catches_a_low_precision_reference(monkeypatch, kind):
     assert max(low_precision_errors(kind, torch.bfloat16, "torch")) <= bound
     monkeypatch.setattr(core, "_acc_dtype", lambda dtype: dtype)
     assert max(low_precision_errors(kind, torch.bfloat16, "torch")) > bound
+
+
+# ---------------------------------------------------------------------------
+# Edge weights: PyG's explainer masks, multiplied into the weights after dropout
+# ---------------------------------------------------------------------------
+def test_edge_weight_is_the_dense_oracle_with_weighted_attention():
+    n_src, n_dst, H, C = 7, 5, 2, 3
+    ei, mask = unique_graph(n_src, n_dst, 0.5, seed=3)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(n_dst, H, C, dtype=torch.float64, generator=g)
+    k = torch.randn(n_src, H, C, dtype=torch.float64, generator=g)
+    v = torch.randn(n_src, H, C, dtype=torch.float64, generator=g)
+    w = torch.rand(ei.size(1), dtype=torch.float64, generator=g)
+    out = graph_attention(EdgeScore.dot(q, k, None, 0.5), v, ei, n_dst, edge_weight=w, concat=False,
+                          backend="torch")
+    _, att = dense_oracle(torch.einsum("ihc,jhc->hij", q, k) * 0.5, mask, v)
+    W = torch.zeros(n_dst, n_src, dtype=torch.float64)
+    W[ei[1], ei[0]] = w
+    want = torch.einsum("hij,ij,jhc->ihc", att, W, v).mean(1)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("backend", CPU_FAST)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("graph", ["random", "hub", "empty", "bipartite"])
+def test_edge_weight_every_cpu_kernel_is_the_reference(backend, kind, graph):
+    """Output and every gradient — the weights' included — as the reference's,
+    with dropout's mask in the same call (training, fixed seed)."""
+    ei, n_src, n_dst = graph_case(graph)
+    results = []
+    for b in ("torch", backend):
+        score = make_score(kind, n_src, n_dst, ei.size(1), 2, 3, seed=5)
+        v = torch.randn(n_src, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+        v.requires_grad_()
+        w = torch.rand(ei.size(1), dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+        w.requires_grad_()
+        with gatlib.record_kernels() as log:
+            out = graph_attention(score, v, ei, n_dst, edge_weight=w, backend=b)
+            ins = [*leaves(score), v, w]
+            grads = torch.autograd.grad(out.pow(2).sum(), ins, allow_unused=True)
+        assert log[:1] == [b]
+        results.append((out, grads))
+    (o1, g1), (o2, g2) = results
+    torch.testing.assert_close(o1, o2)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_edge_weight_checked_and_triton_declines_it(monkeypatch):
+    ei, n_src, n_dst = graph_case("random")
+    score = make_score("gat", n_src, n_dst, ei.size(1), 2, 3)
+    v = torch.randn(n_src, 2, 3, dtype=torch.float64)
+    for bad, exc in ((torch.ones(ei.size(1) + 1, dtype=torch.float64), ValueError),
+                     (torch.ones(ei.size(1), 2, dtype=torch.float64), ValueError),
+                     (torch.ones(ei.size(1), dtype=torch.long), TypeError), ([1.0], TypeError)):
+        with pytest.raises(exc, match="edge_weight"):
+            graph_attention(score, v, ei, n_dst, edge_weight=bad)
+    plan = GraphPlan(ei, size=(n_src, n_dst))
+    call = AttentionCall(score, v, plan, None, 0.0, False, torch.ones(ei.size(1), dtype=torch.float64))
+    triton = gatlib._dispatch.KERNELS["triton"]
+    monkeypatch.setattr(type(triton), "available", lambda self, device: None)  # as on a GPU
+    assert triton.supports(call) == "the Triton kernels take no edge weights (explainer edge masks)"

@@ -31,8 +31,9 @@ def small_graph(n_src=6, n_dst=5, seed=1):
     return torch.cat([ei, ei[:, :1]], dim=1)
 
 
-def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4):
-    """(spec, tensors) of one _FusedAttention call in float64, drop mask fixed."""
+def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4, weighted=False):
+    """(spec, tensors) of one _FusedAttention call in float64, drop mask fixed;
+    ``weighted``: the mask carries edge weights (explainer masks) and needs a gradient."""
     ei = small_graph(n_src, n_dst)
     plan = GraphPlan(ei, size=(n_src, n_dst))
     hl = fc.head_layout(plan, H)
@@ -44,6 +45,9 @@ def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4):
     drop = None
     if p > 0:
         drop = (torch.rand(E, H, generator=g, dtype=torch.float64) >= p) / (1 - p)
+    if weighted:
+        w = torch.rand(E, 1, generator=g, dtype=torch.float64) + 0.1
+        drop = (w if drop is None else drop * w).expand(E, H).contiguous().requires_grad_()
     spec = fc._Spec(kind, hl, s.scale, s.negative_slope, torch.float64, None)
     return spec, [*s.tensors(), v, ve, drop]
 
@@ -54,9 +58,10 @@ def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("edge", [False, True], ids=["no_edge", "edge"])
 @pytest.mark.parametrize("p", [0.0, 0.4], ids=["no_dropout", "dropout"])
-def test_gradcheck(blocks, kind, edge, p):
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "edge_weights"])
+def test_gradcheck(blocks, kind, edge, p, weighted):
     """Both outputs (out and alpha) differentiated, every input, the fused backward."""
-    spec, ins = fused_inputs(kind, edge, p=p)
+    spec, ins = fused_inputs(kind, edge, p=p, weighted=weighted)
     diff = [i for i, t in enumerate(ins) if t is not None and t.requires_grad]
 
     def f(*ts):
@@ -73,10 +78,11 @@ def test_gradcheck(blocks, kind, edge, p):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("edge", [False, True], ids=["no_edge", "edge"])
-def test_gradgradcheck(kind, edge):
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "edge_weights"])
+def test_gradgradcheck(kind, edge, weighted):
     """Second derivatives are exact: a backward with create_graph differentiates
     the reference's computation of the same call."""
-    spec, ins = fused_inputs(kind, edge, p=0.3)
+    spec, ins = fused_inputs(kind, edge, p=0.3, weighted=weighted)
     diff = [i for i, t in enumerate(ins) if t is not None and t.requires_grad]
     log = []
     spec = fc._Spec(spec.kind, spec.hl, spec.scale, spec.slope, spec.acc, log)
