@@ -24,16 +24,16 @@ Differences from PyG, on purpose:
   ``j -> i``). The ``edge_index`` returned with the attention weights is always
   a new tensor; for an adjacency, what is returned is what PyG returns (see
   :mod:`gatlib._adjacency`).
-* With an adjacency, as in PyG, a ``SparseTensor``'s values and a ``torch.sparse``
-  tensor's ``[nnz, D]`` values are the edge features when ``edge_attr`` is not
-  given. Unlike PyG, a layer built with ``edge_dim=None`` refuses ``[nnz, D]``
-  values (PyG's ``GATConv`` ignores them) and ignores 1-D ``SparseTensor`` values
-  (edge weights; PyG's ``GATv2Conv`` and ``TransformerConv`` fail on them); a layer
-  with ``edge_dim`` set refuses a ``torch.sparse`` adjacency that holds no edge
-  features and no ``edge_attr`` (PyG's GAT layers drop the edge term); self-loops
-  are added to a CSC adjacency too (PyG raises), and a ``torch.sparse`` adjacency
-  with repeated entries is refused when self-loops are added (PyG merges the
-  repeats into one edge).
+* With an adjacency, as in PyG, ``[nnz, D]`` values are the edge features when
+  ``edge_attr`` is not given, and 1-D values (edge weights) are ignored. Unlike
+  PyG: a layer built with ``edge_dim=None`` refuses ``[nnz, D]`` values (PyG's
+  ``GATConv`` ignores them, its other layers fail on them); with ``edge_dim`` set,
+  neither ``edge_attr`` nor such values is refused (PyG's GAT layers drop the edge
+  term); CSC adjacencies are taken (PyG's layers raise on them), and so are
+  uncoalesced COO ones without self-loops (PyG raises; with self-loops it marks
+  the caller's tensor coalesced, gatlib leaves it as it is); a ``torch.sparse``
+  adjacency with repeated entries is refused when self-loops are added (PyG
+  merges the repeats into one edge).
 """
 from __future__ import annotations
 

@@ -109,10 +109,10 @@ def compressed(adj):
     return (adj._indices(),)
 
 
-def assert_same_attention(ours, theirs, alpha_values=True):
+def assert_same_attention(ours, theirs):
     """Our returned attention is PyG's: a SparseTensor holding alpha, or
     ``(adjacency, alpha)`` with the adjacency in the same layout, entries and
-    values (alpha, or with ``alpha_values=False`` the input's own)."""
+    values (alpha; for TransformerConv the input's own)."""
     if isinstance(theirs, SparseTensor):
         assert isinstance(ours, SparseTensor) and ours.sizes() == theirs.sizes()
         (r1, c1, v1), (r2, c2, v2) = ours.coo(), theirs.coo()
@@ -123,12 +123,11 @@ def assert_same_attention(ours, theirs, alpha_values=True):
     assert adj1.layout == adj2.layout and adj1.shape == adj2.shape
     for i1, i2 in zip(compressed(adj1), compressed(adj2), strict=True):
         assert torch.equal(i1, i2)
-    if alpha_values:
-        if adj1.layout == torch.sparse_coo:
-            assert adj1.is_coalesced() == adj2.is_coalesced()
-        torch.testing.assert_close(adj1._values() if adj1.layout == torch.sparse_coo else adj1.values(),
-                                   adj2._values() if adj2.layout == torch.sparse_coo else adj2.values(),
-                                   rtol=1e-4, atol=1e-6)
+    if adj1.layout == torch.sparse_coo:
+        assert adj1.is_coalesced() == adj2.is_coalesced()
+    torch.testing.assert_close(adj1._values() if adj1.layout == torch.sparse_coo else adj1.values(),
+                               adj2._values() if adj2.layout == torch.sparse_coo else adj2.values(),
+                               rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(a1, a2, rtol=1e-4, atol=1e-6)
 
 
@@ -204,7 +203,7 @@ def test_parity(layer, bipartite, loops, fmt, backend):
 
     if pyg_takes(fmt, layer, loops):
         out2, att2, grads2, _ = call(theirs, x, adjacency(fmt, ei, n_src, n_dst))
-        assert_same_attention(att, att2, alpha_values=holds_alpha)
+        assert_same_attention(att, att2)
     else:  # gatlib takes what PyG refuses: PyG's result on the same edges
         assert_pyg_refuses(theirs, x, adjacency(fmt, ei, n_src, n_dst))
         out2, att2, grads2, _ = call(theirs, x, edges, **size)
@@ -290,7 +289,7 @@ def test_explicit_edge_attr_without_self_loops(layer, fmt):
     holds_alpha = layer != "TransformerConv"
     if pyg_takes(fmt, layer, loops=False):
         out2, att2, grads2, _ = call(theirs, x, adjacency(fmt, ei, n_src, n_dst, weights), ea)
-        assert_same_attention(att, att2, alpha_values=holds_alpha)
+        assert_same_attention(att, att2)
     else:
         assert_pyg_refuses(theirs, x, adjacency(fmt, ei, n_src, n_dst, weights), ea)
         out2, att2, grads2, _ = call(theirs, x, stored(adjacency(fmt, ei, n_src, n_dst))[0], ea)
