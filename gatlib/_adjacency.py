@@ -36,7 +36,7 @@ def _values(adj) -> Optional[Tensor]:
 
 
 def edge_features(adj, edge_attr: Optional[Tensor], edge_dim: Optional[int], self_loops: bool,
-              x: Tensor) -> Optional[Tensor]:
+                  x: Tensor) -> Optional[Tensor]:
     """The edge features a layer built with ``edge_dim`` uses with adjacency ``adj``:
     ``edge_attr`` if given (rows in the adjacency's stored order), else, as in PyG,
     the adjacency's values if they are ``[nnz, D]``. 1-D values are edge weights,
@@ -45,7 +45,7 @@ def edge_features(adj, edge_attr: Optional[Tensor], edge_dim: Optional[int], sel
     if values is not None and values.dim() == 1:
         values = None  # PyG: 1-D values are not edge_attr
     if edge_dim is None:
-        if values is not None and values.dim() > 1:
+        if values is not None:
             raise ValueError(
                 f"edge_index's values have shape {tuple(values.shape)}: PyG passes such values "
                 "as edge_attr, but the layer was built with edge_dim=None; pass "
@@ -70,7 +70,8 @@ def edge_features(adj, edge_attr: Optional[Tensor], edge_dim: Optional[int], sel
             f"edge_attr is required: the layer was built with edge_dim={edge_dim}, and "
             "edge_index (a sparse adjacency) holds no edge features (those are [nnz, "
             "edge_dim] values; 1-D values are edge weights)")
-    if torch.is_grad_enabled() and adj.requires_grad and not values.requires_grad:
+    if (not isinstance(adj, SparseTensor) and torch.is_grad_enabled() and adj.requires_grad
+            and not values.requires_grad):  # _values() of an uncoalesced COO
         raise ValueError(
             "edge_index is an uncoalesced COO tensor whose values are the edge features and "
             "require grad: no gradient can reach values read in stored order (PyG's backward "
