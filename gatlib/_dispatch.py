@@ -349,8 +349,10 @@ def graph_attention(
     Args:
         score: an :class:`EdgeScore` holding the per-node terms of ``e_ij``.
         value: ``[N_src, H, C]`` values of the source nodes.
-        edge_index: ``[2, E]`` integer ``(src, dst)`` pairs, a PyG ``EdgeIndex``
-            or a :class:`GraphPlan` of ``N_src`` sources and ``num_dst`` destinations.
+        edge_index: ``[2, E]`` integer ``(src, dst)`` pairs, a PyG ``EdgeIndex``,
+            a sparse adjacency ``[num_dst, N_src]`` (PyG's ``adj_t``; its edges in
+            stored order) or a :class:`GraphPlan` of ``N_src`` sources and
+            ``num_dst`` destinations.
         num_dst: number of destination nodes ``N_dst``.
         value_edge: optional ``[E, H, C]`` term added to each edge's value.
         dropout: probability of dropping an attention weight (training only).

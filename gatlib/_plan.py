@@ -22,10 +22,18 @@ graph once for many calls (full-batch training)::
     for epoch in range(epochs):
         out = model(x, plan)
 
+A plan (and so a layer) also takes PyG's sparse adjacencies ``adj_t``: a
+``torch.sparse`` tensor in COO, CSR or CSC layout or a ``torch_sparse.SparseTensor``
+of shape ``[N_dst, N_src]``, entry ``[i, j]`` an edge ``j -> i``. Its edge list
+holds the entries in the order the adjacency stores them (PyG's
+``to_edge_index`` order); their values play no part in the graph.
+
 Nothing is sorted that is already in order: a destination-sorted ``[2, E]``
 tensor keeps its order, an ``EdgeIndex`` sorted by row or column supplies its
-own (cached) CSR/CSC, and the self-loops of such a plan (or of one whose layout
-exists) are merged into its layout in O(E) instead of being sorted in.
+own (cached) CSR/CSC, a CSR adjacency or a ``SparseTensor`` is its plan's CSR
+(its row offsets and columns), a CSC adjacency its plan's source-sorted side,
+and the self-loops of such a plan (or of one whose layout exists) are merged
+into its layout in O(E) instead of being sorted in.
 """
 from __future__ import annotations
 
@@ -35,6 +43,9 @@ from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from torch_geometric.index import ptr2index
+from torch_geometric.typing import SparseTensor
 
 from . import _validate as V
 
@@ -75,14 +86,18 @@ class GraphPlan:
     r"""A graph's edges, checked once, with the CSR/CSC layouts kernels read.
 
     Args:
-        edge_index (Tensor or EdgeIndex): ``[2, E]`` integer ``(source,
-            destination)`` pairs (int64 or int32), or a PyG ``EdgeIndex``
-            (whose own sorted layout is used).
+        edge_index (Tensor, EdgeIndex or sparse adjacency): ``[2, E]`` integer
+            ``(source, destination)`` pairs (int64 or int32), a PyG ``EdgeIndex``
+            (whose own sorted layout is used), or a sparse adjacency ``adj_t`` of
+            shape ``[N_dst, N_src]`` — ``torch.sparse`` COO, CSR or CSC, or a
+            ``torch_sparse.SparseTensor`` — whose entry ``[i, j]`` is an edge
+            ``j -> i`` (its values are ignored; a CSR or ``SparseTensor`` is used
+            as the plan's CSR as it is, a CSC as its source-sorted side).
         num_nodes (int, optional): number of nodes of a graph whose sources
             and destinations are the same nodes. (default: the largest index
-            plus one)
+            plus one; an adjacency's shape)
         size ((int, int), optional): ``(N_src, N_dst)`` of a bipartite graph;
-            instead of ``num_nodes``.
+            instead of ``num_nodes``. (A sparse adjacency's shape must agree.)
 
     A layer called with a plan checks that the plan's sizes match its inputs
     (``N_src`` rows of source features, ``N_dst`` of destination features)
@@ -99,7 +114,9 @@ class GraphPlan:
             raise TypeError("edge_index is already a GraphPlan")
         num_src, num_dst = _sizes(num_nodes, size)
         ei, layout_fn = checked_edge_list(edge_index, num_src, num_dst)
-        if num_src is None:  # infer from the indices, as PyG's maybe_num_nodes does
+        if num_src is None and V.is_adjacency(edge_index):  # its shape
+            num_src, num_dst = V.check_adjacency(edge_index, None, None)
+        elif num_src is None:  # infer from the indices, as PyG's maybe_num_nodes does
             n = int(ei.max()) + 1 if ei.numel() else 0
             num_src = num_dst = n
         self._init(ei, num_src, num_dst, layout_fn)
@@ -283,9 +300,12 @@ def checked_edge_list(edge_index, num_src: Optional[int], num_dst: Optional[int]
                       device: Optional[torch.device] = None,
                       ) -> Tuple[Tensor, Optional[Callable[[], Layout]]]:
     """A checked int64 ``[2, E]`` copy of ``edge_index`` and, for a sorted
-    ``EdgeIndex``, a builder of its layout from the EdgeIndex's own CSR/CSC."""
+    ``EdgeIndex`` or a compressed sparse adjacency, a builder of its layout from
+    the input's own CSR/CSC."""
     from torch_geometric import EdgeIndex
 
+    if V.is_adjacency(edge_index):
+        return _normal(_adjacency_edge_list, edge_index, num_src, num_dst, device)
     ei = _normal(V.check_edge_index, edge_index, num_src, num_dst, device)  # an owned int64 copy
     layout_fn = None
     if isinstance(edge_index, EdgeIndex):
@@ -305,6 +325,8 @@ def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.devi
     :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)`` (whose ``_base_ei`` is the
     edge list without them)."""
     if not isinstance(edge_index, GraphPlan):
+        if num_dst is None and V.is_adjacency(edge_index):  # destinations: the adjacency's rows
+            num_dst = V.check_adjacency(edge_index, num_src, None, device)[1]
         ei, layout_fn = checked_edge_list(edge_index, num_src, num_dst, device)
         if not self_loops:
             return GraphPlan._owned(ei, num_src, num_dst, layout_fn)
@@ -331,6 +353,51 @@ def _check_plan(plan: GraphPlan, num_src: int, num_dst: Optional[int],
     if plan.device != device:
         raise ValueError(f"edge_index is a GraphPlan on {plan.device} but x is on {device}")
     return plan
+
+
+_ADJ_NAMES = ("edge_index's column (source) indices", "edge_index's row (destination) indices")
+
+
+def _adjacency_edge_list(adj, num_src: Optional[int], num_dst: Optional[int],
+                         device: Optional[torch.device]
+                         ) -> Tuple[Tensor, Optional[Callable[[], Layout]]]:
+    """:func:`checked_edge_list` of a sparse adjacency ``adj_t`` ``[N_dst, N_src]``:
+    its entries as ``(source, destination)`` pairs in the order it stores them, and
+    for a CSR/CSC (or ``SparseTensor``) a layout builder that takes the compressed
+    side as it is."""
+    n_src, n_dst = V.check_adjacency(adj, num_src, num_dst, device)
+    if isinstance(adj, SparseTensor):  # always row-sorted: a CSR
+        rowptr, col = adj.storage.rowptr(), adj.storage.col()
+        return _compressed_edge_list(rowptr, col, n_src, n_dst, "rowptr/col", rows_are_dst=True)
+    if adj.layout == torch.sparse_csr:
+        return _compressed_edge_list(adj.crow_indices(), adj.col_indices(), n_src, n_dst,
+                                     "crow_indices/col_indices", rows_are_dst=True)
+    if adj.layout == torch.sparse_csc:
+        return _compressed_edge_list(adj.ccol_indices(), adj.row_indices(), n_src, n_dst,
+                                     "ccol_indices/row_indices", rows_are_dst=False)
+    # COO, in stored order (PyG's to_edge_index would also mark the caller's tensor
+    # coalesced); a coalesced one is destination-sorted, which build_layout sees.
+    idx = adj._indices()
+    ei = torch.stack([idx[1], idx[0]]).to(torch.int64)  # an owned copy
+    V._check_range(ei, n_src, n_dst, _ADJ_NAMES)
+    return ei, None
+
+
+def _compressed_edge_list(ptr: Tensor, index: Tensor, num_src: int, num_dst: int, what: str,
+                          rows_are_dst: bool) -> Tuple[Tensor, Callable[[], Layout]]:
+    """The ``[2, E]`` edge list of a CSR (``rows_are_dst``: offsets over destinations,
+    source indices) or CSC (offsets over sources, destination indices) adjacency, in
+    its stored order, and the builder of its layout from ``ptr`` — copied here,
+    so that the plan holds nothing of the caller's."""
+    V.check_compressed(ptr, index, num_dst if rows_are_dst else num_src, what)
+    ptr = ptr.to(torch.int64, copy=True)
+    compressed = ptr2index(ptr, output_size=index.numel())
+    pair = (index.to(torch.int64), compressed) if rows_are_dst else (compressed, index.to(torch.int64))
+    ei = torch.stack(pair)  # an owned copy
+    V._check_range(ei, num_src, num_dst, _ADJ_NAMES)
+    if rows_are_dst:
+        return ei, _csr_layout_fn(ptr, ei, num_src, num_dst)
+    return ei, _csc_layout_fn(ptr, ei, num_src, num_dst)
 
 
 # ---------------------------------------------------------------------------
@@ -381,6 +448,42 @@ def _edge_index_layout_fn(ei, num_src: int, num_dst: int) -> Callable[[], Layout
         dst_csr = torch.repeat_interleave(torch.arange(num_dst, dtype=idt, device=row.device),
                                           ptr.diff(), output_size=E)
         return _with_csc(ptr, row.to(idt, copy=True), dst_csr, perm, num_src, num_dst)
+
+    return build
+
+
+def _csr_layout_fn(ptr: Tensor, ei: Tensor, num_src: int, num_dst: int) -> Callable[[], Layout]:
+    """Layout of a destination-sorted edge list ``ei`` (a CSR adjacency's) whose row
+    offsets ``ptr`` are known: its CSR is the edge list itself, nothing is sorted
+    by destination; ``ptr`` and ``ei`` belong to the plan."""
+    def build() -> Layout:
+        E = ei.size(1)
+        idt = index_dtype(E, num_src, num_dst)
+        return _with_csc(ptr.to(idt, copy=True), ei[0].to(idt, copy=True), ei[1].to(idt, copy=True),
+                         torch.arange(E, device=ei.device), num_src, num_dst)
+
+    return build
+
+
+def _csc_layout_fn(ptr: Tensor, ei: Tensor, num_src: int, num_dst: int) -> Callable[[], Layout]:
+    """Layout of a source-sorted edge list ``ei`` (a CSC adjacency's) whose column
+    offsets ``ptr`` are known: the CSR side is one stable sort by destination, and
+    the CSC side is the edge list itself — each source's edges are in increasing
+    CSR position as long as its destinations ascend, as in every CSC that torch or
+    PyG builds (otherwise the CSC side is sorted, as for any edge list)."""
+    def build() -> Layout:
+        E = ei.size(1)
+        idt = index_dtype(E, num_src, num_dst)
+        src, dst = ei[0], ei[1]
+        dst_csr, perm = torch.sort(dst.to(idt), stable=True)
+        src_csr = src.index_select(0, perm).to(idt)
+        csr_ptr = _ptr(dst_csr, num_dst)
+        if not _nondecreasing(src * num_dst + dst):
+            return _with_csc(csr_ptr, src_csr, dst_csr, perm, num_src, num_dst)
+        csc_edge = torch.empty_like(perm).index_copy_(0, perm, torch.arange(E, device=ei.device))
+        return Layout(ptr=csr_ptr, src=src_csr, dst=dst_csr, perm=perm,
+                      csc_ptr=ptr.to(idt, copy=True), csc_edge=csc_edge.to(idt),
+                      csc_dst=dst.to(idt, copy=True), num_src=num_src, num_dst=num_dst)
 
     return build
 

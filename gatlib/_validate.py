@@ -8,10 +8,12 @@ the price of never crashing inside an indexing kernel; a
 from __future__ import annotations
 
 import numbers
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch_geometric.typing import SparseTensor  # PyG's stand-in class when torch_sparse is absent
+from torch_geometric.utils import is_torch_sparse_tensor
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -99,10 +101,11 @@ def check_edge_index(edge_index, num_src: Optional[int], num_dst: Optional[int],
     caller owns what it holds and later writes to ``edge_index`` cannot reach it.
     """
     if not isinstance(edge_index, Tensor):
-        raise TypeError(f"edge_index must be a torch.Tensor of shape [2, num_edges] (or a "
-                        f"gatlib.GraphPlan); got {type(edge_index).__name__}")
-    if edge_index.is_sparse or edge_index.layout != torch.strided:
-        raise TypeError("edge_index must be a dense [2, num_edges] index tensor; "
+        raise TypeError(f"edge_index must be a torch.Tensor of shape [2, num_edges], a sparse "
+                        f"adjacency or a gatlib.GraphPlan; got {type(edge_index).__name__}")
+    if edge_index.layout != torch.strided:
+        raise TypeError("edge_index must be a dense [2, num_edges] index tensor or a sparse "
+                        "adjacency in COO, CSR or CSC layout (or a torch_sparse.SparseTensor); "
                         f"got layout {edge_index.layout}")
     if edge_index.dtype not in _INDEX_DTYPES:
         raise TypeError(f"edge_index must have dtype torch.int64 (or int32); got {edge_index.dtype}")
@@ -126,7 +129,59 @@ def check_edge_index_sizes(edge_index, num_src: Optional[int], num_dst: Optional
                              f"but the inputs have {actual} {name} nodes")
 
 
-def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[int]) -> None:
+def is_adjacency(edge_index) -> bool:
+    """Whether ``edge_index`` is a sparse adjacency: a ``torch.sparse`` tensor in COO, CSR
+    or CSC layout, or a ``torch_sparse.SparseTensor``."""
+    return is_torch_sparse_tensor(edge_index) or isinstance(edge_index, SparseTensor)
+
+
+def check_adjacency(adj, num_src: Optional[int], num_dst: Optional[int],
+                    device: Optional[torch.device] = None) -> Tuple[int, int]:
+    """``(N_src, N_dst)`` of a sparse adjacency given as PyG's ``adj_t``: shape
+    ``[N_dst, N_src]``, entry ``[i, j]`` an edge ``j -> i``. Checks that it is 2-D
+    (dense dimensions of its values aside), on ``device`` and as large as the
+    inputs (``None`` leaves a size unchecked)."""
+    if isinstance(adj, SparseTensor):
+        (n_dst, n_src), adj_device = adj.sparse_sizes(), adj.device()
+    else:
+        sparse_dims = adj.dim() - adj.dense_dim()
+        if sparse_dims != 2:
+            raise ValueError("edge_index must be a 2-D sparse adjacency [num_dst, num_src]; got a "
+                             f"sparse tensor of shape {tuple(adj.shape)} with {sparse_dims} "
+                             "sparse (and batch) dimensions")
+        (n_dst, n_src), adj_device = adj.shape[:2], adj.device
+    if device is not None and adj_device != device:
+        raise ValueError(f"edge_index is on {adj_device} but x is on {device}")
+    for name, declared, actual in (("source", n_src, num_src), ("destination", n_dst, num_dst)):
+        if actual is not None and declared != actual:
+            raise ValueError(
+                f"edge_index is a sparse adjacency of shape [{n_dst}, {n_src}] (destinations x "
+                f"sources: PyG's adj_t, entry [i, j] an edge j -> i) but the inputs have {actual} "
+                f"{name} nodes")
+    return n_src, n_dst
+
+
+def check_compressed(ptr: Tensor, index: Tensor, num_rows: int, what: str) -> None:
+    """The offsets ``ptr`` of a compressed (CSR or CSC) adjacency: ``num_rows + 1`` of
+    them, from 0 to ``index.numel()``, non-decreasing (torch does not check these
+    when it builds such a tensor). One host sync."""
+    ptr_name, index_name = what.split("/")
+    if ptr.dim() != 1 or ptr.numel() != num_rows + 1:
+        raise ValueError(f"edge_index's {ptr_name} must have shape [{num_rows + 1}]; "
+                         f"got {tuple(ptr.shape)}")
+    if index.dim() != 1:
+        raise ValueError(f"edge_index's {index_name} must be 1-D; got shape {tuple(index.shape)}")
+    first, last, ordered = torch.stack([ptr[0], ptr[-1], (ptr.diff() >= 0).all().to(ptr.dtype)]).tolist()
+    if first != 0 or last != index.numel() or not ordered:
+        raise ValueError(f"edge_index's {ptr_name} must run from 0 to the number of entries "
+                         f"({index.numel()}) without decreasing; got first {first}, last {last}"
+                         f"{'' if ordered else ', decreasing'}")
+
+
+def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[int],
+                 names=("edge_index[0] (source)", "edge_index[1] (destination)")) -> None:
+    """``0 <= edge_index[0] < num_src`` and ``0 <= edge_index[1] < num_dst``; ``names``
+    say what the two rows are called in the errors."""
     if edge_index.numel() == 0:
         return
     if torch.compiler.is_compiling():
@@ -135,20 +190,20 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
         torch._assert_async(edge_index.min() >= 0, "edge_index contains a negative index")
         if num_src is not None:
             torch._assert_async(edge_index[0].max() < num_src,
-                                f"edge_index[0] (source) out of range for {num_src} source nodes")
+                                f"{names[0]} out of range for {num_src} source nodes")
         if num_dst is not None:
             torch._assert_async(edge_index[1].max() < num_dst,
-                                f"edge_index[1] (destination) out of range for {num_dst} destination nodes")
+                                f"{names[1]} out of range for {num_dst} destination nodes")
         return
     lo, hi_src, hi_dst = torch.stack(  # one host sync for all three bounds
         [edge_index.min(), edge_index[0].max(), edge_index[1].max()]).tolist()
     if lo < 0:
         raise IndexError(f"edge_index contains a negative index ({lo}); indices must be >= 0")
     if num_src is not None and hi_src >= num_src:
-        raise IndexError(f"edge_index[0] (source) contains index {hi_src}, out of range "
+        raise IndexError(f"{names[0]} contains index {hi_src}, out of range "
                          f"for {num_src} source nodes")
     if num_dst is not None and hi_dst >= num_dst:
-        raise IndexError(f"edge_index[1] (destination) contains index {hi_dst}, out of range "
+        raise IndexError(f"{names[1]} contains index {hi_dst}, out of range "
                          f"for {num_dst} destination nodes")
 
 

@@ -21,10 +21,23 @@ Differences from PyG, on purpose:
   so for ``False``). ``alpha`` is the softmax *before* attention dropout in all
   three layers (PyG's GAT layers return it after dropout); in eval mode the
   two agree.
-* ``edge_index`` may be a ``[2, E]`` index tensor, a PyG ``EdgeIndex`` or a
-  :class:`gatlib.GraphPlan` (checked and sorted once for many calls);
-  ``SparseTensor`` adjacencies are not accepted. The ``edge_index`` returned
-  with the attention weights is always a new tensor.
+* ``edge_index`` may be a ``[2, E]`` index tensor, a PyG ``EdgeIndex``, a
+  :class:`gatlib.GraphPlan` (checked and sorted once for many calls), or — as in
+  PyG — a sparse adjacency ``adj_t`` of shape ``[N_dst, N_src]`` (``torch.sparse``
+  COO, CSR or CSC, or a ``torch_sparse.SparseTensor``; entry ``[i, j]`` is an edge
+  ``j -> i``). The ``edge_index`` returned with the attention weights is always
+  a new tensor; for an adjacency, what is returned is what PyG returns (see
+  :mod:`gatlib._adjacency`).
+* With an adjacency, as in PyG, ``[nnz, D]`` values are the edge features when
+  ``edge_attr`` is not given, and 1-D values (edge weights) are ignored. Unlike
+  PyG: a layer built with ``edge_dim=None`` refuses ``[nnz, D]`` values (PyG's
+  ``GATConv`` ignores them, its other layers fail on them); with ``edge_dim`` set,
+  neither ``edge_attr`` nor such values is refused (PyG's GAT layers drop the edge
+  term); CSC adjacencies are taken (PyG's layers raise on them), and so are
+  uncoalesced COO ones without self-loops (PyG raises; with self-loops it marks
+  the caller's tensor coalesced, gatlib leaves it as it is); a ``torch.sparse``
+  adjacency with repeated entries is refused when self-loops are added (PyG
+  merges the repeats into one edge).
 """
 from __future__ import annotations
 
@@ -42,6 +55,7 @@ from torch_geometric.nn.inits import glorot, zeros
 from torch_geometric.utils import add_self_loops as _add_self_loops
 from torch_geometric.utils import remove_self_loops as _remove_self_loops
 
+from . import _adjacency as A
 from . import _validate as V
 from ._core import EdgeScore, combine_heads, segment_softmax
 from ._dispatch import _log, check_backend_name, graph_attention
@@ -127,6 +141,10 @@ class _AttentionConv(MessagePassing):
         reason = self._propagate_reason()
         return reason is not None and reason.startswith(("edge_update", "message"))
 
+    # With a torch.sparse adjacency, PyG's GAT layers return the adjacency holding
+    # alpha; its TransformerConv returns the adjacency it was given.
+    _adjacency_holds_alpha = True
+
     def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend,
                       value_dropout):
         V.check_in_channels("in_channels", in_channels)
@@ -161,10 +179,16 @@ class _AttentionConv(MessagePassing):
         checked ``edge_attr`` (with the self-loops' fill values).
 
         ``edge_index`` may be a plan already (then its self-loop'ed twin is kept on
-        it for the next call) or a tensor (then the plan lives for this call).
+        it for the next call) or a tensor or sparse adjacency (then the plan lives
+        for this call; an adjacency's values may be the edge features, see
+        :func:`gatlib._adjacency.edge_features`).
         """
         plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
         edges = plan._base_ei if self_loops else None  # [2, E] before the loops (read-only)
+        if V.is_adjacency(edge_index):
+            edge_attr = A.edge_features(edge_index, edge_attr, self.edge_dim, self_loops, x)
+            if self_loops:
+                A.check_loops(edge_index, edges, plan.num_src, plan.num_dst)
         edge_attr = V.check_edge_attr(edge_attr, plan.num_edges if edges is None else edges.size(1),
                                       self.edge_dim, x, user_defined=self._user_edge_attr())
         if edges is not None and edge_attr is not None:
@@ -187,10 +211,15 @@ class _AttentionConv(MessagePassing):
                               edge_weight=self._explain_weight(plan))
         return res if want_alpha else (res, None)
 
-    @staticmethod
-    def _output(out, alpha, plan: GraphPlan, return_attention_weights):
+    def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
+        if not return_attention_weights:
+            return out
+        if V.is_adjacency(edge_index):  # what PyG returns for it
+            return out, A.attention_weights(edge_index, plan, alpha,
+                                            looped=getattr(self, "add_self_loops", False),
+                                            alpha_values=self._adjacency_holds_alpha)
         # plan.edge_index is a copy: editing it cannot reach the plan
-        return (out, (plan.edge_index, alpha)) if return_attention_weights else out
+        return out, (plan.edge_index, alpha)
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
@@ -258,10 +287,12 @@ class GATConv(_AttentionConv):
 
     Shapes:
         - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
-          ``edge_index`` ``[2, E]``, ``edge_attr`` ``[E, D]`` *(optional)*
+          ``edge_index`` ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``),
+          ``edge_attr`` ``[E, D]`` *(optional)*
         - **output:** ``[N_t, H * C]`` (``[N_t, C]`` if ``concat=False``); with
           ``return_attention_weights=True`` also ``(edge_index [2, E'], alpha [E', H])``
-          where ``E'`` counts the added self-loops.
+          where ``E'`` counts the added self-loops (for a sparse adjacency,
+          what PyG returns: see the module docstring).
     """
 
     def __init__(
@@ -344,8 +375,9 @@ class GATConv(_AttentionConv):
     ):
         """Args: ``x``, ``edge_index``, ``edge_attr`` as in the class docstring;
         ``size`` ``(N_s, N_t)`` overrides the node counts (needed only when
-        ``x_dst`` is ``None``); ``return_attention_weights`` also returns
-        ``(edge_index, alpha)``."""
+        ``x_dst`` is ``None`` and ``edge_index`` is a ``[2, E]`` tensor; a plan's or
+        a sparse adjacency's own sizes must agree with it);
+        ``return_attention_weights`` also returns ``(edge_index, alpha)``."""
         H, C = self.heads, self.out_channels
         lin_src = self.lin if self.lin is not None else self.lin_src
         lin_dst = self.lin if self.lin is not None else self.lin_dst
@@ -357,21 +389,22 @@ class GATConv(_AttentionConv):
                 raise ValueError(f"size must be a pair of non-negative ints (N_src, N_dst); got {size!r}")
             if size[0] != num_src or (x_dst is not None and size[1] != x_dst.size(0)):
                 raise ValueError(f"size={tuple(size)} does not match the inputs' node counts")
+        graph = edge_index
         if x_dst is not None:
             num_dst = x_dst.size(0)
         elif size is not None:
             num_dst = size[1]
-        elif isinstance(edge_index, GraphPlan):
-            num_dst = None  # the plan's
+        elif isinstance(edge_index, GraphPlan) or V.is_adjacency(edge_index):
+            num_dst = None  # the plan's; the adjacency's rows
         else:  # (x_src, None) without size: destinations are those edge_index names
             ei, layout_fn = checked_edge_list(edge_index, num_src, None, x_src.device)
             num_dst = int(ei[1].max()) + 1 if ei.numel() > 0 else 0
             # PyG adds self-loops for all N_s source nodes in this case.
             num_dst = max(num_dst, num_src) if self.add_self_loops else num_dst
-            edge_index = GraphPlan._owned(ei, num_src, num_dst, layout_fn)
+            graph = GraphPlan._owned(ei, num_src, num_dst, layout_fn)
         # Self-loops go on the first min(N_s, N_t) nodes, as in PyG.
         loop_nodes = min(size) if size is not None else None
-        plan, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
+        plan, edge_attr = self._graph(graph, edge_attr, num_src, num_dst, x_src,
                                       self.add_self_loops, self.fill_value, loop_nodes)
         num_dst = plan.num_dst
 
@@ -408,7 +441,7 @@ class GATConv(_AttentionConv):
             out = out + res
         if self.bias is not None:
             out = out + self.bias
-        return self._output(out, alpha, plan, return_attention_weights)
+        return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
 
     # MessagePassing's extension points, run only by the propagate path (see
@@ -465,9 +498,11 @@ class GATv2Conv(_AttentionConv):
 
     Shapes:
         - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
-          ``edge_index`` ``[2, E]``, ``edge_attr`` ``[E, D]`` *(optional)*
+          ``edge_index`` ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``),
+          ``edge_attr`` ``[E, D]`` *(optional)*
         - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally
-          ``(edge_index [2, E'], alpha [E', H])``.
+          ``(edge_index [2, E'], alpha [E', H])`` (for a sparse adjacency, what
+          PyG returns).
     """
 
     def __init__(
@@ -573,7 +608,7 @@ class GATv2Conv(_AttentionConv):
             out = out + res
         if self.bias is not None:
             out = out + self.bias
-        return self._output(out, alpha, plan, return_attention_weights)
+        return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
 
     # MessagePassing's extension points, run only by the propagate path (see
@@ -635,10 +670,14 @@ class TransformerConv(_AttentionConv):
 
     Shapes:
         - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
-          ``edge_index`` ``[2, E]``, ``edge_attr`` ``[E, D]`` *(optional)*
+          ``edge_index`` ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``),
+          ``edge_attr`` ``[E, D]`` *(optional)*
         - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally
-          ``(edge_index [2, E], alpha [E, H])``.
+          ``(edge_index [2, E], alpha [E, H])`` (for a sparse adjacency, what
+          PyG returns).
     """
+
+    _adjacency_holds_alpha = False  # PyG returns (adj_t, alpha) for a torch.sparse adj_t
 
     def __init__(
         self,
@@ -723,7 +762,7 @@ class TransformerConv(_AttentionConv):
                 out = beta * x_r + (1 - beta) * out
             else:
                 out = out + x_r
-        return self._output(out, alpha, plan, return_attention_weights)
+        return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
     # MessagePassing's extension point, run only by the propagate path (see
     # _AttentionConv): the same computation as the attention core, edge by edge.

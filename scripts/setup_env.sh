@@ -15,4 +15,8 @@ python -m pip install -q -e ".[test,bench,ogb,triton]"
 # against the installed torch, hence no build isolation. pip's wheel cache
 # makes a second install instant.
 python -c "import torch_scatter" 2>/dev/null || python -m pip install -q --no-build-isolation torch-scatter
-python -c "import torch, torch_geometric, torch_scatter, ogb, triton, gatlib; print('gatlib env ready: torch', torch.__version__, '| torch_geometric', torch_geometric.__version__, '| torch_scatter', torch_scatter.__version__, '| ogb', ogb.__version__, '| triton', triton.__version__)"
+# torch_sparse likewise compiles (~8.5 min on 2 cores): PyG's SparseTensor
+# adjacencies (`conv(x, adj_t)`, tested against PyG's own layers) need it, and
+# so will NeighborLoader later.
+python -c "import torch_sparse" 2>/dev/null || python -m pip install -q --no-build-isolation torch-sparse
+python -c "import torch, torch_geometric, torch_scatter, torch_sparse, ogb, triton, gatlib; print('gatlib env ready: torch', torch.__version__, '| torch_geometric', torch_geometric.__version__, '| torch_scatter', torch_scatter.__version__, '| torch_sparse', torch_sparse.__version__, '| ogb', ogb.__version__, '| triton', triton.__version__)"

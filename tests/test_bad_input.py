@@ -46,13 +46,6 @@ def test_edge_index_out_of_range_bipartite(layer):
         make(layer, 4, 3)(x, ei)
 
 
-def test_sparse_edge_index_rejected(graph):
-    x, ei = graph
-    adj = torch.sparse_coo_tensor(ei, torch.ones(ei.size(1)), (6, 6))
-    with pytest.raises(TypeError, match="edge_index must be a dense"):
-        gatlib.GATConv(4, 3)(x, adj)
-
-
 def test_int32_edge_index_accepted(graph):
     x, ei = graph
     layer = gatlib.GATConv(4, 3)
