@@ -17,6 +17,8 @@ inside their autograd functions, so an entry means the kernel's own code ran —
 and fused backward passes append ``"<name>.backward"``, or
 ``"<name>.backward:reference"`` when a differentiable backward made them
 differentiate the reference instead. Tests assert that the kernel under test ran.
+(The fused CPU kernel looks the log up when it runs, forward or backward, so a
+backward, or a replay of a ``torch.jit.trace``, logs into the block around it.)
 
 Kernels import only :mod:`gatlib._core` and :mod:`gatlib._plan`; this module
 imports the kernels, never the other way round.
@@ -105,13 +107,11 @@ def _transforms() -> Tuple[str, ...]:
 
 
 def _traced() -> Optional[str]:
-    """Why a fused kernel cannot run here, if torch.compile/jit tracing or a
-    torch.func transform other than grad/vjp is active; else ``None``."""
+    """Why a fused kernel cannot run here, if torch.compile or a torch.func
+    transform other than grad/vjp is active; else ``None``."""
     if torch.compiler.is_compiling():
         return ("torch.compile traces the call (fused kernels run sparse CSR ops that "
                 "inductor does not compile)")
-    if torch.jit.is_tracing():
-        return "torch.jit.trace records the call"
     other = [t for t in _transforms() if t != "Grad"]
     if other:
         return f"a torch.func transform is active ({', '.join(other)}); fused kernels support grad/vjp only"
@@ -237,7 +237,7 @@ class FusedCPUKernel(Kernel):
         from . import _fused_cpu
 
         return _fused_cpu.attention(call.score, call.value, call.plan, call.value_edge, call.p,
-                                    call.need_alpha, _LOG.get(), call.edge_weight)
+                                    call.need_alpha, _LOG.get, call.edge_weight)
 
 
 class TritonKernel(Kernel):
@@ -255,6 +255,8 @@ class TritonKernel(Kernel):
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         reason = self.available(call.device) or _fused_context(call)
+        if reason is None and torch.jit.is_tracing():
+            reason = "torch.jit.trace of the Triton kernels has not been tried"
         if reason is None and call.edge_weight is not None:
             reason = "the Triton kernels take no edge weights (explainer edge masks)"
         if reason is None:
@@ -301,9 +303,13 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #   CPU:  "fused" — 4.5-6x PyG's forward+backward on the arxiv-like graph at
         #         under 1/10 of its memory; where it cannot run (torch.compile,
         #         torch.func vmap/jvp, forward-mode AD, non-float dtypes): "torch".
+        #         Under torch.jit.trace: "torch", whose trace is aten ops that
+        #         torch.jit.save can write (a fused kernel records as one Python
+        #         op, which replays in this process only).
         #   CUDA and other devices: "torch". The Triton kernels have not run on a
         #         GPU yet; until they are measured there they are opt-in.
-        for name in (("fused", "torch") if dev == "cpu" else ("torch",)):
+        cpu = ("torch",) if torch.jit.is_tracing() else ("fused", "torch")
+        for name in (cpu if dev == "cpu" else ("torch",)):
             if KERNELS[name].supports(call) is None:
                 return KERNELS[name]
         raise AssertionError("the reference kernel supports every call")  # pragma: no cover

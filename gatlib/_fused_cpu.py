@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import threading
 import warnings
+import contextlib
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -558,7 +560,41 @@ class _Spec:
     scale: float
     slope: float
     acc: torch.dtype  # compute dtype of node tensors and per-edge statistics
-    log: Optional[list]  # gatlib.record_kernels() list active at forward time
+    log: Union[None, list, Callable[[], Optional[list]]]  # the record_kernels() list (see _log)
+
+
+def _layout_tensors(hl: _HeadLayout) -> Tuple[Tensor, ...]:
+    """The index tensors of ``hl`` and its :class:`Layout`, flat: inputs of
+    :class:`_FusedAttention` of their own, so that ``torch.jit.trace`` records them
+    as values of the graph (derived from its ``edge_index``) instead of meeting
+    tensors it never saw inside a Python object."""
+    return tuple(getattr(obj, f.name) for obj in (hl.lay, hl) for f in dataclasses.fields(obj)
+                 if isinstance(getattr(obj, f.name), Tensor))
+
+
+def _with_layout(spec: _Spec, tensors: Sequence[Tensor]) -> _Spec:
+    """``spec`` with its head layout made of ``tensors`` (see :func:`_layout_tensors`)."""
+    if not tensors:
+        return spec
+    fields = [[f.name for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), Tensor)]
+              for obj in (spec.hl.lay, spec.hl)]
+    n = len(fields[0])
+    lay = dataclasses.replace(spec.hl.lay, **dict(zip(fields[0], tensors[:n], strict=True)))
+    hl = dataclasses.replace(spec.hl, lay=lay, **dict(zip(fields[1], tensors[n:], strict=True)))
+    return dataclasses.replace(spec, hl=hl)
+
+
+@contextlib.contextmanager
+def _untraced():
+    """Under ``torch.jit.trace`` the call is one opaque op of the trace, replayed
+    by calling the forward again; its inside (sparse CSR products, which the
+    tracer cannot follow) is not recorded."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -578,28 +614,35 @@ class _FusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop):
+    def forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop, *layout):
+        spec = _with_layout(spec, layout)
         _log(spec.log, "fused")
         fwd = _SCORES[spec.kind][0]
-        with torch.autocast("cpu", enabled=False):
+        tracing = torch.jit.is_tracing()
+        with torch.autocast("cpu", enabled=False), (_untraced() if tracing else contextlib.nullcontext()):
             e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
-            return _softmax_aggregate(e, value, value_edge, spec.hl, drop)
+            out, alpha = _softmax_aggregate(e, value, value_edge, spec.hl, drop)
+        if tracing:  # values the tracer knows, for the op's outputs
+            out, alpha = out.clone(), alpha.clone()
+        return out, alpha
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         spec, *tensors = inputs
-        ctx.spec = spec
+        ctx.spec = _with_layout(spec, tensors[7:])
+        ctx.num_layout = len(tensors) - 7
         ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
-        ctx.save_for_backward(*tensors, output[1])
+        ctx.save_for_backward(*tensors[:7], output[1])
 
     @staticmethod
     def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor]):
         spec = ctx.spec
         *ins, alpha = ctx.saved_tensors
-        need = ctx.needs_input_grad[1:]
+        need = ctx.needs_input_grad[1:8]
+        layout = (None,) * ctx.num_layout
         if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
             _log(spec.log, "fused.backward:reference")
-            return (None, *_reference_backward(spec, ins, need, g_out, g_alpha))
+            return (None, *_reference_backward(spec, ins, need, g_out, g_alpha), *layout)
         _log(spec.log, "fused.backward")
         s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
         with torch.autocast("cpu", enabled=False):
@@ -609,7 +652,7 @@ class _FusedAttention(torch.autograd.Function):
             if any(need[:4]):
                 score_grads = _SCORES[spec.kind][1](de, s_src, s_dst, s_edge, s_att, spec.hl,
                                                     spec.scale, spec.slope, need[:4])
-        return (None, *score_grads, dv, du, d_drop)
+        return (None, *score_grads, dv, du, d_drop, *layout)
 
 
 def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequence[bool],
@@ -628,7 +671,12 @@ def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequ
     return [*grads, None][:7]
 
 
-def _log(log: Optional[list], entry: str) -> None:
+def _log(log: Union[None, list, Callable[[], Optional[list]]], entry: str) -> None:
+    """Append ``entry`` to ``log``: a list, or a function giving the list active now
+    (what gatlib._dispatch passes, so that a call replayed from a torch.jit.trace
+    logs into the record_kernels() block around the replay)."""
+    if callable(log):
+        log = log()
     if log is not None:
         log.append(entry)
 
@@ -649,7 +697,7 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
 
 
 def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
-              p: float, need_alpha: bool, log: Optional[list],
+              p: float, need_alpha: bool, log: Union[None, list, Callable[[], Optional[list]]],
               edge_weight: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """The three stages of :mod:`gatlib._core` without ``[E, H, C]`` saved tensors.
 
@@ -660,7 +708,8 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         value_edge: optional ``[E, H, C]`` per-edge value term.
         p: attention dropout probability in effect (0 outside training).
         need_alpha: also return the attention weights.
-        log: the :func:`gatlib.record_kernels` list, if one is active.
+        log: the :func:`gatlib.record_kernels` list, or a function returning the
+            one active when called (see :func:`_log`).
         edge_weight: optional ``[E]`` (edge-list order) multiplier of each edge's
             attention weights after dropout, differentiable.
 
@@ -673,7 +722,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         if t is not None:
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(torch.promote_types(score_dtype, value.dtype))
-    H = value.size(1)
+    H = int(value.shape[1])  # an int under torch.jit.trace too, where size() is a tensor
     hl = head_layout(plan, H)
     lay = hl.lay
     drop = None
@@ -691,7 +740,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     s_edge = node(s_edge) if score.kind == "gat" else s_edge
     spec = _Spec(score.kind, hl, float(score.scale), float(score.negative_slope), acc, log)
     out, alpha = _FusedAttention.apply(spec, node(s_src), node(s_dst), s_edge, node(s_att),
-                                       node(value), value_edge, drop)
+                                       node(value), value_edge, drop, *_layout_tensors(hl))
     out = out.to(value.dtype)
     if not need_alpha:
         return out, None

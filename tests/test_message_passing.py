@@ -275,7 +275,7 @@ def test_edge_mask_reaches_the_attention_as_in_pyg(name, backend, self_loops):
         set_masks(conv, m, ei, apply_sigmoid=True)
         with gatlib.record_kernels() as log:
             out = conv(x, ei)
-        out.pow(2).sum().backward()
+            out.pow(2).sum().backward()
         clear_masks(conv)
         results.append((out.detach(), m.grad, log))
     (out1, g1, log), (out2, g2, _) = results
@@ -341,22 +341,40 @@ def test_attention_explainer_matches_pyg(name):
 # --- torch.jit.trace ----------------------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
 @pytest.mark.parametrize("name", LAYERS)
-@pytest.mark.parametrize("backend", ["auto", "torch", "scatter"])
+@pytest.mark.parametrize("backend", ["auto", "torch", "scatter", "fused"])
 def test_jit_trace_on_cpu_paths(name, backend):
-    """A traced layer replays the call on new features (auto routes tracing to the
-    reference, which records as ordinary ops)."""
-    if backend != "auto" and backend not in gatlib.available_backends("cpu"):
+    """A traced layer replays the call on new features and a new graph with the
+    kernel it was traced with — forward and backward — as the eager layer does."""
+    if backend not in ("auto", "fused") and backend not in gatlib.available_backends("cpu"):
         pytest.skip(f"backend {backend!r} is not installed here")
     ours, _ = LAYERS[name]
-    conv = ours(6, 4, heads=2, backend=backend).eval()
+    conv = ours(6, 4, heads=2, backend=backend)
     x, ei = small_graph()
     traced = torch.jit.trace(conv, (x, ei), check_trace=False)
-    x2 = torch.randn_like(x)
-    close(traced(x2, ei), conv(x2, ei))
+    x2, ei2 = small_graph(seed=9)
+    ran = "torch" if backend == "auto" else backend  # auto traces the reference: it saves
+    with gatlib.record_kernels() as log:
+        got = traced(x2, ei2)
+        got.pow(2).sum().backward()
+    if ran == "fused":  # one Python op in the trace, replayed: the fused kernel runs again
+        assert log == ["fused", "fused.backward"]
+        assert "^_FusedAttention" in str(traced.inlined_graph)
+    else:  # the reference's trace is aten ops only
+        assert log == [] and "^_FusedAttention" not in str(traced.inlined_graph)
+    grads = [p.grad.clone() for p in conv.parameters()]
+    conv.zero_grad()
+    want = conv(x2, ei2)
+    want.pow(2).sum().backward()
+    close(got, want)
+    for g, p in zip(grads, conv.parameters(), strict=True):
+        close(g, p.grad)
 
 
-def test_jit_trace_refused_by_explicit_fused():
-    conv = gatlib.GATConv(6, 4, heads=2, backend="fused")
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_jit_trace_of_auto_can_be_saved(tmp_path):
+    conv = gatlib.GATConv(6, 4, heads=2)
     x, ei = small_graph()
-    with pytest.raises(ValueError, match="backend='fused' cannot run this call: torch.jit.trace"):
-        torch.jit.trace(conv, (x, ei), check_trace=False)
+    traced = torch.jit.trace(conv, (x, ei), check_trace=False)
+    torch.jit.save(traced, tmp_path / "gat.pt")
+    loaded = torch.jit.load(tmp_path / "gat.pt")
+    close(loaded(x, ei), conv(x, ei))
