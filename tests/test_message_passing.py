@@ -244,6 +244,16 @@ class NodeModel(torch.nn.Module):
         return self.conv2(self.conv1(x, edge_index).relu(), edge_index)
 
 
+def twin_models(name, heads=2):
+    """PyG's and gatlib's NodeModel of layer ``name`` with the same weights, in eval mode."""
+    ours_cls, pyg_cls = LAYERS[name]
+    torch.manual_seed(0)
+    theirs = NodeModel(pyg_cls, heads=heads).eval()
+    ours = NodeModel(ours_cls, heads=heads).eval()
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
 def _explain(model, algorithm, x, ei):
     explainer = Explainer(model, algorithm, explanation_type="model", edge_mask_type="object",
                           node_mask_type=None,
@@ -286,16 +296,13 @@ def test_edge_mask_reaches_the_attention_as_in_pyg(name, backend, self_loops):
         assert torch.all(g1[:3] == 0) and torch.any(g1[3:] != 0)
     with gatlib.record_kernels() as log:  # mask cleared: the layer is itself again
         close(ours(x, ei), theirs(x, ei))
+    assert log == [backend]
 
 
 @pytest.mark.parametrize("name", LAYERS)
 def test_gnn_explainer_matches_pyg(name):
-    ours_cls, pyg_cls = LAYERS[name]
     x, ei = small_graph(seed=2)
-    torch.manual_seed(0)
-    theirs = NodeModel(pyg_cls).eval()
-    ours = NodeModel(ours_cls).eval()
-    ours.load_state_dict(theirs.state_dict())
+    ours, theirs = twin_models(name)
     with gatlib.record_kernels() as log:
         got = _explain(ours, GNNExplainer(epochs=30), x, ei)
     assert "fused" in log and "propagate" not in log  # the masks ran on the fused kernel
@@ -310,12 +317,8 @@ def test_graphmask_explainer_matches_pyg(name):
     """GraphMaskExplainer replaces explain_message on each layer: honoured through
     propagate. (It reads messages as [E, C], i.e. one head: with more, PyG's own
     layers fail inside it too.)"""
-    ours_cls, pyg_cls = LAYERS[name]
     x, ei = small_graph(seed=5)
-    torch.manual_seed(0)
-    theirs = NodeModel(pyg_cls, heads=1).eval()
-    ours = NodeModel(ours_cls, heads=1).eval()
-    ours.load_state_dict(theirs.state_dict())
+    ours, theirs = twin_models(name, heads=1)
     algorithm = lambda: GraphMaskExplainer(2, epochs=5, log=False)  # noqa: E731
     with gatlib.record_kernels() as log:
         got = _explain(ours, algorithm(), x, ei)
@@ -326,12 +329,8 @@ def test_graphmask_explainer_matches_pyg(name):
 
 @pytest.mark.parametrize("name", LAYERS)
 def test_attention_explainer_matches_pyg(name):
-    ours_cls, pyg_cls = LAYERS[name]
     x, ei = small_graph(seed=3)
-    torch.manual_seed(0)
-    theirs = NodeModel(pyg_cls).eval()
-    ours = NodeModel(ours_cls).eval()
-    ours.load_state_dict(theirs.state_dict())
+    ours, theirs = twin_models(name)
     got = _explain(ours, AttentionExplainer(), x, ei)
     want = _explain(theirs, AttentionExplainer(), x, ei)
     close(got.edge_mask, want.edge_mask)

@@ -13,7 +13,7 @@ import gatlib
 from gatlib import GraphPlan
 from gatlib._plan import build_layout
 
-from testing import graphs, random_graph
+from testing import count_sorts, graphs, random_graph
 
 FIELDS = ["ptr", "src", "dst", "perm", "csc_ptr", "csc_edge", "csc_dst"]
 
@@ -78,16 +78,6 @@ def test_a_plan_owns_its_indices():
     assert not any(t.data_ptr() == ei.data_ptr() for t in (*plan.coo(), plan.layout().src))
 
 
-def count_sorts(monkeypatch):
-    calls = []
-    real = torch.sort
-
-    def sort(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(torch, "sort", sort)
-    return calls
 
 
 def test_sorted_input_is_not_sorted_again(monkeypatch):

@@ -16,7 +16,7 @@ import gatlib
 from gatlib import GraphPlan
 from gatlib._plan import build_layout
 
-from testing import LAYERS, kernels
+from testing import LAYERS, count_sorts, kernels
 
 requires_torch_sparse = pytest.mark.skipif(not WITH_TORCH_SPARSE, reason="torch_sparse is not installed")
 
@@ -483,16 +483,6 @@ def test_int32_indices(fmt):
 
 
 # --- the plan -------------------------------------------------------------------------
-def count_sorts(monkeypatch):
-    calls = []
-    real = torch.sort
-
-    def sort(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(torch, "sort", sort)
-    return calls
 
 
 def forbid(monkeypatch, name):

@@ -218,3 +218,17 @@ def low_precision_errors(kind, dtype, backend, *, n=200, edges=3000, hub=2000, H
     assert log[0] == backend, log
     eps = torch.finfo(dtype).eps
     return [((x - e).abs().max() / (e.abs().max() * eps)).item() for x, e in zip(got, exact, strict=True)]
+
+
+def count_sorts(monkeypatch):
+    """A list that gets one entry per ``torch.sort`` call from now on (for tests
+    that an input already in order is not sorted again)."""
+    calls = []
+    real = torch.sort
+
+    def sort(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "sort", sort)
+    return calls
