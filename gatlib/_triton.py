@@ -273,7 +273,7 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
 @triton.jit
 def _fwd_kernel(
     item_row, item_start, item_len, item_slot, n_items, lane_base,
-    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, params,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
@@ -281,9 +281,9 @@ def _fwd_kernel(
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
         item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
-    scale = tl.load(params).to(ACC)
-    slope = tl.load(params + 1).to(ACC)
-    keep_scale = tl.load(params + 2).to(ACC)
+    scale = tl.load(coef).to(ACC)
+    slope = tl.load(coef + 1).to(ACC)
+    keep_scale = tl.load(coef + 2).to(ACC)
     h2 = h[:, None]  # [R, 1]
     dst = row[:, None]
     m_dst = valid[:, None]
@@ -342,7 +342,7 @@ def _fwd_kernel(
 
 @triton.jit
 def _alpha_kernel(
-    csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, params, lse, alpha, H, CK,
+    csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha, H, CK,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr,
 ):
@@ -354,8 +354,8 @@ def _alpha_kernel(
     src = tl.load(csr_src + k, mask=m, other=0).to(tl.int64)
     dst = tl.load(csr_dst + k, mask=m, other=0).to(tl.int64)
     eid = tl.load(csr_eid + k, mask=m, other=0).to(tl.int64)
-    scale = tl.load(params).to(ACC)
-    slope = tl.load(params + 1).to(ACC)
+    scale = tl.load(coef).to(ACC)
+    slope = tl.load(coef + 1).to(ACC)
     score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m, m, m,
                                   scale, slope, KIND, HAS_DST, HAS_EDGE, ACC, BLOCK_CK)
     row_lse = tl.load(lse + dst * H + h, mask=m, other=0)
@@ -377,7 +377,7 @@ def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
 @triton.jit
 def _bwd_dst_kernel(
     item_row, item_start, item_len, item_slot, n_items, lane_base,
-    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, params,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, lse, delta, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, part_att,
     seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
@@ -388,9 +388,9 @@ def _bwd_dst_kernel(
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
         item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
-    scale = tl.load(params).to(ACC)
-    slope = tl.load(params + 1).to(ACC)
-    keep_scale = tl.load(params + 2).to(ACC)
+    scale = tl.load(coef).to(ACC)
+    slope = tl.load(coef + 1).to(ACC)
+    keep_scale = tl.load(coef + 2).to(ACC)
     h2 = h[:, None]
     dst = row[:, None]
     m_dst = valid[:, None]
@@ -493,7 +493,7 @@ def _bwd_dst_kernel(
 @triton.jit
 def _bwd_src_kernel(
     item_row, item_start, item_len, item_slot, n_items, lane_base,
-    csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, params,
+    csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
     ACC: tl.constexpr,
@@ -501,7 +501,7 @@ def _bwd_src_kernel(
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
         item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
-    slope = tl.load(params + 1).to(ACC)
+    slope = tl.load(coef + 1).to(ACC)
     h2 = h[:, None]
     orow = row * H + h  # this lane's source node and head
     cv = tl.arange(0, BLOCK_CV)
@@ -558,7 +558,7 @@ def _bwd_src_kernel(
             tl.store(part_src + prow, ds_acc, mask=piece)
         else:
             if KIND == 2:
-                ds_acc = ds_acc * tl.load(params).to(ACC)
+                ds_acc = ds_acc * tl.load(coef).to(ACC)
             km = ckm[None, :]
             tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
             tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
@@ -660,13 +660,13 @@ class _FusedAttention(torch.autograd.Function):
         lse = torch.empty(N_dst, H, dtype=acc, device=dev)
         part_out = torch.empty(items.num_pieces, H, CV, dtype=acc, device=dev)
         part_lse = torch.empty(items.num_pieces, H, dtype=acc, device=dev)
-        params = _params(meta, dev)
+        coef = _params(meta, dev)
         dummy = value
         consts = _consts(meta, s_dst, s_edge, value_edge)
         with _device(value):
             _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]), dev,
                     lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
-                    _or(s_att, dummy), value, _or(value_edge, dummy), params,
+                    _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                     out, lse, part_out, part_lse, meta.seed, meta.p, H, CK, CV,
                     DROPOUT=meta.p > 0, **consts)
             _merge_softmax(out, lse, part_out, part_lse, items)
@@ -678,7 +678,7 @@ class _FusedAttention(torch.autograd.Function):
                     block_k = min(1024, max(16, _tile(dev)[0] // consts["BLOCK_CK"]))
                     _alpha_kernel[(triton.cdiv(E * H, block_k),)](
                         lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
-                        _or(s_edge, dummy), _or(s_att, dummy), params, lse, alpha, H, CK,
+                        _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
                         KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
                         ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"])
         return out, alpha, lse
@@ -716,7 +716,7 @@ class _FusedAttention(torch.autograd.Function):
             delta.index_add_(0, lay.dst.long(), ag)
         consts = _consts(meta, s_dst, s_edge, value_edge)
         dummy = value
-        params = _params(meta, dev)
+        coef = _params(meta, dev)
         a_buf = torch.empty(E, H, dtype=acc, device=dev)
         ds_buf = torch.empty(E, H, dtype=acc, device=dev)
         need_vedge = value_edge is not None and need[2]
@@ -735,7 +735,7 @@ class _FusedAttention(torch.autograd.Function):
         with _device(value):
             _launch(_bwd_dst_kernel, items, H, width, dev,
                     lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
-                    _or(s_att, dummy), value, _or(value_edge, dummy), params,
+                    _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                     g, lse, delta, _or(grad_alpha, dummy), a_buf, ds_buf, _or(d_vedge, dummy),
                     _or(d_edge, dummy), _or(d_dst, dummy), _or(part_dst, dummy),
                     _or(part_att, dummy), meta.seed, meta.p, H, CK, CV,
@@ -755,7 +755,7 @@ class _FusedAttention(torch.autograd.Function):
                                        dtype=acc, device=dev) if need_src else None
                 _launch(_bwd_src_kernel, sitems, H, width, dev,
                         lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
-                        _or(s_edge, dummy), _or(s_att, dummy), params, g, a_buf, ds_buf,
+                        _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
                         _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
                         _or(part_src, dummy), H, CK, CV,
                         KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
