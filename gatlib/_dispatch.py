@@ -25,6 +25,7 @@ imports the kernels, never the other way round.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import contextvars
 import importlib.util
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from . import _core
+from . import _validate as V
 from ._core import EdgeScore
 from ._plan import GraphPlan, as_plan
 
@@ -130,7 +132,7 @@ def _fused_context(call: AttentionCall) -> Optional[str]:
     return reason
 
 
-class Kernel:
+class Kernel(abc.ABC):
     """An implementation of the three stages for the calls it supports."""
 
     name = ""
@@ -144,9 +146,9 @@ class Kernel:
         """``None`` when this kernel runs ``call``; else the reason it does not."""
         return self.available(call.device)
 
+    @abc.abstractmethod
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
         """``(out [N_dst, H, C] in value's dtype, alpha [E, H] in edge-list order or None)``."""
-        raise NotImplementedError
 
 
 class ReferenceKernel(Kernel):
@@ -379,14 +381,7 @@ def graph_attention(
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
-        if not isinstance(edge_weight, Tensor) or not edge_weight.is_floating_point():
-            raise TypeError("edge_weight must be a floating-point torch.Tensor; got "
-                            f"{getattr(edge_weight, 'dtype', type(edge_weight).__name__)}")
-        if edge_weight.shape != (plan.num_edges,):
-            raise ValueError(f"edge_weight must have shape [num_edges={plan.num_edges}]; "
-                             f"got {tuple(edge_weight.shape)}")
-        if edge_weight.device != value.device:
-            raise ValueError(f"edge_weight is on {edge_weight.device} but value is on {value.device}")
+        V.check_edge_weight(edge_weight, plan.num_edges, value)
     call = AttentionCall(score, value, plan, value_edge, p, bool(return_attention), edge_weight)
     out, alpha = select_kernel(backend, call).run(call)
     out = _core.combine_heads(out, concat)

@@ -207,6 +207,23 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
                          f"for {num_dst} destination nodes")
 
 
+def _check_floating(name: str, t, x: Tensor, x_name: str = "x") -> None:
+    """``t`` is a floating-point tensor on the device of ``x`` (called ``x_name``)."""
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point torch.Tensor; got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but {x_name} is on {x.device}")
+
+
+def check_edge_weight(edge_weight, num_edges: int, value: Tensor) -> None:
+    """``[E]`` floating multipliers of the attention weights (explainer edge masks)."""
+    _check_floating("edge_weight", edge_weight, value, "value")
+    if edge_weight.shape != (num_edges,):
+        raise ValueError(f"edge_weight must have shape [num_edges={num_edges}]; "
+                         f"got {tuple(edge_weight.shape)}")
+
+
 def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tensor,
                     user_defined: bool = False) -> Optional[Tensor]:
     """``[E, edge_dim]`` (or ``[E]`` when ``edge_dim == 1``) floating features.
@@ -215,14 +232,10 @@ def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tenso
     ``edge_attr`` (as PyG passes it on whatever ``edge_dim`` is), so with
     ``edge_dim=None`` any ``[E, ...]`` floating tensor is accepted as it is."""
     if edge_dim is None and user_defined and edge_attr is not None:
-        if not isinstance(edge_attr, Tensor) or not edge_attr.is_floating_point():
-            raise TypeError("edge_attr must be a floating-point torch.Tensor; got "
-                            f"{getattr(edge_attr, 'dtype', type(edge_attr).__name__)}")
+        _check_floating("edge_attr", edge_attr, x)
         if edge_attr.dim() == 0 or edge_attr.size(0) != num_edges:
             raise ValueError(f"edge_attr must have one row per edge ({num_edges} edges in "
                              f"edge_index); got shape {tuple(edge_attr.shape)}")
-        if edge_attr.device != x.device:
-            raise ValueError(f"edge_attr is on {edge_attr.device} but x is on {x.device}")
         return edge_attr
     if edge_dim is None:
         if edge_attr is not None:

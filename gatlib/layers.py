@@ -136,8 +136,11 @@ class _AttentionConv(MessagePassing):
             _log("propagate")
         return reason
 
-    def _user_edge_attr(self) -> bool:
-        """Whether a subclass's own ``edge_update``/``message`` may read ``edge_attr``."""
+    def _user_edge_attr(self, edge_attr) -> bool:
+        """Whether a subclass's own ``edge_update``/``message`` may read ``edge_attr``
+        (asked only where it matters: features given to a layer without ``edge_dim``)."""
+        if edge_attr is None or self.edge_dim is not None:
+            return False
         reason = self._propagate_reason()
         return reason is not None and reason.startswith(("edge_update", "message"))
 
@@ -190,7 +193,8 @@ class _AttentionConv(MessagePassing):
             if self_loops:
                 A.check_loops(edge_index, edges, plan.num_src, plan.num_dst)
         edge_attr = V.check_edge_attr(edge_attr, plan.num_edges if edges is None else edges.size(1),
-                                      self.edge_dim, x, user_defined=self._user_edge_attr())
+                                      self.edge_dim, x,
+                                      user_defined=self._user_edge_attr(edge_attr))
         if edges is not None and edge_attr is not None:
             n = min(plan.num_src, plan.num_dst) if loop_nodes is None else loop_nodes
             ei, edge_attr = _remove_self_loops(edges, edge_attr)
