@@ -68,6 +68,10 @@ _BUCKETS = ((16, 64), (4, 16), (-1, 4))
 _KINDS = {"gat": 0, "gatv2": 1, "dot": 2}  # EdgeScore.kind -> the kernels' KIND
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Integer kernel arguments that change from graph to graph (item ranges, sizes).
+# Triton specialises integer arguments on their value (== 1, divisible by 16)
+# by default, which would compile a new kernel for many a new mini-batch.
+_PER_CALL = ("first", "n_items", "E", "H", "CK", "CV")
 
 
 # ---------------------------------------------------------------------------
@@ -143,31 +147,48 @@ def _plan(plan: GraphPlan) -> _Plan:
     return plan.derived(("triton.plan", _SPLIT), build)
 
 
-def _tile(device: torch.device) -> Tuple[int, int]:
-    """(tile elements, max rows per program) for kernels running on ``device``."""
-    if device.type == "cuda":
-        return _TILE, _MAX_ROWS
-    return _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_fwd_kernel, InterpretedFunction)
 
 
-def _rows_per_program(block_e: int, width: int, device: torch.device) -> int:
-    tile, max_rows = _tile(device)
+def _tile() -> Tuple[int, int]:
+    """(tile elements, max rows per program): the compiled kernels' register
+    budget, or the interpreter's few wide programs."""
+    return (_TILE_INTERPRETER, _MAX_ROWS_INTERPRETER) if _interpreted() else (_TILE, _MAX_ROWS)
+
+
+def _rows_per_program(block_e: int, width: int) -> int:
+    tile, max_rows = _tile()
     r = max(1, min(max_rows, tile // (block_e * width)))
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
 
-def _launch(kernel, items: _Schedule, H: int, width: int, device: torch.device, *args,
-            **consts) -> None:
-    """Launch ``kernel`` once per length bucket of ``items`` (longest first); the
-    kernel's leading arguments are the bucket's item arrays, its item count and
-    the global index of its first lane (for per-lane partial sums)."""
-    tile = _tile(device)[0]
+def _launch(kernel, items: _Schedule, H: int, width: int, *args,
+            max_lanes: Optional[int] = None, after=None, **consts) -> None:
+    """Launch ``kernel`` over the length buckets of ``items`` (longest first).
+
+    The kernel's leading arguments are the whole item arrays, the bucket's first
+    item and its item count: plain integers that are not specialised on (see
+    :data:`_PER_CALL`), so a new graph reuses the compiled kernels. With
+    ``max_lanes``, a bucket is launched in chunks of at most that many lanes
+    (at least one item), and ``after(lanes)`` runs after each launch — for
+    per-lane partial sums that must not grow with the graph.
+    """
+    tile = _tile()[0]
     for first, count, block_e in items.buckets:
         block_e = min(block_e, 1 << (max(1, tile // width).bit_length() - 1))  # wide channels
-        lanes = _rows_per_program(block_e, width, device)
-        kernel[(triton.cdiv(count * H, lanes),)](
-            items.row[first:], items.start[first:], items.length[first:], items.slot[first:],
-            count, first * H, *args, BLOCK_R=lanes, BLOCK_E=block_e, **consts)
+        lanes = _rows_per_program(block_e, width)
+        step = count if max_lanes is None else max(1, max_lanes // H)
+        for lo in range(first, first + count, step):
+            n = min(step, first + count - lo)
+            kernel[(triton.cdiv(n * H, lanes),)](
+                items.row, items.start, items.length, items.slot, lo, n,
+                *args, BLOCK_R=lanes, BLOCK_E=block_e, **consts)
+            if after is not None:
+                after(n * H)
 
 
 def _merge_sums(final: Tensor, part: Tensor, items: _Schedule) -> None:
@@ -201,12 +222,14 @@ def _merge_softmax(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor,
 # and their loads of a source's [H, C] row are contiguous.
 # ---------------------------------------------------------------------------
 @triton.jit
-def _lanes(item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R: tl.constexpr):
-    """This program's lanes (lanes past the last item are empty)."""
-    lane = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    it = lane // H
-    valid = it < n_items
-    h = (lane % H).to(tl.int64)
+def _lanes(item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R: tl.constexpr):
+    """This program's lanes (lanes past the last item are empty). Index arithmetic
+    is int64 from the program id on: lane counts reach E·H > 2**31."""
+    lane = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    local = lane // H
+    valid = local < n_items
+    it = first + local
+    h = lane % H
     row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
     start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
     length = tl.load(item_len + it, mask=valid, other=0)
@@ -270,9 +293,9 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
     return score, z, xs, xd, xe
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _fwd_kernel(
-    item_row, item_start, item_len, item_slot, n_items, lane_base,
+    item_row, item_start, item_len, item_slot, first, n_items,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
@@ -280,7 +303,7 @@ def _fwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-        item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
+        item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
     scale = tl.load(coef).to(ACC)
     slope = tl.load(coef + 1).to(ACC)
     keep_scale = tl.load(coef + 2).to(ACC)
@@ -294,7 +317,7 @@ def _fwd_kernel(
     for off in range(0, max_len, BLOCK_E):
         pos = off + tl.arange(0, BLOCK_E)[None, :]
         emask = pos < length[:, None]  # [R, E]
-        k = start[:, None] + pos  # CSR positions
+        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
         src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
         if HAS_EDGE or HAS_VEDGE:  # per-edge inputs are in original edge order
             eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
@@ -310,7 +333,7 @@ def _fwd_kernel(
         corr = tl.exp(m_i - m_safe)
         l_i = l_i * corr + tl.sum(p, 1)
         if DROPOUT:
-            keep = tl.rand(seed, k * H + h2) >= p_drop
+            keep = tl.rand(tl.load(seed), k * H + h2) >= p_drop
             p = tl.where(keep, p * keep_scale, 0.0)
         # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
         # value_edge (Transformer layers) is the same tensor
@@ -340,14 +363,14 @@ def _fwd_kernel(
     tl.store(part_lse + prow, row_lse, mask=piece)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _alpha_kernel(
     csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha, H, CK,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr,
 ):
     """``alpha[eid, h] = exp(e_ij - lse_i)``, one lane per (CSR position, head)."""
-    lane = (tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)[:, None]  # [K, 1]
+    lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)[:, None]  # [K, 1]
     k = lane // H
     h = lane % H
     m = k < E
@@ -362,23 +385,23 @@ def _alpha_kernel(
     tl.store(alpha + eid * H + h, tl.exp(score - row_lse), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
     """The dropout mask the fused kernels apply, as ``[E, H]`` in original order
     (the random stream is indexed by ``CSR position * H + head``)."""
-    lane = (tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     k = lane // H
     m = k < E
     eid = tl.load(csr_eid + k, mask=m, other=0).to(tl.int64)
-    kept = tl.rand(seed, lane) >= p_drop
+    kept = tl.rand(tl.load(seed), lane) >= p_drop
     tl.store(keep + eid * H + lane % H, kept.to(tl.int8), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_dst_kernel(
-    item_row, item_start, item_len, item_slot, n_items, lane_base,
+    item_row, item_start, item_len, item_slot, first, n_items,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
-    grad_out, lse, delta, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, part_att,
+    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, part_att,
     seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
@@ -387,7 +410,7 @@ def _bwd_dst_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-        item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
+        item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
     scale = tl.load(coef).to(ACC)
     slope = tl.load(coef + 1).to(ACC)
     keep_scale = tl.load(coef + 2).to(ACC)
@@ -401,11 +424,17 @@ def _bwd_dst_kernel(
     ck = tl.arange(0, BLOCK_CK)
     ckm = ck < CK
     ck3 = ck[None, None, :]
-    g = tl.load(grad_out + orow[:, None] * CV + cv[None, :], mask=valid[:, None] & cvm[None, :],
-                other=0).to(ACC)[:, None, :]  # [R, 1, CV]
+    ooff = orow[:, None] * CV + cv[None, :]
+    omask = valid[:, None] & cvm[None, :]
+    g2 = tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)  # [R, CV]
+    g = g2[:, None, :]  # [R, 1, CV]
     row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
     row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
-    row_delta = tl.load(delta + orow, mask=valid, other=0).to(ACC)
+    # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
+    # backward builds no [N, H, C] temporary for it
+    row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
+    if GALPHA:
+        row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
     if KIND == 0:
         d_acc = tl.zeros([BLOCK_R], ACC)
     else:
@@ -417,7 +446,7 @@ def _bwd_dst_kernel(
     for off in range(0, max_len, BLOCK_E):
         pos = off + tl.arange(0, BLOCK_E)[None, :]
         emask = pos < length[:, None]
-        k = start[:, None] + pos
+        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64, as every offset
         src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
         if HAS_EDGE or HAS_VEDGE or GALPHA:
             eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
@@ -440,7 +469,7 @@ def _bwd_dst_kernel(
                                 other=0).to(ACC)
         dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
         if DROPOUT:
-            keep = tl.rand(seed, k * H + h2) >= p_drop
+            keep = tl.rand(tl.load(seed), k * H + h2) >= p_drop
             drop = tl.where(keep, keep_scale, 0.0)
             a = p * drop
             dp = dp * drop
@@ -486,13 +515,13 @@ def _bwd_dst_kernel(
             tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
             tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
     if NEED_ATT:  # one partial per lane, summed by the caller
-        tl.store(part_att + (lane_base + lane)[:, None] * CK + ck[None, :], att_acc,
+        tl.store(part_att + lane[:, None] * CK + ck[None, :], att_acc,
                  mask=valid[:, None] & ckm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_src_kernel(
-    item_row, item_start, item_len, item_slot, n_items, lane_base,
+    item_row, item_start, item_len, item_slot, first, n_items,
     csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
@@ -500,7 +529,7 @@ def _bwd_src_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-        item_row, item_start, item_len, item_slot, n_items, H, BLOCK_R)
+        item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
     slope = tl.load(coef + 1).to(ACC)
     h2 = h[:, None]
     orow = row * H + h  # this lane's source node and head
@@ -522,7 +551,7 @@ def _bwd_src_kernel(
     for off in range(0, max_len, BLOCK_E):
         pos = off + tl.arange(0, BLOCK_E)[None, :]
         emask = pos < length[:, None]
-        t = start[:, None] + pos  # CSC positions
+        t = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSC positions, int64
         k = tl.load(csc_edge + t, mask=emask, other=0).to(tl.int64)  # CSR positions
         i = tl.load(csc_dst + t, mask=emask, other=0).to(tl.int64)  # destinations
         if NEED_VALUE:
@@ -579,7 +608,7 @@ class _Meta:
     scale: float
     slope: float
     p: float  # dropout probability, 0 when inactive
-    seed: int
+    seed: Tensor  # [1] int64 on the kernels' device (dropout), or a placeholder
     need_alpha: bool
     alpha_dtype: torch.dtype
     acc: torch.dtype  # accumulation dtype: float32, or float64 for float64 inputs
@@ -664,7 +693,7 @@ class _FusedAttention(torch.autograd.Function):
         dummy = value
         consts = _consts(meta, s_dst, s_edge, value_edge)
         with _device(value):
-            _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]), dev,
+            _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
                     lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                     _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                     out, lse, part_out, part_lse, meta.seed, meta.p, H, CK, CV,
@@ -675,7 +704,7 @@ class _FusedAttention(torch.autograd.Function):
                 alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
                 if E:
                     # independent (edge, head) lanes: as many as fill the tile
-                    block_k = min(1024, max(16, _tile(dev)[0] // consts["BLOCK_CK"]))
+                    block_k = min(1024, max(16, _tile()[0] // consts["BLOCK_CK"]))
                     _alpha_kernel[(triton.cdiv(E * H, block_k),)](
                         lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
                         _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
@@ -708,12 +737,13 @@ class _FusedAttention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         g = grad_out.contiguous()
-        delta = (g.to(acc) * out.to(acc)).sum(-1)  # [N_dst, H]
         galpha = grad_alpha is not None
-        if galpha:
+        delta_alpha = None
+        if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
             grad_alpha = grad_alpha.contiguous()
-            ag = (alpha.to(acc) * grad_alpha.to(acc)).index_select(0, lay.perm)  # CSR order
-            delta.index_add_(0, lay.dst.long(), ag)
+            ag = grad_alpha.to(acc, copy=True).mul_(alpha).index_select(0, lay.perm)  # [E, H], CSR
+            delta_alpha = torch.zeros(lay.num_dst, H, dtype=acc, device=dev)
+            delta_alpha.index_add_(0, lay.dst, ag)
         consts = _consts(meta, s_dst, s_edge, value_edge)
         dummy = value
         coef = _params(meta, dev)
@@ -730,15 +760,22 @@ class _FusedAttention(torch.autograd.Function):
         part_dst = torch.empty(items.num_pieces, H, *([CK] if meta.kind else []), dtype=acc,
                                device=dev) if need_dst else None
         width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-        # GATv2's att gradient: one partial per (item, head) lane, summed below
-        part_att = torch.empty(items.row.numel(), H, CK, dtype=acc, device=dev) if need_att else None
+        # GATv2's att gradient: one partial per (item, head) lane, summed after each
+        # launch; launches are cut so that the partials never outgrow [E, H]
+        att_lanes = max(H, E * H // max(CK, 1))
+        part_att = torch.empty(att_lanes, CK, dtype=acc, device=dev) if need_att else None
+        d_att = torch.zeros(H, CK, dtype=acc, device=dev) if need_att else None
+
+        def add_att(lanes: int) -> None:
+            d_att.add_(part_att[:lanes].view(-1, H, CK).sum(0))
         with _device(value):
-            _launch(_bwd_dst_kernel, items, H, width, dev,
+            _launch(_bwd_dst_kernel, items, H, width,
                     lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                     _or(s_att, dummy), value, _or(value_edge, dummy), coef,
-                    g, lse, delta, _or(grad_alpha, dummy), a_buf, ds_buf, _or(d_vedge, dummy),
-                    _or(d_edge, dummy), _or(d_dst, dummy), _or(part_dst, dummy),
-                    _or(part_att, dummy), meta.seed, meta.p, H, CK, CV,
+                    g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
+                    _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
+                    _or(part_dst, dummy), _or(part_att, dummy), meta.seed, meta.p, H, CK, CV,
+                    max_lanes=att_lanes if need_att else None, after=add_att if need_att else None,
                     DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                     NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
             if need_dst:
@@ -753,7 +790,7 @@ class _FusedAttention(torch.autograd.Function):
                     if need_value else None
                 part_src = torch.empty(sitems.num_pieces, H, *([CK] if meta.kind else []),
                                        dtype=acc, device=dev) if need_src else None
-                _launch(_bwd_src_kernel, sitems, H, width, dev,
+                _launch(_bwd_src_kernel, sitems, H, width,
                         lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
                         _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
                         _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
@@ -765,7 +802,7 @@ class _FusedAttention(torch.autograd.Function):
                     _merge_sums(d_value, part_value, sitems)
                 if need_src:
                     _merge_sums(d_src, part_src, sitems)
-        d_att = part_att.sum(0).to(s_att.dtype) if need_att else None
+        d_att = d_att.to(s_att.dtype) if need_att else None
         return None, d_value, d_vedge, d_src, d_dst, d_edge, d_att
 
 
@@ -804,10 +841,12 @@ def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
     )
 
 
-def _draw_seed() -> int:
-    """A dropout seed from torch's default CPU generator (no device sync), so
-    ``torch.manual_seed`` makes fused dropout reproducible."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+def _draw_seed(device: torch.device) -> Tensor:
+    """A dropout seed drawn on ``device`` by its default generator and read by the
+    kernels from device memory: no host sync, ``torch.manual_seed`` makes fused
+    dropout reproducible, and a captured CUDA graph draws a new seed per replay
+    (PyTorch's generator advances its Philox offset on the device under capture)."""
+    return torch.randint(0, 2**31 - 1, (1,), device=device)
 
 
 def _check_interpreter() -> None:
@@ -865,7 +904,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     CK = 1 if kind == 0 else s_src.size(-1)
     share_v = kind == 1 and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
-    seed = _draw_seed() if p > 0 else 0
+    seed = _draw_seed(value.device) if p > 0 else _no_seed(value.device)
     floats = [t for t in tensors if t is not None]
     acc = torch.float64 if any(t.dtype == torch.float64 for t in floats) else torch.float32
     score_tensors = [t for t in (s_src, s_dst, s_edge, s_att) if t is not None]
@@ -883,7 +922,13 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     return out, alpha
 
 
-def _keep_mask(plan: _Plan, heads: int, p: float, seed: int) -> Tensor:
+@functools.lru_cache(maxsize=8)
+def _no_seed(device: torch.device) -> Tensor:
+    # The kernels' seed pointer when dropout is off (never read).
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _keep_mask(plan: _Plan, heads: int, p: float, seed: Tensor) -> Tensor:
     E = plan.layout.num_edges
     keep = torch.zeros(E, heads, dtype=torch.int8, device=plan.csr_eid.device)
     if E:
@@ -893,7 +938,8 @@ def _keep_mask(plan: _Plan, heads: int, p: float, seed: int) -> Tensor:
     return keep.bool()
 
 
-def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: int) -> Tensor:
+def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: Tensor) -> Tensor:
     """The ``[E, H]`` bool mask of kept attention weights that the fused kernels
-    apply for ``seed`` (edge-list order) — for tests and debugging."""
+    apply for ``seed`` (a ``[1]`` int64 tensor on the graph's device, as drawn
+    for each call), in edge-list order — for tests and debugging."""
     return _keep_mask(_plan(plan), heads, p, seed)

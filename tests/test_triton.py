@@ -230,7 +230,7 @@ def test_dropout_mask_is_consistent(kind):
     torch.manual_seed(123)
     out, alpha, grads = run("triton", score, v, plan, n_dst, dropout=p, training=True)
     torch.manual_seed(123)
-    keep = _triton.dropout_keep_mask(plan, H, p, _triton._draw_seed())  # [E, H]
+    keep = _triton.dropout_keep_mask(plan, H, p, _triton._draw_seed(torch.device(DEVICE)))  # [E, H]
     assert abs(keep.float().mean().item() - (1 - p)) < 0.07
     src, dst = plan.coo()
     ins = [v, *leaves(score)]

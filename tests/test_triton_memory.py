@@ -1,0 +1,150 @@
+"""The Triton path's memory model (README, "Memory of the Triton kernels"),
+checked against the allocations a call makes.
+
+Every tensor that PyTorch allocates during a forward or a backward call is
+recorded by a dispatch mode — outside the kernels: inside a kernel the
+interpreter's own copies stand for a GPU's registers and are not recorded.
+The model's formula bounds the bytes allocated; no single temporary may be
+larger than the ``[E, H]`` scores or the call's outputs and gradients; in
+bfloat16, no ``[N, H, C]`` float32 tensor may appear at all.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from gatlib import GraphPlan, graph_attention
+from gatlib import _triton
+
+from testing import hub_graph, make_score
+
+pytest.importorskip("triton")
+KINDS = ("gat", "gatv2", "dot")
+
+
+class Allocations(TorchDispatchMode):
+    """New storages made by ATen ops (views and in-place ops make none)."""
+
+    def __init__(self, known):
+        super().__init__()
+        self.seen = {t.untyped_storage().data_ptr() for t in known}
+        self.paused = False
+        self.allocs = []  # (shape, dtype, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused:
+            # a view or an in-place result shares an argument's storage
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self.seen.add(t.untyped_storage().data_ptr())
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in self.seen:
+                        self.seen.add(ptr)
+                        self.allocs.append((tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+        return out
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """``recorder(known)``: an Allocations mode, paused while a kernel runs."""
+    from triton.runtime.interpreter import GridExecutor
+
+    active = []
+    run = GridExecutor.__call__
+
+    def paused_run(self, *args, **kwargs):
+        if not active:
+            return run(self, *args, **kwargs)
+        active[-1].paused = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            active[-1].paused = False
+
+    monkeypatch.setattr(GridExecutor, "__call__", paused_run)
+
+    def make(known):
+        active.append(Allocations(known))
+        return active[-1]
+
+    return make
+
+
+def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_launches=0):
+    """The README's formula: (forward bytes, backward bytes, largest temporary)
+    of one call, excluding its inputs and the graph's plan."""
+    s = torch.empty((), dtype=dtype).element_size()
+    a = 8 if dtype == torch.float64 else 4
+    W = 1 if kind == "gat" else C  # per-node score width
+    merge_f = 4 * P * H * (C + 2) * a
+    fwd = N * H * C * s + N * H * a + (E * H * s if alpha else 0) + merge_f + 8
+    # the inputs' gradients, in their dtype (GATv2 with edge features, the
+    # Transformer's with its edge term also added to the values) — and
+    # autograd's sum for a tensor used twice: GATv2's x_src is its value, the
+    # Transformer's edge term is its value's edge term
+    grads = {"gat": 2 * N * H + E * H + N * H * C,  # a_src, a_dst, a_edge, value
+             "gatv2": 3 * N * H * C + E * H * C + H * C + N * H * C,  # x_src, value, x_dst, e, att
+             "dot": 3 * N * H * C + 2 * E * H * C + E * H * C}[kind] * s  # q, k, v, e, u
+    merge_b = 3 * (P * H * W + Q * H * (C + W)) * a  # split rows' and columns' partial sums
+    # GATv2's att gradient: per-lane partials (at most [E, H] elements), summed
+    # into [H, C] after each of the backward's launches
+    att = E * H * a + (att_launches + 2) * H * C * a if kind == "gatv2" else 0
+    galpha = (N * H + 2 * E * H) * a if alpha else 0
+    bwd = 2 * E * H * a + grads + merge_b + att + galpha
+    largest_temp = E * H * a
+    return fwd, bwd, largest_temp
+
+
+@pytest.mark.parametrize("alpha", [False, True], ids=["out", "alpha"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch):
+    monkeypatch.setattr(_triton, "_SPLIT", 32)  # split rows and columns, as hubs are
+    n, H, C, dtype = 60, 2, 8, torch.bfloat16
+    ei = hub_graph(n, 100)
+    ei = torch.cat([ei, torch.stack([torch.full((70,), 5), torch.arange(70) % n])], 1)
+    E = ei.size(1)
+    plan = GraphPlan(ei, num_nodes=n)
+    score = make_score(kind, n, n, E, H, C, dtype=dtype, edge=True)
+    value = score.src if kind == "gatv2" else torch.randn(n, H, C, dtype=dtype, requires_grad=True)
+    value_edge = score.edge if kind == "dot" else None
+    graph_attention(score, value, plan, n, value_edge=value_edge, backend="triton")  # derive the plan
+    tplan = _triton._plan(plan)
+    P, Q = tplan.dst_items.num_pieces, tplan.src_items.num_pieces
+    assert P > 0 and Q > 0
+    inputs = [t for t in (*score.tensors(), value, value_edge) if t is not None]
+
+    rec = recorder(inputs)
+    with rec:
+        res = graph_attention(score, value, plan, n, value_edge=value_edge, backend="triton",
+                              return_attention=alpha)
+    out, att = res if alpha else (res, None)
+    fwd = rec.allocs
+    outs = [out] + ([att] if alpha else [])
+    grads = [torch.randn(t.shape, dtype=t.dtype) for t in outs]
+    known = inputs + outs + grads
+    rec = recorder(known)
+    with rec:
+        torch.autograd.grad(outs, inputs, grads)
+    bwd = rec.allocs
+    att_lanes = max(H, E * H // C)  # as _FusedAttention.backward cuts its launches
+    step = max(1, att_lanes // H)
+    launches = sum(-(-count // step) for _, count, _ in tplan.dst_items.buckets)
+    f_model, b_model, largest = model(kind, n, E, H, C, dtype, P, Q, alpha=alpha,
+                                      att_launches=launches)
+    f_bytes = sum(b for *_, b in fwd)
+    b_bytes = sum(b for _, _, b in bwd)
+    assert f_bytes <= f_model, (f_bytes, f_model, fwd)
+    assert b_bytes <= b_model, (b_bytes, b_model, P, Q, E, "\n".join(map(str, bwd)))
+    # the model is not vacuous: the kept buffers are most of it
+    assert f_bytes >= n * H * C * 2 + n * H * 4
+    assert b_bytes >= 2 * E * H * 4
+    # no temporary larger than the [E, H] scores, the output or an input's gradient
+    biggest_io = max(t.untyped_storage().nbytes() for t in known)
+    assert max(b for *_, b in fwd + bwd) <= max(largest, biggest_io)
+    # and no [N, H, C] float32 temporary (the output and gradients are bfloat16)
+    assert not [a for a in fwd + bwd if a[0] == (n, H, C) and a[1] == torch.float32]
