@@ -1,0 +1,509 @@
+r"""Launch and compile the Triton kernels for NVIDIA GPUs on a machine without one.
+
+Triton's interpreter (``TRITON_INTERPRET=1``), which runs the kernels' tests on
+CPU, never uses Triton's launch path: the generated argument binder, the
+specialisation of arguments and the compiler. This module runs that path:
+
+1. **capture** — the real dispatcher (:func:`gatlib._triton.attention`, forward
+   and backward) runs on CPU tensors with a stand-in driver whose current
+   target is an NVIDIA GPU. Every ``kernel[grid](...)`` goes through Triton's
+   real binder and specialisation; a ``jit_cache_hook`` records what would be
+   compiled (kernel, argument types, constexprs, alignment attributes) and
+   skips the compile and the launch;
+2. **compile** — each distinct specialisation is compiled for sm_80 (A100) and
+   sm_90 (H100) by ``triton.compile`` with the bundled ``ptxas``, whose
+   resource report gives registers, spills and shared memory.
+
+``python -m gatlib.bench.triton_compile --json ... --table ...`` writes the
+table kept in ``benchmarks/``; ``tests/test_triton_compile.py`` runs the same
+in the default test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # must hold before triton is imported
+    raise RuntimeError("gatlib.bench.triton_compile needs Triton's compiler: unset TRITON_INTERPRET")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from gatlib import EdgeScore, GraphPlan  # noqa: E402
+from gatlib import _triton  # noqa: E402
+
+TARGETS = {"sm_80": 80, "sm_90": 90}
+KINDS = ("gat", "gatv2", "dot")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+# Channel counts per head: one per power-of-two tile width the kernels pad to,
+# up to the largest they accept (_triton._MAX_C).
+CHANNELS = tuple(2 ** i for i in range(11))
+assert CHANNELS[-1] == _triton._MAX_C
+
+
+@dataclass(frozen=True)
+class Case:
+    """One call of the dispatcher, as a layer makes it."""
+
+    kind: str
+    dtype: str
+    channels: int
+    edge: bool  # edge features: the score's edge term (+ the Transformer's value term)
+    dropout: bool
+    alpha: bool  # attention weights returned, and differentiated through
+    heads: int = 3
+
+    @property
+    def label(self) -> str:
+        return (f"{self.kind} {self.dtype} C={self.channels}"
+                + " edge" * self.edge + " dropout" * self.dropout + " alpha" * self.alpha)
+
+
+def default_cases() -> List[Case]:
+    """Every combination of kind x dtype x edge features x dropout (alpha returned
+    with dropout, not without, so both states occur with each of the others) at
+    C=64, and every channel width for each kind (float32 and bfloat16, with edge
+    features, dropout and alpha: the most live tiles)."""
+    cases = [Case(k, d, 64, e, p, p) for k, d, e, p in
+             itertools.product(KINDS, DTYPES, (False, True), (False, True))]
+    cases += [Case(k, d, c, True, True, True) for k, d, c in
+              itertools.product(KINDS, ("float32", "bfloat16"), CHANNELS) if c != 64]
+    return cases
+
+
+def capture_graph() -> Tuple[torch.Tensor, int]:
+    """A graph whose destination and source schedules fill every length bucket
+    and split a hub (rows longer than ``_triton._SPLIT`` edges)."""
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    hub_in = torch.stack([torch.randint(0, n, (2 * _triton._SPLIT + 5,), generator=g),
+                          torch.zeros(2 * _triton._SPLIT + 5, dtype=torch.long)])
+    hub_out = torch.stack([torch.ones(_triton._SPLIT + 3, dtype=torch.long),
+                           torch.randint(0, n, (_triton._SPLIT + 3,), generator=g)])
+    deg = torch.arange(2, n) % 24  # rows of 0..23 edges: every bucket
+    dst = torch.repeat_interleave(torch.arange(2, n), deg)
+    src = torch.randint(0, n, (dst.numel(),), generator=g)
+    return torch.cat([hub_in, hub_out, torch.stack([src, dst])], 1), n
+
+
+def _case_tensors(case: Case, n: int, E: int):
+    dt = DTYPES[case.dtype]
+    H, C = case.heads, case.channels
+
+    def r(*shape):
+        return torch.randn(*shape, dtype=dt, requires_grad=True)
+
+    edge = None
+    if case.kind == "gat":
+        if case.edge:
+            edge = r(E, H)
+        score = EdgeScore.gat(r(n, H), r(n, H), edge, 0.2)
+        value, value_edge = r(n, H, C), None
+    elif case.kind == "gatv2":
+        if case.edge:
+            edge = r(E, H, C)
+        x = r(n, H, C)
+        score = EdgeScore.gatv2(x, r(n, H, C), r(H, C), edge, 0.2)
+        value, value_edge = x, None  # GATv2Conv's values are its source projection
+    else:
+        if case.edge:
+            edge = r(E, H, C)
+        score = EdgeScore.dot(r(n, H, C), r(n, H, C), edge, C ** -0.5)
+        value, value_edge = r(n, H, C), edge  # TransformerConv adds the edge term to values
+    return score, value, value_edge
+
+
+class _Driver:
+    """The active driver for capture and compile: an NVIDIA GPU that is not there."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        raise RuntimeError("no GPU: nothing can be timed")
+
+
+@contextlib.contextmanager
+def _stand_in_driver(arch: int = 90):
+    from triton.runtime import driver
+
+    previous = driver._active  # None until first used: without a GPU it cannot be made
+    driver.set_active(_Driver(arch))
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+@dataclass
+class Spec:
+    """One specialisation of one kernel: what Triton compiles for a launch."""
+
+    kernel: str
+    signature: Dict[str, str]
+    constexprs: Dict
+    attrs: Dict
+    options: Dict
+    cases: List[str] = field(default_factory=list)
+
+    def key(self):
+        return (self.kernel, tuple(self.signature.items()), repr(sorted(self.constexprs.items(), key=str)),
+                repr(sorted(self.attrs.items(), key=str)))
+
+    def specialised_ints(self) -> List[str]:
+        """Integer arguments Triton specialised on their value (== 1, or divisible
+        by 16): each new value of those compiles a new kernel."""
+        fn = getattr(_triton, self.kernel)
+        names = []
+        for i, name in enumerate(fn.arg_names):
+            if self.signature.get(name) in ("i32", "i64", "constexpr") and not name.isupper():
+                if (i,) in self.constexprs or self.attrs.get((i,)):
+                    names.append(name)
+        return names
+
+    def consts_label(self) -> str:
+        names = {}
+        fn = getattr(_triton, self.kernel)
+        for k, v in self.constexprs.items():
+            name = fn.arg_names[k[0]] if isinstance(k, tuple) else k
+            if not name.isupper():
+                continue  # arguments Triton fixed by value (absent pointers are never fixed)
+            names[name] = v.__name__ if hasattr(v, "__name__") else str(v)
+        return " ".join(f"{k}={v}" for k, v in names.items())
+
+
+def capture(cases: Iterable[Case]) -> List[Spec]:
+    """Run the dispatcher's forward and backward for each case through Triton's
+    real binder; return the distinct specialisations it launches."""
+    from triton import knobs
+
+    ei, n = capture_graph()
+    plan = GraphPlan(ei, num_nodes=n)
+    E = ei.size(1)
+    specs: Dict = {}
+    current: List[str] = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        c = compile
+        spec = Spec(fn.name, dict(c["signature"]), dict(c["constants"]), dict(c["configs"][0]),
+                    {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
+                     "num_ctas": c["num_ctas"], "enable_fp_fusion": c["enable_fp_fusion"]})
+        spec = specs.setdefault(spec.key(), spec)
+        if current[0] not in spec.cases:
+            spec.cases.append(current[0])
+        return True  # skip the compile (and so the launch)
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        with _stand_in_driver():
+            for case in cases:
+                current[:] = [case.label]
+                torch.manual_seed(0)
+                score, value, value_edge = _case_tensors(case, n, E)
+                out, alpha = _triton.attention(score, value, plan, value_edge, 0.1 if case.dropout else 0.0,
+                                               case.alpha, None)
+                loss = out.float().sum() + (alpha.float().sum() if case.alpha else 0)
+                loss.backward()
+                if case.dropout:  # the mask the double backward regenerates
+                    _triton.dropout_keep_mask(plan, case.heads, 0.1, _triton._draw_seed(torch.device("cpu")))
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return list(specs.values())
+
+
+# ---------------------------------------------------------------------------
+# 64-bit index arithmetic, checked on the kernels' Triton IR.
+# ---------------------------------------------------------------------------
+_DEF = re.compile(r"^\s*(%[\w.]+)(?::\d+)? = ([\w.]+) (.*)$")
+_VALUE = re.compile(r"%[\w.]+")
+_ARITH = {"arith.muli", "arith.addi", "arith.subi", "arith.shli"}
+_SHAPE = {"tt.splat", "tt.broadcast", "tt.expand_dims", "tt.reshape", "tt.trans"}
+_BOUNDED = {"arith.constant", "tt.make_range"}  # values set by constexprs
+_DATA = {"tt.load", "tt.get_program_id"}  # values known only at run time
+
+
+def narrow_index_math(ttir: str) -> List[str]:
+    """The 32-bit index arithmetic in ``ttir`` that can reach an address.
+
+    A pointer offset is safe at papers100M scale (E·H, N·H·C up to ~2**38) only
+    if every product or sum that feeds it is computed in 64 bits. Flagged: an
+    ``addptr`` whose offset is 32-bit and depends on a run-time value (an
+    argument, a program id, a loaded index, a loop counter), and a 32-bit
+    ``muli``/``addi``/``subi``/``shli`` of run-time values that is widened
+    (``extsi``) into a 64-bit offset — it may have wrapped before the widening.
+    Offsets made only of constants and ``tl.arange`` (bounded by constexprs)
+    are fine in 32 bits. Loaded values are data: their own addresses are
+    checked where they are loaded.
+    """
+    defs = {}
+    for line in ttir.splitlines():
+        code = line.split(" loc(")[0]
+        m = _DEF.match(code)
+        if m:
+            rhs = m.group(3)
+            operands = [v.split("#")[0] for v in _VALUE.findall(rhs.split(" : ")[0])]
+            defs[m.group(1)] = (m.group(2), operands, rhs.rsplit(":", 1)[-1].strip(), code.strip())
+
+    def runtime(v, seen) -> bool:  # depends on a value known only at run time
+        if v in seen:
+            return False
+        seen.add(v)
+        d = defs.get(v)
+        if d is None:  # a kernel argument or a loop-carried value
+            return True
+        op, operands, _, _ = d
+        if op in _BOUNDED:
+            return False
+        if op in _DATA:
+            return True
+        return any(runtime(o, seen) for o in operands)
+
+    def narrow(v) -> bool:  # a 32-bit product/sum of run-time values (through shape ops)
+        d = defs.get(v)
+        if d is None:
+            return False
+        op, operands, ty, _ = d
+        if op in _SHAPE:
+            return any(narrow(o) for o in operands)
+        return op in _ARITH and ty.rstrip(">").endswith("i32") and runtime(v, set())
+
+    problems = []
+    for op, operands, ty, code in defs.values():
+        if op != "tt.addptr":
+            continue
+        offset = operands[1]
+        if ty.rstrip(">").endswith("i32") and runtime(offset, set()):
+            problems.append(f"32-bit offset: {code}")
+            continue
+        stack, seen = [offset], set()
+        while stack:  # the offset's cone, stopping at loads (data)
+            v = stack.pop()
+            if v in seen or v not in defs:
+                continue
+            seen.add(v)
+            vop, vops, _, vcode = defs[v]
+            if vop == "arith.extsi" and narrow(vops[0]):
+                problems.append(f"widened after 32-bit arithmetic: {vcode} (in {code})")
+            elif vop not in _DATA:
+                stack.extend(vops)
+    return problems
+
+
+def ttir(spec: Spec, target: str = "sm_90", fn=None) -> str:
+    """``spec``'s Triton IR (the first stage of a compile; no LLVM or ptxas).
+    ``fn`` is the jit function (default: the gatlib kernel named ``spec.kernel``)."""
+    from triton._C.libtriton import ir
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    gpu = GPUTarget("cuda", TARGETS[target], 32)
+    backend = make_backend(gpu)
+    options = backend.parse_options(dict(spec.options))
+    src = ASTSource(fn or getattr(_triton, spec.kernel), spec.signature, spec.constexprs,
+                    spec.attrs)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(gpu, options, backend.get_codegen_implementation(options),
+                         backend.get_module_map(), context)
+    stages = {}
+    backend.add_stages(stages, options, src.language)
+    return str(stages["ttir"](module, {}))
+
+
+_RESOURCES = re.compile(r"Used (\d+) registers.*")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_spec(spec: Spec, target: str) -> Dict:
+    """Compile ``spec`` for ``target`` (``"sm_80"`` / ``"sm_90"``) to a cubin; returns
+    seconds, registers per thread, spill stores/loads (bytes) and shared memory."""
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    fn = getattr(_triton, spec.kernel)
+    src = ASTSource(fn, spec.signature, spec.constexprs, spec.attrs)
+    log = io.StringIO()
+    start = time.perf_counter()
+    with knobs.nvidia.scope(), knobs.compilation.scope():
+        knobs.nvidia.dump_ptxas_log = True  # ptxas -v: registers and spills
+        knobs.compilation.always_compile = True
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(src, target=GPUTarget("cuda", TARGETS[target], 32),
+                                    options=spec.options)
+    seconds = time.perf_counter() - start
+    text = log.getvalue()
+    regs = _RESOURCES.search(text)
+    spills = _SPILLS.search(text)
+    if regs is None or spills is None or "cubin" not in kernel.asm:
+        raise RuntimeError(f"{spec.kernel} for {target}: no ptxas report\n{text}")
+    return {"target": target, "seconds": round(seconds, 2), "registers": int(regs.group(1)),
+            "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
+            "shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
+            "narrow_index_math": narrow_index_math(kernel.asm["ttir"])}
+
+
+def _compile_job(args):
+    spec, target = args
+    try:
+        return compile_spec(spec, target)
+    except Exception as exc:  # reported, not raised: the table lists every failure
+        return {"target": target, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+
+
+def compile_all(specs: Sequence[Spec], targets: Sequence[str] = tuple(TARGETS),
+                jobs: Optional[int] = None, progress=None) -> List[Dict]:
+    """Compile every spec for every target in ``jobs`` processes; one row per pair."""
+    work = [(s, t) for s in specs for t in targets]
+    jobs = jobs or os.cpu_count() or 1
+    rows = []
+    with ProcessPoolExecutor(jobs) as pool:
+        for (spec, _), res in zip(work, pool.map(_compile_job, work), strict=True):
+            rows.append({"kernel": spec.kernel, "constexprs": spec.consts_label(),
+                         "signature": spec.signature, "specialised_ints": spec.specialised_ints(),
+                         "cases": spec.cases, **res})
+            if progress is not None:
+                progress(rows[-1])
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Report and CLI
+# ---------------------------------------------------------------------------
+def summary_rows(rows: Sequence[Dict]) -> List[List[str]]:
+    """Per kernel and target: specialisations, compiled, registers, spills, shared memory."""
+    out = []
+    for kernel in sorted({r["kernel"] for r in rows}):
+        for target in TARGETS:
+            rs = [r for r in rows if r["kernel"] == kernel and r["target"] == target]
+            if not rs:
+                continue
+            ok = [r for r in rs if "error" not in r]
+            regs = [r["registers"] for r in ok]
+            spills = [r["spill_stores"] + r["spill_loads"] for r in ok]
+            out.append([kernel, target, str(len(rs)), str(len(ok)),
+                        f"{min(regs)}–{max(regs)}" if regs else "-",
+                        f"{sum(s > 0 for s in spills)} (max {max(spills)} B)" if spills else "-",
+                        f"{max(r['shared_bytes'] for r in ok)}" if ok else "-",
+                        str(sum(bool(r.get("narrow_index_math")) for r in ok))])
+    return out
+
+
+SUMMARY_HEADERS = ["kernel", "target", "specialisations", "compiled", "registers",
+                   "spilling (max bytes)", "max shared B", "32-bit index math"]
+
+
+def render(report: Dict) -> str:
+    from .report import format_table
+
+    rows = report["rows"]
+    lines = [
+        "# Triton kernels compiled for NVIDIA GPUs (no GPU needed)",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Git: `{report['environment'].get('git_commit')}`, triton {triton.__version__}, "
+        f"torch {torch.__version__}. {len(report['cases'])} dispatcher calls (forward and "
+        f"backward) gave {len(report['specs'])} distinct specialisations, each bound by "
+        "Triton's launch binder and compiled to a cubin by its bundled ptxas for every target.",
+        "",
+        format_table(SUMMARY_HEADERS, summary_rows(rows), align="<<" + ">" * 6),
+        "",
+        "## Every specialisation",
+        "",
+    ]
+    detail = []
+    for r in rows:
+        res = (r["error"].splitlines()[0][:80] if "error" in r else
+               f"{r['registers']} / {r['spill_stores']}+{r['spill_loads']} / {r['shared_bytes']}")
+        detail.append([r["kernel"], r["target"], r["constexprs"], res, "; ".join(r["cases"][:2])
+                       + (f" (+{len(r['cases']) - 2})" if len(r["cases"]) > 2 else "")])
+    lines.append(format_table(["kernel", "target", "constexprs", "regs / spill B / shared B",
+                               "first cases"], detail))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .report import command_line, environment, write_json
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gatlib.bench.triton_compile",
+        description="Bind every specialisation of gatlib's Triton kernels with Triton's launch "
+                    "binder and compile it for NVIDIA GPUs (no GPU needed).")
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"comma-separated, of {', '.join(TARGETS)} (default: all)")
+    parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPUs)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
+    parser.add_argument("--table", default=None, metavar="PATH", help="write the markdown table here")
+    args = parser.parse_args(argv)
+    targets = [t for t in args.targets.split(",") if t]
+    if not targets or any(t not in TARGETS for t in targets):
+        parser.error(f"--targets: choose from {', '.join(TARGETS)}; got {args.targets!r}")
+    cases = default_cases()
+    start = time.perf_counter()
+    specs = capture(cases)
+    print(f"[triton_compile] {len(cases)} calls -> {len(specs)} specialisations "
+          f"({time.perf_counter() - start:.1f} s); compiling for {', '.join(targets)}",
+          file=sys.stderr, flush=True)
+    done = [0]
+
+    def progress(row):
+        done[0] += 1
+        if "error" in row or done[0] % 100 == 0:
+            print(f"[triton_compile] {done[0]}/{len(specs) * len(targets)} "
+                  + (f"FAILED {row['kernel']} {row['constexprs']}: {row['error'][:300]}"
+                     if "error" in row else "compiled"), file=sys.stderr, flush=True)
+
+    rows = compile_all(specs, targets, args.jobs, progress)
+    report = {"schema": "gatlib.triton_compile/1", "command": command_line(),
+              "environment": environment("cpu"), "targets": targets,
+              "seconds": round(time.perf_counter() - start, 1),
+              "cases": [c.label for c in cases],
+              "specs": [{"kernel": s.kernel, "constexprs": s.consts_label(), "cases": s.cases}
+                        for s in specs],
+              "rows": rows}
+    table = render(report)
+    print(format_summary(report))
+    if args.json:
+        write_json(args.json, report)
+    if args.table:
+        with open(args.table, "w") as f:
+            f.write(table)
+    failed = sum("error" in r or bool(r.get("narrow_index_math")) for r in rows)
+    return 1 if failed else 0
+
+
+def format_summary(report: Dict) -> str:
+    from .report import format_table
+
+    return format_table(SUMMARY_HEADERS, summary_rows(report["rows"]), align="<<" + ">" * 6)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
