@@ -2,6 +2,7 @@
 without a GPU), and red when the Triton kernels are broken."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -75,6 +76,16 @@ def _unseeded_dropout(monkeypatch):  # a dropout mask torch.manual_seed does not
     monkeypatch.setattr(_triton, "_draw_seed", lambda: random.SystemRandom().randrange(2**31 - 1))
 
 
+def _backward_mask_differs(monkeypatch):  # the backward draws another dropout mask
+    real = _triton._FusedAttention.backward
+
+    def backward(ctx, *grads):
+        ctx.meta = dataclasses.replace(ctx.meta, seed=ctx.meta.seed + 1)
+        return real(ctx, *grads)
+
+    monkeypatch.setattr(_triton._FusedAttention, "backward", staticmethod(backward))
+
+
 def _reference_instead(monkeypatch):  # right numbers, but not from the Triton kernel
     monkeypatch.setitem(_dispatch.KERNELS, "triton", _dispatch.ReferenceKernel())
 
@@ -83,6 +94,7 @@ def _reference_instead(monkeypatch):  # right numbers, but not from the Triton k
     (_skip_split_merge, "max abs error"),
     (_skip_gradient_merge, "grad dst: max abs error"),
     (_unseeded_dropout, "same seed, different results"),
+    (_backward_mask_differs, "the backward's dropout mask is not the forward's"),
     (_reference_instead, "the Triton kernel did not run"),
 ])
 def test_broken_kernel_fails(tmp_path, capsys, monkeypatch, mutation, expect):
