@@ -109,6 +109,14 @@ def test_broken_kernel_fails(tmp_path, capsys, monkeypatch, mutation, expect):
     assert all(f"| {c['name']}" in out for c in failed)
 
 
+@pytest.mark.parametrize("args, message", [(["--graphs", "cora,arxiv"], "unknown synthetic graph"),
+                                           (["--repeats", "0"], "--repeats must be at least 1")])
+def test_bad_arguments_exit_2_before_any_check(args, message, monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "kernel_checks", None)  # not reached
+    assert cli.main(["selftest", "--device", DEVICE, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_cpu_without_the_interpreter_exits_2(monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert cli.main(["selftest", "--device", "cpu", "--graphs", ""]) == 2

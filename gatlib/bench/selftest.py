@@ -51,6 +51,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import synthetic
 from .report import command_line, environment, format_table, write_json
 
 SCHEMA = "gatlib.selftest/1"
@@ -168,6 +169,10 @@ def _num(x: float):
     return x if math.isfinite(x) else str(x)  # JSON has no inf/nan
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 def _ran_triton(log: List[str]) -> Optional[str]:
     if log[:1] != ["triton"] or "triton.backward" not in log:
         return f"the Triton kernel did not run forward and backward (kernels logged: {log})"
@@ -177,9 +182,9 @@ def _ran_triton(log: List[str]) -> Optional[str]:
 def check_case(kind: str, dtype: torch.dtype, edge: bool, p: float, alpha: bool, plan,
                device, seed: int = 0) -> Dict:
     """One kernel check (see the module docstring): its record for the JSON."""
-    name = (f"{kind} {str(dtype).replace('torch.', '')} {'edge' if edge else 'no-edge'} "
+    name = (f"{kind} {_dtype_name(dtype)} {'edge' if edge else 'no-edge'} "
             f"{'dropout' if p else 'no-dropout'} {'alpha' if alpha else 'no-alpha'}")
-    rec = {"name": name, "kind": kind, "dtype": str(dtype).replace("torch.", ""),
+    rec = {"name": name, "kind": kind, "dtype": _dtype_name(dtype),
            "edge_features": edge, "dropout": p, "attention_weights": alpha}
     try:
         rec.update(_dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) if p else
@@ -284,9 +289,9 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print) -> Dict:
                       "hub_in_degree": HUB_DEGREE, "heads": HEADS, "channels": CHANNELS,
                       "isolated": "nodes 1-7 have no in-edges, nodes N-8..N-1 no out-edges",
                       "duplicates": 20},
-            "dropout": DROPOUT, "tol": {str(k).replace("torch.", ""): v for k, v in TOL.items()},
+            "dropout": DROPOUT, "tol": {_dtype_name(k): v for k, v in TOL.items()},
             "lowp_factor": LOWP_FACTOR, "lowp_floor_ulps": LOWP_FLOOR_ULPS,
-            "linearity_ulps": {str(k).replace("torch.", ""): v for k, v in LINEARITY_ULPS.items()},
+            "linearity_ulps": {_dtype_name(k): v for k, v in LINEARITY_ULPS.items()},
             "cases": cases, "passed": len(cases) - failed, "failed": failed}
 
 
@@ -438,12 +443,14 @@ def run(args: argparse.Namespace) -> int:
         **vars(args), "memory": cuda if args.memory is None else args.memory,
         "block_seconds": (0.5 if cuda else 0.0) if args.block_seconds is None
         else args.block_seconds})
-    if args.repeats < 1:
-        print("gatlib selftest: error: --repeats must be at least 1", file=sys.stderr)
-        return 2
     try:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
+        for graph in graphs:  # a typo fails now, not after the kernel checks
+            if graph != "cora":
+                synthetic.parse_spec(graph)
         _preflight(device)
-    except CannotRun as exc:
+    except (CannotRun, ValueError) as exc:
         print(f"gatlib selftest: error: {exc}", file=sys.stderr)
         return 2
     result = {
