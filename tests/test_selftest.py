@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
 
 import pytest
 import torch
@@ -107,6 +108,37 @@ def test_broken_kernel_fails(tmp_path, capsys, monkeypatch, mutation, expect):
     assert failed and any(expect in c["detail"] for c in failed), failed
     assert f"{len(failed)} failed" in out and "| failed case" in out
     assert all(f"| {c['name']}" in out for c in failed)
+
+
+@pytest.mark.parametrize("child, status", [
+    # a layer disagreed with PyG: compare wrote its report and exited 1
+    ("write({'complete': True, 'checks': {'gat': {'status': 'mismatch'}}, 'measurements': [],"
+     " 'summary': []}); sys.exit(1)", "mismatch"),
+    ("sys.exit('Traceback: boom')", "error"),  # it crashed before writing anything
+])
+def test_a_comparison_that_fails_fails_the_selftest(tmp_path, monkeypatch, capsys, child, status):
+    """The comparison's child is replaced by a script acting out one outcome."""
+    real_popen = selftest.subprocess.Popen
+
+    def fake_compare(cmd, **kw):
+        if "gatlib.bench.compare" not in cmd:  # git, for the provenance
+            return real_popen(cmd, **kw)
+        out = cmd[cmd.index("--json") + 1]
+        script = (f"import json, sys\ndef write(r): open({out!r}, 'w').write(json.dumps(r))\n"
+                  + child)
+        return real_popen([sys.executable, "-c", script], **kw)
+
+    monkeypatch.setattr(selftest.subprocess, "Popen", fake_compare)
+    monkeypatch.setattr(selftest, "kernel_checks",
+                        lambda *a: {"cases": [], "passed": 0, "failed": 0})
+    rc, rep = _selftest(tmp_path, "--graphs", "synthetic:100:400:8")
+    assert rc == 1 and rep["status"] == "FAIL"
+    (comp,) = rep["comparisons"]
+    assert comp["status"] == status and comp["returncode"] == 1
+    assert ("boom" in comp["stderr_tail"]) == (status == "error")
+    out = capsys.readouterr().out
+    assert f"synthetic:100:400:8 {status}" in out
+    assert ("GATConv mismatch" in out) == (status == "mismatch")
 
 
 @pytest.mark.parametrize("args, message", [(["--graphs", "cora,arxiv"], "unknown synthetic graph"),

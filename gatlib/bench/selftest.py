@@ -328,7 +328,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
     else:
         status = "ok" if rc == 0 else "error"
     res = {"graph": graph, "status": status, "returncode": rc, "report": report}
-    if status == "error":
+    if status != "ok":  # what compare said about it (a disagreement's errors, a traceback)
         res["stderr_tail"] = "".join(tail)
     return res
 
