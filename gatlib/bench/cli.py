@@ -7,6 +7,11 @@
 
 ``gatlib compare`` compares gatlib's layers with PyTorch Geometric's (time,
 peak memory, agreement); it is :mod:`gatlib.bench.compare`.
+
+``gatlib selftest`` checks the Triton kernels against the reference on a
+device and runs that comparison with them; it is :mod:`gatlib.bench.selftest`::
+
+    gatlib selftest --device cuda --json selftest.json
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _parser(argv: List[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gatlib", description="Sparse graph attention: benchmarks.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,compare}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,compare,selftest}")
 
     bench = sub.add_parser("bench", help="train and evaluate a model over several seeds",
                            description="Train and evaluate a model over several seeds; print a "
@@ -63,11 +68,17 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="compare gatlib's layers with PyG's (gatlib.bench.compare)",
                              description="Compare gatlib's layers with PyG's: agreement, time and "
                                          "peak memory; see gatlib.bench.compare.")
+    selftest = sub.add_parser("selftest", help="check the Triton kernels on a device and compare "
+                                               "them with PyG (gatlib.bench.selftest)",
+                              description="Check the Triton kernels against the reference on a "
+                                          "device, compare gatlib's layers on them with PyG's; "
+                                          "see gatlib.bench.selftest.")
     # Imported only when asked for: `gatlib bench` need not load the comparison's imports.
-    if argv[:1] == ["compare"]:
-        module = importlib.import_module("gatlib.bench.compare")
-        module.add_arguments(compare)
-        compare.set_defaults(func=module.run)
+    for name, sub_parser in (("compare", compare), ("selftest", selftest)):
+        if argv[:1] == [name]:
+            module = importlib.import_module(f"gatlib.bench.{name}")
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(func=module.run)
     return parser
 
 

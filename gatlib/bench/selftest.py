@@ -1,0 +1,506 @@
+"""``gatlib selftest``: check and measure the Triton kernels on one device.
+
+What a GPU owner runs once, and commits the JSON of::
+
+    gatlib selftest --device cuda --json selftest.json
+
+1. **Kernel checks**: :func:`gatlib.graph_attention` with ``backend="triton"``
+   against the reference (``backend="torch"``) on a small graph with duplicate
+   edges, isolated nodes and a hub of :data:`HUB_DEGREE` in-edges (the kernels
+   split rows longer than 256 edges), for every score kind × dtype × with or
+   without edge features (a score term and a value term per edge) × attention
+   dropout on or off × attention weights returned or not; forward and the
+   gradient of every input. Each case asserts that the Triton kernel ran,
+   forward and backward (:func:`gatlib.record_kernels`).
+
+   * Without dropout, every quantity is compared with the reference in float64
+     on the same (rounded) inputs. float32/float64: max abs error at most
+     ``TOL[dtype] * max|reference|``. float16/bfloat16 (flash-attention's
+     rule): at most ``LOWP_FACTOR`` times the error of the reference run in the
+     same dtype, plus ``LOWP_FLOOR_ULPS`` ulps of ``max|reference|``.
+   * With dropout (the mask is the kernels' own Philox draw): the same
+     ``torch.manual_seed`` gives the same output, the output differs from the
+     one without dropout, everything is finite, and the backward used the
+     forward's mask: with the mask fixed, ``out`` is linear in the values, so
+     ``<w, out> = <grad value, value> + <grad value_edge, value_edge>``.
+
+2. **Comparison with PyG**: ``python -m gatlib.bench.compare --layer all
+   --backend triton`` per graph (``--graphs``), each in its own process so a
+   crash or an out-of-memory kill there is one failed graph, not a lost run.
+
+3. One JSON (written after every step) and a Markdown table. Exit status 0
+   when every check passed and every comparison agreed, 1 otherwise, 2 when
+   the kernels cannot run here (no CUDA; on CPU, ``TRITON_INTERPRET=1`` not set
+   at the start of the process).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import synthetic
+from .report import command_line, environment, format_table, write_json
+
+SCHEMA = "gatlib.selftest/1"
+KINDS = ("gat", "gatv2", "dot")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+GRAPHS = ("cora", "arxiv-like", "products-like")
+
+# The kernel-check graph: small enough for Triton's CPU interpreter. C is not a
+# power of two, so the kernels' channel masks are exercised.
+NUM_NODES, NUM_EDGES, HUB_DEGREE, HEADS, CHANNELS = 60, 240, 300, 2, 12
+DROPOUT = 0.3
+# With dropout, the output must move by more than this fraction of max|output|
+# away from the output without dropout (low-precision noise is ~1e-2).
+DROPOUT_EFFECT = 0.1
+# ... and <w, out> may differ from <grad, value> by this many ulps of the norm
+# of the terms of that sum (rounding errors of random sign add up as a norm).
+# Measured, over three seeds: under 0.5 (float16/bfloat16), under 4 (float32/
+# float64, whose kernels' own sums count). A backward that draws another mask
+# is off by over 3 (bfloat16), 1e5 (float32).
+LINEARITY_ULPS = {torch.float16: 1.0, torch.bfloat16: 1.0, torch.float32: 32.0,
+                  torch.float64: 32.0}
+# Max abs error allowed, in units of max|reference|, for full precision.
+# Measured in the interpreter: at most ~10 ulps of it (float32 and float64).
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+# Low precision: Triton's error vs float64 <= LOWP_FACTOR x the reference's own
+# error in that dtype + LOWP_FLOOR_ULPS ulps of max|reference|. The reference
+# rounds once (~0.3 ulp); the Triton backward, like FlashAttention's, takes
+# Delta_i = <g_i, out_i> from out as stored in float16/bfloat16, which costs up
+# to 3.4 ulps here (tests/testing.py allows 6 on its graphs too).
+LOWP_FACTOR, LOWP_FLOOR_ULPS = 4.0, 6.0
+
+
+class CannotRun(Exception):
+    """The Triton kernels cannot run on this device in this process."""
+
+
+# ---------------------------------------------------------------------------
+# 1. Kernel checks
+# ---------------------------------------------------------------------------
+def kernel_graph(seed: int = 0) -> Tensor:
+    """The ``[2, E]`` graph of the kernel checks, on :data:`NUM_NODES` nodes.
+
+    Random edges (self-loops and repeats included) plus 20 explicit
+    duplicates; node 0 receives :data:`HUB_DEGREE` more; nodes 1-7 receive
+    nothing, nodes ``N-8..N-1`` send nothing and node ``N-1`` has no edge at all.
+    """
+    g = torch.Generator().manual_seed(seed)
+    N = NUM_NODES
+    src = torch.randint(0, N - 8, (NUM_EDGES,), generator=g)
+    dst = torch.randint(8, N - 1, (NUM_EDGES,), generator=g)
+    hub = torch.randint(0, N - 8, (HUB_DEGREE,), generator=g)
+    ei = torch.cat([torch.stack([src, dst]), torch.stack([hub, torch.zeros_like(hub)])], dim=1)
+    return torch.cat([ei, ei[:, :20]], dim=1)
+
+
+def _inputs(kind: str, edge: bool, E: int, device, seed: int) -> Dict[str, Tensor]:
+    """float64 inputs by name: ``value``, optional ``value_edge`` and the score's
+    ``src``, ``dst``, optional ``edge`` and ``att`` (:meth:`EdgeScore.tensors`)."""
+    g = torch.Generator().manual_seed(seed)
+    N, H, C = NUM_NODES, HEADS, CHANNELS
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
+
+    per_node = (N, H) if kind == "gat" else (N, H, C)
+    # A non-zero mean: a sum accumulated in low precision would drift on the hub.
+    t = {"value": 1 + r(N, H, C), "src": r(*per_node), "dst": r(*per_node)}
+    if edge:
+        t["value_edge"] = r(E, H, C)
+        t["edge"] = r(E, *per_node[1:])
+    if kind == "gatv2":
+        t["att"] = r(H, C)
+    return t
+
+
+def _score(kind: str, t: Dict[str, Tensor]):
+    from gatlib import EdgeScore
+
+    if kind == "gat":
+        return EdgeScore.gat(t["src"], t["dst"], t.get("edge"))
+    if kind == "gatv2":
+        return EdgeScore.gatv2(t["src"], t["dst"], t["att"], t.get("edge"))
+    return EdgeScore.dot(t["dst"], t["src"], t.get("edge"))  # query per dst, key per src
+
+
+def _run(backend: str, kind: str, inputs: Dict[str, Tensor], plan, weights: Dict[str, Tensor],
+         alpha: bool, p: float, backward: bool = True) -> Tuple[List[str], Dict[str, Tensor]]:
+    """``(kernel log, {quantity: tensor})`` of one call and its backward: ``out``,
+    ``alpha`` (if returned) and ``grad <input>`` of every input. The loss is
+    ``sum(out * w_out) + sum(alpha * w_alpha)``, so alpha's gradient path counts."""
+    import gatlib
+
+    leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
+    with gatlib.record_kernels() as log, torch.set_grad_enabled(backward):
+        res = gatlib.graph_attention(_score(kind, leaves), leaves["value"], plan, NUM_NODES,
+                                     value_edge=leaves.get("value_edge"), dropout=p,
+                                     training=p > 0, backend=backend, return_attention=alpha)
+        out, a = res if alpha else (res, None)
+        loss = (out * weights["out"].to(out.dtype)).sum()
+        if a is not None:
+            loss = loss + (a * weights["alpha"].to(a.dtype)).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values())) if backward else None
+    got = {"out": out.detach(), **({"alpha": a.detach()} if a is not None else {})}
+    if grads is not None:
+        got.update({f"grad {k}": g for k, g in zip(leaves, grads, strict=True)})
+    return list(dict.fromkeys(log)), got
+
+
+def _max_abs(a: Tensor, b: Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def _num(x: float):
+    return x if math.isfinite(x) else str(x)  # JSON has no inf/nan
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _ran_triton(log: List[str]) -> Optional[str]:
+    if log[:1] != ["triton"] or "triton.backward" not in log:
+        return f"the Triton kernel did not run forward and backward (kernels logged: {log})"
+    return None
+
+
+def check_case(kind: str, dtype: torch.dtype, edge: bool, p: float, alpha: bool, plan,
+               device, seed: int = 0) -> Dict:
+    """One kernel check (see the module docstring): its record for the JSON."""
+    name = (f"{kind} {_dtype_name(dtype)} {'edge' if edge else 'no-edge'} "
+            f"{'dropout' if p else 'no-dropout'} {'alpha' if alpha else 'no-alpha'}")
+    rec = {"name": name, "kind": kind, "dtype": _dtype_name(dtype),
+           "edge_features": edge, "dropout": p, "attention_weights": alpha}
+    try:
+        rec.update(_dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) if p else
+                   _agreement_check(kind, dtype, edge, alpha, plan, device, seed))
+    except Exception as exc:  # noqa: BLE001  a kernel that raises is a failed case, not a crash
+        rec.update(status="FAIL", error=None, bound=None,
+                   detail=f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}")
+    return rec
+
+
+def _case_inputs(kind, dtype, edge, plan, device, seed):
+    E = plan.num_edges
+    rounded = {k: v.to(dtype) for k, v in _inputs(kind, edge, E, device, seed).items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    w = {"out": torch.randn(NUM_NODES, HEADS * CHANNELS, generator=g, dtype=torch.float64),
+         "alpha": torch.randn(E, HEADS, generator=g, dtype=torch.float64)}
+    return rounded, {k: v.to(device, dtype) for k, v in w.items()}  # representable in dtype
+
+
+def _agreement_check(kind, dtype, edge, alpha, plan, device, seed) -> Dict:
+    inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed)
+    log, got = _run("triton", kind, inputs, plan, weights, alpha, 0.0)
+    exact = _run("torch", kind, {k: v.double() for k, v in inputs.items()}, plan, weights, alpha,
+                 0.0)[1]
+    low = dtype in (torch.float16, torch.bfloat16)
+    ref = _run("torch", kind, inputs, plan, weights, alpha, 0.0)[1] if low else None
+    worst = None  # (error / bound, quantity, error, bound)
+    for q, e in exact.items():
+        scale = e.abs().max().item() if e.numel() else 0.0
+        if low:
+            bound = (LOWP_FACTOR * _max_abs(ref[q], e)
+                     + LOWP_FLOOR_ULPS * torch.finfo(dtype).eps * scale)
+        else:
+            bound = TOL[dtype] * scale
+        err = _max_abs(got[q], e)
+        ratio = err / bound if bound > 0 and math.isfinite(err) else (0.0 if err == 0 else math.inf)
+        if worst is None or ratio > worst[0]:
+            worst = (ratio, q, err, bound)
+    _, q, err, bound = worst
+    detail = _ran_triton(log) or (None if err <= bound else
+                                  f"{q}: max abs error {err:.3g} > bound {bound:.3g}")
+    return {"status": "FAIL" if detail else "ok", "quantity": q, "error": _num(err),
+            "bound": bound, "kernels": log, **({"detail": detail} if detail else {})}
+
+
+def _dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) -> Dict:
+    inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed)
+    torch.manual_seed(seed)
+    log, a = _run("triton", kind, inputs, plan, weights, alpha, p)
+    torch.manual_seed(seed)
+    b = _run("triton", kind, inputs, plan, weights, alpha, p, backward=False)[1]
+    plain = _run("torch", kind, inputs, plan, weights, False, 0.0)[1]["out"]
+    err = max(_max_abs(a[q], b[q]) for q in b)
+    effect = _max_abs(a["out"], plain)
+    # With the mask fixed, out is linear in (value, value_edge), so
+    # <w, out> = <grad value, value> + <grad value_edge, value_edge> holds only if
+    # the backward applied the forward's mask.
+    terms = [a["out"].double() * weights["out"].double()]
+    terms += [-a[f"grad {k}"].double() * inputs[k].double()
+              for k in ("value", "value_edge") if k in inputs]
+    gap = abs(sum(t.sum() for t in terms).item())
+    norm = sum(t.square().sum() for t in terms).sqrt().item()
+    gap_bound = LINEARITY_ULPS[dtype] * torch.finfo(dtype).eps * norm
+    problems = [
+        _ran_triton(log),
+        None if err == 0 else f"same seed, different results (max abs difference {err:.3g})",
+        None if effect > DROPOUT_EFFECT * plain.abs().max().item() else
+        f"dropout barely changed the output (max abs change {effect:.3g})",
+        *[f"{q} is not finite" for q, t in a.items() if not bool(t.isfinite().all())],
+        None if gap <= gap_bound else
+        f"the backward's dropout mask is not the forward's (<w, out> - <grad, value> = "
+        f"{gap:.3g} > {gap_bound:.3g})",
+    ]
+    detail = "; ".join(x for x in problems if x)
+    return {"status": "FAIL" if detail else "ok", "quantity": "same seed twice",
+            "error": _num(err), "bound": 0.0, "dropout_effect": _num(effect),
+            "linearity_gap": _num(gap), "linearity_bound": gap_bound, "kernels": log,
+            **({"detail": detail} if detail else {})}
+
+
+def kernel_checks(device: torch.device, quick: bool = False, log=print) -> Dict:
+    """Every kernel check on ``device``: ``{"graph": ..., "cases": [...], "passed", "failed"}``.
+    ``quick``: per kind and dtype only two cases (edge features with weights returned,
+    dropout without either)."""
+    import gatlib
+
+    plan = gatlib.GraphPlan(kernel_graph().to(device), num_nodes=NUM_NODES)
+    grid = [(kind, dtype, edge, p, alpha)
+            for kind in KINDS for dtype in DTYPES.values()
+            for edge in (True, False) for p in (0.0, DROPOUT) for alpha in (True, False)
+            # quick: edge features and weights without dropout; neither with it
+            if not quick or edge == alpha == (p == 0)]
+    cases = []
+    for i, (kind, dtype, edge, p, alpha) in enumerate(grid):
+        cases.append(check_case(kind, dtype, edge, p, alpha, plan, device))
+        c = cases[-1]
+        if c["status"] != "ok" or (i + 1) % 12 == 0 or i + 1 == len(grid):
+            log(f"[selftest] kernel check {i + 1}/{len(grid)}: {c['name']}: {c['status']}"
+                + (f" ({c['detail']})" if c.get("detail") else ""))
+    failed = sum(c["status"] != "ok" for c in cases)
+    return {"graph": {"num_nodes": NUM_NODES, "num_edges": plan.num_edges,
+                      "hub_in_degree": HUB_DEGREE, "heads": HEADS, "channels": CHANNELS,
+                      "isolated": "nodes 1-7 have no in-edges, nodes N-8..N-1 no out-edges",
+                      "duplicates": 20},
+            "dropout": DROPOUT, "tol": {_dtype_name(k): v for k, v in TOL.items()},
+            "lowp_factor": LOWP_FACTOR, "lowp_floor_ulps": LOWP_FLOOR_ULPS,
+            "linearity_ulps": {_dtype_name(k): v for k, v in LINEARITY_ULPS.items()},
+            "cases": cases, "passed": len(cases) - failed, "failed": failed}
+
+
+# ---------------------------------------------------------------------------
+# 2. Comparison with PyG, one child process per graph
+# ---------------------------------------------------------------------------
+def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
+    """``gatlib compare --layer all --backend triton`` on ``graph`` in a child process:
+    ``{"graph", "status": ok/mismatch/error, "returncode", "report"}``; its JSON goes to ``out``."""
+    from . import measure
+
+    cmd = [sys.executable, "-m", "gatlib.bench.compare", "--layer", "all", "--backend", "triton",
+           "--device", args.device, "--graph", graph, "--repeats", str(args.repeats),
+           "--block-seconds", str(args.block_seconds), "--json", str(out),
+           "--memory" if args.memory else "--no-memory"]
+    for flag, value in (("--data-dir", args.data_dir), ("--heads", args.heads),
+                        ("--channels", args.channels)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    # The child's progress goes to our stderr as it comes; its last lines are kept.
+    tail: collections.deque = collections.deque(maxlen=20)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=measure._child_env())
+    for line in proc.stderr:
+        sys.stderr.write(line)
+        tail.append(line)
+    rc = proc.wait()
+    report = json.loads(out.read_text()) if out.exists() else None
+    checks = (report or {}).get("checks", {})
+    if report is None or not report.get("complete"):
+        status = "error"
+    elif any(c.get("status") == "mismatch" for c in checks.values()):
+        status = "mismatch"
+    else:
+        status = "ok" if rc == 0 else "error"
+    res = {"graph": graph, "status": status, "returncode": rc, "report": report}
+    if status != "ok":  # what compare said about it (a disagreement's errors, a traceback)
+        res["stderr_tail"] = "".join(tail)
+    return res
+
+
+# ---------------------------------------------------------------------------
+# 3. Table, CLI
+# ---------------------------------------------------------------------------
+def render_markdown(result: Dict) -> str:
+    """The Markdown summary: kernel checks (failures listed), then the comparison rows."""
+    from .compare import TABLE_HEADERS, table_rows
+
+    kc, env = result["kernel_checks"], result["environment"]
+    lines = [f"## gatlib selftest on {env['device_name']} ({env['device']}"
+             f"{', Triton interpreter' if result['interpreter'] else ''})", "",
+             f"Kernel checks, triton vs torch: {kc['passed']} passed, {kc['failed']} failed "
+             f"(of {len(kc['cases'])}).", ""]
+    failures = [c for c in kc["cases"] if c["status"] != "ok"]
+    if failures:
+        lines += [format_table(["failed case", "quantity", "max abs error", "bound", "detail"],
+                               [[c["name"], c.get("quantity", "-"), _fmt(c.get("error")),
+                                 _fmt(c.get("bound")), c.get("detail", "")] for c in failures],
+                               align="<<>><", markdown=True), ""]
+    rows = []
+    for comp in result["comparisons"]:
+        if comp["report"]:
+            rows += [[comp["graph"], *row] for row in table_rows(comp["report"])]
+    if result["comparisons"]:
+        lines += ["Comparison with PyG (gatlib backend triton): "
+                  + "; ".join(map(_comparison_status, result["comparisons"])), ""]
+    if rows:
+        lines.append(format_table(["graph", *TABLE_HEADERS], rows, align="<<<" + ">" * 8,
+                                  markdown=True))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _comparison_status(comp: Dict) -> str:
+    """``graph status``, with the layers whose agreement check did not pass."""
+    from .compare import LAYERS
+
+    checks = (comp["report"] or {}).get("checks", {})
+    bad = [f"{LAYERS[k]} {c.get('status')}" for k, c in checks.items() if c.get("status") != "ok"]
+    return f"{comp['graph']} {comp['status']}" + (f" ({', '.join(bad)})" if bad else "")
+
+
+def _fmt(x) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x if x is not None else "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``gatlib selftest``'s options to ``parser``."""
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cuda, or cpu under TRITON_INTERPRET=1 (default: cuda)")
+    parser.add_argument("--graphs", default=",".join(GRAPHS),
+                        help="comma-separated graphs to compare with PyG on: cora, arxiv-like, "
+                             "products-like, synthetic:N:E:F; '' for none (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed rounds per comparison (default: 5)")
+    # On CPU the kernels run in the interpreter: its times and memory say nothing about
+    # them, so by default the comparison there checks agreement and times one call.
+    parser.add_argument("--block-seconds", type=float, default=None, metavar="S",
+                        help="comparison: each timed block lasts S seconds (default: 0.5 on "
+                             "CUDA, 0 on CPU)")
+    parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                        help="comparison: measure peak memory (default: on CUDA, off on CPU)")
+    parser.add_argument("--heads", type=int, default=None,
+                        help="comparison heads H (default: compare's, 3 on CUDA)")
+    parser.add_argument("--channels", type=int, default=None,
+                        help="comparison channels per head C (default: compare's, 256 on CUDA)")
+    parser.add_argument("--data-dir", default=None, metavar="DIR",
+                        help="dataset cache (default: $GATLIB_DATA or ~/.cache/gatlib)")
+    parser.add_argument("--quick", action="store_true",
+                        help="kernel checks: two cases per kind and dtype instead of 16")
+    parser.add_argument("--json", default=None, metavar="PATH", dest="json_path",
+                        help="write everything here (after every step)")
+    parser.add_argument("--table", default=None, metavar="PATH",
+                        help="also write the Markdown table here")
+
+
+def _preflight(device: torch.device) -> None:
+    """Raise :class:`CannotRun` with what to do when the kernels cannot run here."""
+    from gatlib._dispatch import KERNELS
+
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CannotRun("--device cuda: no CUDA device is available here (torch "
+                        f"{torch.__version__}, built for CUDA {torch.version.cuda})")
+    if device.type == "cuda" and interpreting:
+        raise CannotRun("TRITON_INTERPRET=1 is set: the kernels would run in Triton's CPU "
+                        "interpreter, not on the GPU; unset it")
+    if device.type == "cpu" and not interpreting and importlib.util.find_spec("triton"):
+        raise CannotRun("--device cpu runs the Triton kernels in Triton's CPU interpreter, which "
+                        "needs TRITON_INTERPRET=1 set at the start of the process: "
+                        "TRITON_INTERPRET=1 gatlib selftest --device cpu ...")
+    reason = KERNELS["triton"].available(device)
+    if reason is not None:
+        raise CannotRun(reason)
+    if device.type == "cpu":
+        from gatlib import _triton
+
+        try:
+            _triton._check_interpreter()
+        except RuntimeError as exc:
+            raise CannotRun(str(exc)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the self-test (see the module docstring); returns the exit status."""
+    device = torch.device(args.device)
+    graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
+    cuda = device.type == "cuda"
+    args = argparse.Namespace(**{  # the per-device defaults, resolved
+        **vars(args), "memory": cuda if args.memory is None else args.memory,
+        "block_seconds": (0.5 if cuda else 0.0) if args.block_seconds is None
+        else args.block_seconds})
+    try:
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1; got {args.repeats}")
+        for graph in graphs:  # a typo fails now, not after the kernel checks
+            if graph != "cora":
+                synthetic.parse_spec(graph)
+        _preflight(device)
+    except (CannotRun, ValueError) as exc:
+        print(f"gatlib selftest: error: {exc}", file=sys.stderr)
+        return 2
+    result = {
+        "schema": SCHEMA, "command": command_line(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": {"device": args.device, "graphs": graphs, "repeats": args.repeats,
+                   "block_seconds": args.block_seconds, "memory": args.memory,
+                   "heads": args.heads, "channels": args.channels, "quick": args.quick},
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "environment": environment(device),
+        "kernel_checks": None, "comparisons": [], "status": None,
+    }
+
+    def save() -> None:
+        if args.json_path:
+            write_json(args.json_path, result)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    result["kernel_checks"] = kernel_checks(device, args.quick, log)
+    result["kernel_checks"]["seconds"] = time.perf_counter() - t0
+    save()
+    with tempfile.TemporaryDirectory(prefix="gatlib-selftest-") as tmp:
+        for i, graph in enumerate(graphs):
+            log(f"[selftest] comparison with PyG on {graph}")
+            result["comparisons"].append(compare_graph(graph, args, Path(tmp) / f"{i}.json"))
+            save()
+    ok = (result["kernel_checks"]["failed"] == 0
+          and all(c["status"] == "ok" for c in result["comparisons"]))
+    result["status"] = "ok" if ok else "FAIL"
+    save()
+    table = render_markdown(result)
+    print(table, end="")
+    if args.table:
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table).write_text(table)
+    if args.json_path:
+        log(f"[selftest] wrote {args.json_path}")
+    return 0 if ok else 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m gatlib.bench.selftest``: same options as ``gatlib selftest``."""
+    parser = argparse.ArgumentParser(prog="python -m gatlib.bench.selftest",
+                                     description="Check and measure the Triton kernels.")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""``gatlib selftest``: end to end on this machine's device (the Triton interpreter
+without a GPU), and red when the Triton kernels are broken."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import sys
+
+import pytest
+import torch
+
+from gatlib import _dispatch, _triton
+from gatlib.bench import cli, selftest
+
+from testing import DEVICE
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The checks' graphs are tiny: a second thread only slows a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _selftest(tmp_path, *extra):
+    out = tmp_path / "selftest.json"
+    rc = cli.main(["selftest", "--device", DEVICE, "--quick", "--repeats", "1",
+                   "--data-dir", str(tmp_path / "data"), "--json", str(out), *extra])
+    return rc, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_selftest_end_to_end(tmp_path, capsys):
+    table = tmp_path / "selftest.md"
+    rc, rep = _selftest(tmp_path, "--graphs", "synthetic:100:400:8", "--heads", "1",
+                        "--channels", "4", "--table", str(table))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert rep["schema"] == selftest.SCHEMA and rep["status"] == "ok"
+    assert rep["environment"]["device"] == DEVICE and "git_sha" in rep["environment"]
+    assert rep["interpreter"] == (DEVICE == "cpu") and "selftest" in rep["command"]
+    kc = rep["kernel_checks"]
+    cases = kc["cases"]
+    assert kc["failed"] == 0 and kc["passed"] == len(cases)
+    assert all(c["status"] == "ok" for c in cases), [c for c in cases if c["status"] != "ok"]
+    # every kind x dtype, with and without dropout, the hub split by the kernels
+    assert {(c["kind"], c["dtype"], c["dropout"] > 0) for c in cases} == {
+        (k, d, p) for k in selftest.KINDS for d in selftest.DTYPES for p in (False, True)}
+    assert kc["graph"]["hub_in_degree"] > _triton._SPLIT
+    for c in cases:
+        assert c["kernels"][0] == "triton" and "triton.backward" in c["kernels"], c
+        assert c["error"] <= c["bound"]
+    (comp,) = rep["comparisons"]
+    assert comp["graph"] == "synthetic:100:400:8" and comp["status"] == "ok"
+    report = comp["report"]
+    assert report["config"]["backend"] == "triton" and report["config"]["channels"] == 4
+    assert all(names[:2] == ["triton", "triton.backward"] for names in report["kernels"].values())
+    assert {m["layer"] for m in report["measurements"]} == {"gat", "gatv2", "transformer"}
+    assert f"{len(cases)} passed, 0 failed" in out and "synthetic:100:400:8 ok" in out
+    for layer in ("GATConv", "GATv2Conv", "TransformerConv"):
+        assert f"| synthetic:100:400:8 | {layer}" in out
+    assert table.read_text() == out
+
+
+# Each mutation breaks one part of the Triton path; the self-test must go red.
+def _skip_split_merge(monkeypatch):  # forward: a hub's pieces are never combined
+    monkeypatch.setattr(_triton, "_merge_softmax", lambda *args: None)
+
+
+def _skip_gradient_merge(monkeypatch):  # backward only: a hub's gradient pieces are dropped
+    monkeypatch.setattr(_triton, "_merge_sums", lambda *args: None)
+
+
+def _unseeded_dropout(monkeypatch):  # a dropout mask torch.manual_seed does not fix
+    monkeypatch.setattr(_triton, "_draw_seed", lambda: random.SystemRandom().randrange(2**31 - 1))
+
+
+def _backward_mask_differs(monkeypatch):  # the backward draws another dropout mask
+    real = _triton._FusedAttention.backward
+
+    def backward(ctx, *grads):
+        ctx.meta = dataclasses.replace(ctx.meta, seed=ctx.meta.seed + 1)
+        return real(ctx, *grads)
+
+    monkeypatch.setattr(_triton._FusedAttention, "backward", staticmethod(backward))
+
+
+def _reference_instead(monkeypatch):  # right numbers, but not from the Triton kernel
+    monkeypatch.setitem(_dispatch.KERNELS, "triton", _dispatch.ReferenceKernel())
+
+
+@pytest.mark.parametrize("mutation, expect", [
+    (_skip_split_merge, "max abs error"),
+    (_skip_gradient_merge, "grad dst: max abs error"),
+    (_unseeded_dropout, "same seed, different results"),
+    (_backward_mask_differs, "the backward's dropout mask is not the forward's"),
+    (_reference_instead, "the Triton kernel did not run"),
+])
+def test_broken_kernel_fails(tmp_path, capsys, monkeypatch, mutation, expect):
+    monkeypatch.setattr(selftest, "DTYPES", {"float32": torch.float32})  # 6 cases suffice
+    mutation(monkeypatch)
+    rc, rep = _selftest(tmp_path, "--graphs", "")
+    out = capsys.readouterr().out
+    assert rc == 1 and rep["status"] == "FAIL"
+    failed = [c for c in rep["kernel_checks"]["cases"] if c["status"] == "FAIL"]
+    assert failed and any(expect in c["detail"] for c in failed), failed
+    assert f"{len(failed)} failed" in out and "| failed case" in out
+    assert all(f"| {c['name']}" in out for c in failed)
+
+
+@pytest.mark.parametrize("child, status", [
+    # a layer disagreed with PyG: compare wrote its report and exited 1
+    ("write({'complete': True, 'checks': {'gat': {'status': 'mismatch'}}, 'measurements': [],"
+     " 'summary': []}); sys.exit(1)", "mismatch"),
+    ("sys.exit('Traceback: boom')", "error"),  # it crashed before writing anything
+])
+def test_a_comparison_that_fails_fails_the_selftest(tmp_path, monkeypatch, capsys, child, status):
+    """The comparison's child is replaced by a script acting out one outcome."""
+    real_popen = selftest.subprocess.Popen
+
+    def fake_compare(cmd, **kw):
+        if "gatlib.bench.compare" not in cmd:  # git, for the provenance
+            return real_popen(cmd, **kw)
+        out = cmd[cmd.index("--json") + 1]
+        script = (f"import json, sys\ndef write(r): open({out!r}, 'w').write(json.dumps(r))\n"
+                  + child)
+        return real_popen([sys.executable, "-c", script], **kw)
+
+    monkeypatch.setattr(selftest.subprocess, "Popen", fake_compare)
+    monkeypatch.setattr(selftest, "kernel_checks",
+                        lambda *a: {"cases": [], "passed": 0, "failed": 0})
+    rc, rep = _selftest(tmp_path, "--graphs", "synthetic:100:400:8")
+    assert rc == 1 and rep["status"] == "FAIL"
+    (comp,) = rep["comparisons"]
+    assert comp["status"] == status and comp["returncode"] == 1
+    assert ("boom" in comp["stderr_tail"]) == (status == "error")
+    out = capsys.readouterr().out
+    assert f"synthetic:100:400:8 {status}" in out
+    assert ("GATConv mismatch" in out) == (status == "mismatch")
+
+
+@pytest.mark.parametrize("args, message", [(["--graphs", "cora,arxiv"], "unknown synthetic graph"),
+                                           (["--repeats", "0"], "--repeats must be at least 1")])
+def test_bad_arguments_exit_2_before_any_check(args, message, monkeypatch, capsys):
+    monkeypatch.setattr(selftest, "kernel_checks", None)  # not reached
+    assert cli.main(["selftest", "--device", DEVICE, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_without_the_interpreter_exits_2(monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["selftest", "--device", "cpu", "--graphs", ""]) == 2
+    err = capsys.readouterr().err
+    assert "TRITON_INTERPRET=1 gatlib selftest --device cpu" in err and "Traceback" not in err
+
+
+def test_interpreter_set_after_triton_was_imported_exits_2(monkeypatch, capsys):
+    def late():
+        raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before "
+                           "triton is first imported")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_triton, "_check_interpreter", late)
+    assert cli.main(["selftest", "--device", "cpu", "--graphs", ""]) == 2
+    assert "gatlib selftest: error: Triton kernels on CPU tensors need" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_a_gpu_exits_2(capsys):
+    assert cli.main(["selftest", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_selftest_is_registered(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["selftest", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: gatlib selftest" in out and "--graphs" in out and "--quick" in out
