@@ -84,7 +84,7 @@ class _Schedule:
     Item ``w`` covers positions ``start[w] : start[w] + length[w]`` of segment
     ``row[w]``; ``slot[w]`` is ``-1`` when that is the whole segment (the item
     writes the final result) or its partial-result slot when the segment was
-    split (slots ``piece_group == g`` belong to ``split_rows[g]``).
+    split (the consecutive slots of ``split_rows[g]``: ``split_counts[g]`` of them).
     """
 
     row: Tensor  # [W]
@@ -93,7 +93,7 @@ class _Schedule:
     slot: Tensor  # [W]
     buckets: Tuple[Tuple[int, int, int], ...]  # (first item, item count, BLOCK_E)
     split_rows: Tensor  # [S] int64
-    piece_group: Tensor  # [P] int64
+    split_counts: Tensor  # [S] pieces of each split row; its slots are consecutive
     num_pieces: int
 
 
@@ -110,7 +110,9 @@ def _build_schedule(ptr: Tensor, split: int) -> _Schedule:
     is_split = pieces[row] > 1
     slot = torch.where(is_split, torch.cumsum(is_split, 0) - 1, -1)
     split_rows = (pieces > 1).nonzero().flatten()
-    piece_group = (torch.cumsum(pieces > 1, 0) - 1)[row[is_split]]
+    # slots are numbered in row order, so a split row's pieces are consecutive
+    # slots and merge with segment reductions (deterministic, no atomics)
+    split_counts = pieces[split_rows]
     # Longest first: hub pieces start before the short rows fill the gaps.
     order = torch.argsort(length, descending=True, stable=True)
     row, start, length, slot = row[order], start[order], length[order], slot[order]
@@ -122,7 +124,7 @@ def _build_schedule(ptr: Tensor, split: int) -> _Schedule:
         first = max(first, count)
     idt = index_dtype(int(p[-1]), n, row.numel())
     return _Schedule(row.to(idt), start.to(idt), length.to(idt), slot.to(idt), tuple(buckets),
-                     split_rows, piece_group, int(is_split.sum()))
+                     split_rows, split_counts, int(is_split.sum()))
 
 
 @dataclass
@@ -194,8 +196,7 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args,
 def _merge_sums(final: Tensor, part: Tensor, items: _Schedule) -> None:
     """``final[row] = sum of its pieces`` for the rows that were split."""
     if items.num_pieces:
-        total = part.new_zeros((items.split_rows.numel(),) + part.shape[1:])
-        total.index_add_(0, items.piece_group, part)
+        total = torch.segment_reduce(part, "sum", lengths=items.split_counts)
         final[items.split_rows] = total.to(final.dtype)
 
 
@@ -205,13 +206,11 @@ def _merge_softmax(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor,
     ``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``."""
     if not items.num_pieces:
         return
-    grp = items.piece_group
-    S = items.split_rows.numel()
-    mx = part_lse.new_full((S,) + part_lse.shape[1:], float("-inf"))
-    mx = mx.scatter_reduce(0, grp[:, None].expand_as(part_lse), part_lse, "amax")  # [S, H]
-    w = (part_lse - mx[grp]).exp()  # [P, H]
-    denom = torch.zeros_like(mx).index_add_(0, grp, w)
-    o = part_out.new_zeros((S,) + part_out.shape[1:]).index_add_(0, grp, w[..., None] * part_out)
+    n = items.split_counts
+    mx = torch.segment_reduce(part_lse, "max", lengths=n)  # [S, H]
+    w = (part_lse - mx.repeat_interleave(n, 0, output_size=items.num_pieces)).exp()  # [P, H]
+    denom = torch.segment_reduce(w, "sum", lengths=n)
+    o = torch.segment_reduce(w[..., None] * part_out, "sum", lengths=n)
     out[items.split_rows] = (o / denom[..., None]).to(out.dtype)
     lse[items.split_rows] = mx + denom.log()
 
@@ -742,8 +741,7 @@ class _FusedAttention(torch.autograd.Function):
         if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
             grad_alpha = grad_alpha.contiguous()
             ag = grad_alpha.to(acc, copy=True).mul_(alpha).index_select(0, lay.perm)  # [E, H], CSR
-            delta_alpha = torch.zeros(lay.num_dst, H, dtype=acc, device=dev)
-            delta_alpha.index_add_(0, lay.dst, ag)
+            delta_alpha = torch.segment_reduce(ag, "sum", offsets=lay.ptr)  # [N_dst, H]
         consts = _consts(meta, s_dst, s_edge, value_edge)
         dummy = value
         coef = _params(meta, dev)

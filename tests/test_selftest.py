@@ -74,7 +74,8 @@ def _skip_gradient_merge(monkeypatch):  # backward only: a hub's gradient pieces
 
 
 def _unseeded_dropout(monkeypatch):  # a dropout mask torch.manual_seed does not fix
-    monkeypatch.setattr(_triton, "_draw_seed", lambda: random.SystemRandom().randrange(2**31 - 1))
+    monkeypatch.setattr(_triton, "_draw_seed", lambda device: torch.tensor(
+        [random.SystemRandom().randrange(2**31 - 1)], device=device))
 
 
 def _backward_mask_differs(monkeypatch):  # the backward draws another dropout mask

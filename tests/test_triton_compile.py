@@ -84,6 +84,17 @@ def test_index_arithmetic_is_64_bit(report):
     assert not narrow, narrow[:3]
 
 
+def test_deterministic_by_construction(report):
+    """No atomics in any kernel (every output row is written by one program),
+    and no PyTorch op around them that is nondeterministic on CUDA (split rows
+    are merged with segment reductions)."""
+    rep, _ = report
+    assert not [(r["kernel"], r["constexprs"]) for r in rep["rows"] if r["atomics"]]
+    source = (ROOT / "gatlib" / "_triton.py").read_text()
+    for op in ("index_add", "scatter_add", "scatter_reduce", "index_put_(", "atomic_"):
+        assert op not in source, op
+
+
 def test_the_index_check_flags_32_bit_offsets():
     """The IR check itself can fail: a kernel whose offsets are computed in
     32 bits (and only then widened, or not at all) is flagged; the same kernel

@@ -295,6 +295,92 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print) -> Dict:
             "cases": cases, "passed": len(cases) - failed, "failed": failed}
 
 
+def gpu_checks(device: torch.device) -> List[Dict]:
+    """What only a GPU can show (each ``{"name", "status", "detail"}``):
+
+    * *no host sync*: once a graph's plan exists, a training call (forward with
+      dropout, backward) runs under ``torch.cuda.set_sync_debug_mode("error")``;
+    * *no recompile*: a second graph of other sizes (a new mini-batch) compiles
+      no new kernel (Triton's per-device kernel caches do not grow);
+    * *CUDA graphs*: a forward with dropout captured in a ``torch.cuda.CUDAGraph``
+      draws a new mask on every replay (the seed is drawn on the device).
+    """
+    import gatlib
+    from gatlib import _triton
+
+    def call(plan, n, inputs, p=0.5, backward=True):
+        leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
+        out = gatlib.graph_attention(_score("gatv2", leaves), leaves["value"], plan, n,
+                                     dropout=p, training=p > 0, backend="triton")
+        if backward:
+            torch.autograd.grad(out.float().sum(), list(leaves.values()))
+        return out
+
+    def graph(n, e, seed):
+        g = torch.Generator().manual_seed(seed)
+        ei = torch.randint(0, n, (2, e), generator=g).to(device)
+        inputs = {k: (v[:n] if v.size(0) == NUM_NODES else v).float()
+                  for k, v in _inputs("gatv2", False, e, device, seed).items()}
+        return gatlib.GraphPlan(ei, num_nodes=n), inputs
+
+    def compiled() -> int:
+        kernels = (_triton._fwd_kernel, _triton._bwd_dst_kernel, _triton._bwd_src_kernel)
+        return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+    checks = []
+
+    def check(name, fn):
+        try:
+            detail = fn()
+        except Exception as exc:  # a failed check, reported with its error
+            detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+        checks.append({"name": name, "status": "FAIL" if detail else "ok", "detail": detail})
+
+    plan, inputs = graph(NUM_NODES, 4 * NUM_NODES, 0)
+    call(plan, NUM_NODES, inputs)  # plan derived, kernels compiled
+    torch.cuda.synchronize(device)
+
+    def no_sync():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call(plan, NUM_NODES, inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return None
+
+    def no_recompile():
+        plan2, inputs2 = graph(NUM_NODES - 13, 3 * NUM_NODES + 7, 1)
+        plan2.layout()
+        _triton._plan(plan2)  # the schedule is the plan's, built before the count
+        before = compiled()
+        call(plan2, NUM_NODES - 13, inputs2)
+        torch.cuda.synchronize(device)
+        grown = compiled() - before
+        return f"{grown} kernel(s) compiled for a new graph" if grown else None
+
+    def cuda_graph():
+        static = {k: v.detach() for k, v in inputs.items()}
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.no_grad():
+            call(plan, NUM_NODES, static, backward=False)  # warm-up off the capture
+        torch.cuda.current_stream(device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g), torch.no_grad():
+            out = call(plan, NUM_NODES, static, backward=False)
+        g.replay()
+        first = out.clone()
+        g.replay()
+        if not torch.isfinite(out).all():
+            return "non-finite output on replay"
+        return "two replays drew the same dropout mask" if torch.equal(first, out) else None
+
+    check("no host sync once the plan exists (forward + backward, dropout)", no_sync)
+    check("no recompile for a new graph", no_recompile)
+    check("dropout in a captured CUDA graph draws a new mask per replay", cuda_graph)
+    return checks
+
+
 # ---------------------------------------------------------------------------
 # 2. Comparison with PyG, one child process per graph
 # ---------------------------------------------------------------------------
@@ -351,6 +437,13 @@ def render_markdown(result: Dict) -> str:
                                [[c["name"], c.get("quantity", "-"), _fmt(c.get("error")),
                                  _fmt(c.get("bound")), c.get("detail", "")] for c in failures],
                                align="<<>><", markdown=True), ""]
+    gpu = result.get("gpu_checks")
+    if isinstance(gpu, list):
+        lines += [format_table(["GPU check", "status", "detail"],
+                               [[c["name"], c["status"], c["detail"] or ""] for c in gpu],
+                               align="<<<", markdown=True), ""]
+    elif gpu:
+        lines += [f"GPU checks {gpu}.", ""]
     rows = []
     for comp in result["comparisons"]:
         if comp["report"]:
@@ -475,13 +568,22 @@ def run(args: argparse.Namespace) -> int:
     result["kernel_checks"] = kernel_checks(device, args.quick, log)
     result["kernel_checks"]["seconds"] = time.perf_counter() - t0
     save()
+    if cuda:
+        result["gpu_checks"] = gpu_checks(device)
+        for c in result["gpu_checks"]:
+            log(f"[selftest] {c['name']}: {c['status']}" + (f" ({c['detail']})" if c["detail"] else ""))
+    else:
+        result["gpu_checks"] = "not run: host syncs, recompiles and CUDA graphs need a GPU"
+    save()
     with tempfile.TemporaryDirectory(prefix="gatlib-selftest-") as tmp:
         for i, graph in enumerate(graphs):
             log(f"[selftest] comparison with PyG on {graph}")
             result["comparisons"].append(compare_graph(graph, args, Path(tmp) / f"{i}.json"))
             save()
     ok = (result["kernel_checks"]["failed"] == 0
-          and all(c["status"] == "ok" for c in result["comparisons"]))
+          and all(c["status"] == "ok" for c in result["comparisons"])
+          and all(c["status"] == "ok" for c in result["gpu_checks"]
+                  if isinstance(result["gpu_checks"], list)))
     result["status"] = "ok" if ok else "FAIL"
     save()
     table = render_markdown(result)

@@ -367,7 +367,8 @@ def compile_spec(spec: Spec, target: str) -> Dict:
     return {"target": target, "seconds": round(seconds, 2), "registers": int(regs.group(1)),
             "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
             "shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
-            "narrow_index_math": narrow_index_math(kernel.asm["ttir"])}
+            "narrow_index_math": narrow_index_math(kernel.asm["ttir"]),
+            "atomics": len(re.findall(r"tt\.atomic_\w+", kernel.asm["ttir"]))}
 
 
 def _compile_job(args):
