@@ -168,6 +168,14 @@ def _rows_per_program(block_e: int, width: int) -> int:
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
 
+def _warps(width: int, acc) -> int:
+    """Warps per program: 8 for tiles of wide rows (>= 128 channels) or float64,
+    whose temporaries spill at 4 warps (ptxas, sm_90: GATv2's forward with edge
+    features spilled 2 KB per thread at C = 128 and 3.8 KB in float64 at C = 64;
+    none at 8 warps); else 4. See benchmarks/results/triton_compile.md."""
+    return 8 if width >= 128 or acc == tl.float64 else 4
+
+
 def _launch(kernel, items: _Schedule, H: int, width: int, *args,
             max_lanes: Optional[int] = None, after=None, **consts) -> None:
     """Launch ``kernel`` over the length buckets of ``items`` (longest first).
@@ -188,7 +196,8 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args,
             n = min(step, first + count - lo)
             kernel[(triton.cdiv(n * H, lanes),)](
                 items.row, items.start, items.length, items.slot, lo, n,
-                *args, BLOCK_R=lanes, BLOCK_E=block_e, **consts)
+                *args, BLOCK_R=lanes, BLOCK_E=block_e, num_warps=_warps(width, consts["ACC"]),
+                **consts)
             if after is not None:
                 after(n * H)
 
@@ -703,12 +712,13 @@ class _FusedAttention(torch.autograd.Function):
                 alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
                 if E:
                     # independent (edge, head) lanes: as many as fill the tile
-                    block_k = min(1024, max(16, _tile()[0] // consts["BLOCK_CK"]))
+                    block_k = min(1024, max(1, _tile()[0] // consts["BLOCK_CK"]))
                     _alpha_kernel[(triton.cdiv(E * H, block_k),)](
                         lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
                         _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
                         KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
-                        ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"])
+                        ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
+                        num_warps=_warps(consts["BLOCK_CK"], consts["ACC"]))
         return out, alpha, lse
 
     @staticmethod

@@ -319,3 +319,19 @@ def test_property_triton_is_the_reference(graph, H, kind, seed):
     s = make_score(kind, n_src, n_dst, ei.size(1), H, 3, seed=seed, device=DEVICE)
     v = torch.randn(n_src, H, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
     compare(s, v, ei, n_dst, tol=dict(rtol=1e-9, atol=1e-9))
+
+
+def test_kernel_arguments_do_not_shadow_the_launch_binder():
+    """Triton's launch binder is generated Python with locals of its own
+    (``triton.runtime.jit.create_function_from_signature`` in Triton 3.5-3.9); a
+    kernel argument of the same name cannot be launched on a GPU. An argument
+    called ``params`` made every real launch of the four main kernels fail,
+    unseen by the interpreter, which binds no arguments (issue 14).
+    tests/test_triton_compile.py runs the real binder; this is its fast guard."""
+    binder_locals = {"params", "specialization", "options", "backend", "specialize_impl",
+                     "JITCallable"}
+    kernels = [v for v in vars(_triton).values() if hasattr(v, "arg_names") and hasattr(v, "fn")]
+    assert {k.__name__ for k in kernels} >= {"_fwd_kernel", "_alpha_kernel", "_keep_kernel",
+                                             "_bwd_dst_kernel", "_bwd_src_kernel"}
+    for k in kernels:
+        assert not binder_locals & set(k.arg_names), (k.__name__, binder_locals & set(k.arg_names))
