@@ -148,3 +148,43 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     assert max(b for *_, b in fwd + bwd) <= max(largest, biggest_io)
     # and no [N, H, C] float32 temporary (the output and gradients are bfloat16)
     assert not [a for a in fwd + bwd if a[0] == (n, H, C) and a[1] == torch.float32]
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# ATen ops that make a CUDA stream wait for the host: reading a value
+# (.item(), bool(), int()), or output sizes that depend on values
+HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
+              "aten.is_nonzero", "aten.equal")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
+    """A training call (dropout, attention weights with a gradient, split hubs)
+    on a plan whose kernels' schedule exists reads nothing back to the host."""
+    monkeypatch.setattr(_triton, "_SPLIT", 32)
+    n, H, C = 50, 2, 4
+    ei = hub_graph(n, 80)
+    plan = GraphPlan(ei, num_nodes=n)
+    score = make_score(kind, n, n, ei.size(1), H, C, dtype=torch.float32, edge=True)
+    value = torch.randn(n, H, C, requires_grad=True)
+
+    def call():
+        out, att = graph_attention(score, value, plan, n, backend="triton", dropout=0.3,
+                                   training=True, return_attention=True)
+        return out.sum() + att.sum()
+
+    call().backward()  # derives the plan's layout and the kernels' schedule
+    with Ops() as ops:
+        loss = call()
+        loss.backward()
+    assert not [op for op in ops.names if op.startswith(HOST_SYNCS)]
+    assert any("segment_reduce" in op for op in ops.names)  # split rows were merged
