@@ -25,22 +25,25 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _selftest(tmp_path, *extra):
+def _selftest(tmp_path, *extra, monkeypatch=None):
     out = tmp_path / "selftest.json"
-    rc = cli.main(["selftest", "--device", DEVICE, "--quick", "--repeats", "1",
-                   "--data-dir", str(tmp_path / "data"), "--json", str(out), *extra])
+    argv = ["selftest", "--device", DEVICE, "--quick", "--repeats", "1",
+            "--data-dir", str(tmp_path / "data"), "--json", str(out), *extra]
+    if monkeypatch is not None:  # as the console script sees it (the JSON records it)
+        monkeypatch.setattr(sys, "argv", ["gatlib", *argv])
+    rc = cli.main(argv)
     return rc, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def test_selftest_end_to_end(tmp_path, capsys):
+def test_selftest_end_to_end(tmp_path, capsys, monkeypatch):
     table = tmp_path / "selftest.md"
     rc, rep = _selftest(tmp_path, "--graphs", "synthetic:100:400:8", "--heads", "1",
-                        "--channels", "4", "--table", str(table))
+                        "--channels", "4", "--table", str(table), monkeypatch=monkeypatch)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert rep["schema"] == selftest.SCHEMA and rep["status"] == "ok"
     assert rep["environment"]["device"] == DEVICE and "git_sha" in rep["environment"]
-    assert rep["interpreter"] == (DEVICE == "cpu") and "selftest" in rep["command"]
+    assert rep["interpreter"] == (DEVICE == "cpu") and " selftest --device " in rep["command"]
     kc = rep["kernel_checks"]
     cases = kc["cases"]
     assert kc["failed"] == 0 and kc["passed"] == len(cases)
