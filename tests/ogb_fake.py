@@ -124,10 +124,13 @@ def write_ogb_node_dataset(folder: Path, meta: Dict[str, str], *, num_nodes: int
     return folder
 
 
-def write_fake_ogbn(data_dir: Path, name: str, **kwargs) -> Path:
-    """Write a fake ``name`` (``"ogbn-arxiv"``, ...) where gatlib's loader looks
-    for it under ``data_dir``, in that dataset's format (ogb's master.csv)."""
+def write_fake_ogbn(data_dir: Path, name: str, *, ogb_layout: bool = False, **kwargs) -> Path:
+    """Write a fake ``name`` (``"ogbn-arxiv"``, ...) in that dataset's format
+    (ogb's master.csv) where gatlib keeps OGB data under ``data_dir``
+    (``data_dir/ogb/ogbn_arxiv``), or with ``ogb_layout`` where
+    ``PygNodePropPredDataset(root=data_dir)`` does (``data_dir/ogbn_arxiv``)."""
     from gatlib.bench.data import _ogb_meta
 
     meta = _ogb_meta(name)
-    return write_ogb_node_dataset(Path(data_dir) / "ogb" / name.replace("-", "_"), meta, **kwargs)
+    root = Path(data_dir) if ogb_layout else Path(data_dir) / "ogb"
+    return write_ogb_node_dataset(root / name.replace("-", "_"), meta, **kwargs)

@@ -132,6 +132,24 @@ def test_ogbn_arxiv_layout_end_to_end(offline, tmp_path):
     assert res.test_acc > 60
 
 
+def test_ogb_root_layout_is_used_where_it_is(offline, tmp_path):
+    """A download made by ogb itself (PygNodePropPredDataset(root=DIR) writes
+    DIR/ogbn_arxiv/, processed files included) is found under --data-dir DIR and
+    used in place: nothing is copied or downloaded into DIR/ogb/."""
+    from ogb.nodeproppred import PygNodePropPredDataset
+
+    from gatlib.bench.data import _allow_pyg_pickles
+
+    write_fake_ogbn(tmp_path, "ogbn-arxiv", ogb_layout=True, num_nodes=150, num_features=8)
+    _allow_pyg_pickles()
+    ref = PygNodePropPredDataset("ogbn-arxiv", root=str(tmp_path))  # ogb's own processing
+    assert (tmp_path / "ogbn_arxiv" / "processed").is_dir()
+    ds = load_dataset("ogbn-arxiv", tmp_path)
+    assert not (tmp_path / "ogb").exists()
+    assert torch.equal(ds.data.x, ref[0].x) and ds.data.num_nodes == 150
+    assert torch.equal(ds.split_idx["train"], ref.get_idx_split()["train"])
+
+
 def test_ogbn_proteins_layout_multilabel(offline, tmp_path):
     """Edge features only: node features are built from them; ROC-AUC metric."""
     write_fake_ogbn(tmp_path, "ogbn-proteins", num_nodes=150, edge_dim=8)

@@ -237,7 +237,10 @@ def _load_ogb(name: str, root: Path) -> NodeDataset:
         raise ImportError(f"{name} needs the ogb package: pip install 'gatlib[ogb]'") from e
     _allow_pyg_pickles()
     meta = _ogb_meta(name)
-    ogb_root = root / "ogb"
+    # OGB's own layout, as PygNodePropPredDataset(root=DIR) writes it, is
+    # DIR/ogbn_arxiv/: a user's existing download is used where it is;
+    # otherwise gatlib keeps its OGB data in DIR/ogb/.
+    ogb_root = root if (root / name.replace("-", "_")).is_dir() else root / "ogb"
     folder = ogb_root / name.replace("-", "_")
     missing = [f for f in ogb_required_files(meta) if not (folder / f).is_file()]
     release = folder / f"RELEASE_v{meta['version']}.txt"
@@ -254,7 +257,8 @@ def _load_ogb(name: str, root: Path) -> NodeDataset:
     if missing:
         _ensure_downloadable(meta["url"], f"{name}: the OGB files {', '.join(missing)}", folder,
                              f"Unzip {meta['url']} into {ogb_root} and rename the folder "
-                             f"{meta['download_name']}/ to {folder.name}/")
+                             f"{meta['download_name']}/ to {folder.name}/ (an existing OGB "
+                             f"download in {root / folder.name}/ is used as it is)")
     with _download_errors(bool(missing), name, folder, meta["url"]):
         ds = PygNodePropPredDataset(name=name, root=str(ogb_root))
     return _from_ogb(ds, name, Evaluator(name))
