@@ -3,6 +3,9 @@ stopping rule, and short runs on Cora that learn."""
 from __future__ import annotations
 
 import copy
+import io
+import re
+import sys
 from dataclasses import replace
 
 import pytest
@@ -12,7 +15,8 @@ from gatlib import GATConv, GATv2Conv, TransformerConv
 from gatlib.bench.data import load_dataset
 from gatlib.models import (GAT, GATv2, DeepGAT, GraphTransformer, UniMP, input_dropout,
                            positional_encoding)
-from gatlib.bench.train import Recipe, _Stopping, build_model, prepare_graph, recipe, train_run
+from gatlib.bench.train import (Recipe, _Stopping, benchmark, build_model, prepare_graph, recipe,
+                                train_run)
 
 from ogb_fake import planetoid_raw_dir
 from testing import random_graph
@@ -205,3 +209,34 @@ def test_training_is_reproducible_per_seed(cora):
 def test_build_model_passes_backend(cora):
     model = build_model(recipe("transformer", "cora"), cora, backend="torch")
     assert all(layer.backend == "torch" for layer in _attention_layers(model))
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("tty, progress", [(True, True), (False, True), (True, False)])
+def test_progress_shows_epochs_only_on_a_terminal(cora, monkeypatch, tty, progress):
+    """Long runs show the epochs of the current run (training loss, validation
+    metric, ETA), not only finished runs — on a terminal, unless turned off."""
+    err = _Terminal() if tty else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    report = benchmark(cora, "gat", runs=2, epochs=6, patience=100, progress=progress)
+    assert report["runs_completed"] == 2
+    text = err.getvalue()
+    if not (tty and progress):
+        assert text == ""
+        return
+    assert "run 1/2" in text and "run 2/2" in text and "epoch" in text
+    assert re.search(r"loss=\d\.\d{4}", text) and re.search(r"val acc=\d+\.\d\d", text)
+    assert re.search(r"\| [1-6]/6 \[", text)  # epochs done in the run, of its maximum
+    assert "cora gat" in text and "2/2" in text  # the runs bar
+
+
+def test_train_run_reports_every_epoch(cora):
+    seen = []
+    rcp = replace(recipe("gat", "cora"), epochs=4, patience=100)
+    res = train_run(cora, rcp, seed=0, on_epoch=lambda *a: seen.append(a))
+    assert [e for e, _, _ in seen] == [1, 2, 3, 4] and res.epochs == 4
+    assert all(loss > 0 and 0 <= val <= 1 for _, loss, val in seen)

@@ -171,7 +171,8 @@ def build_model(rcp: Recipe, dataset: NodeDataset, backend: str = "auto") -> tor
 
 
 def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.device | str = "cpu",
-              backend: str = "auto", graph: Optional[Data] = None) -> RunResult:
+              backend: str = "auto", graph: Optional[Data] = None,
+              on_epoch: Optional[Callable[[int, float, float], None]] = None) -> RunResult:
     """Train one model from scratch and evaluate the selected weights.
 
     Args:
@@ -182,6 +183,8 @@ def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.dev
         backend: attention backend of every layer.
         graph: the output of :func:`prepare_graph` (built here if ``None``;
             pass it to reuse one across runs).
+        on_epoch: called after every epoch with ``(epoch, training loss,
+            validation metric)`` (for progress displays).
 
     Returns:
         The :class:`RunResult`.
@@ -214,14 +217,18 @@ def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.dev
         model.train()
         opt.zero_grad()
         out = forward()
-        loss_fn(out[split["train"]], graph.y[split["train"]]).backward()
+        loss = loss_fn(out[split["train"]], graph.y[split["train"]])
+        loss.backward()
         opt.step()
 
         model.eval()
         with torch.no_grad():
             out = forward()
             val_loss = float(loss_fn(out[split["valid"]], graph.y[split["valid"]]))
-        if stop.update(epoch, val_loss, dataset.evaluate(out, "valid"), model):
+        val_metric = dataset.evaluate(out, "valid")
+        if on_epoch is not None:
+            on_epoch(epoch, float(loss), val_metric)
+        if stop.update(epoch, val_loss, val_metric, model):
             break
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -295,7 +302,9 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
         patience: override the recipe's early-stopping patience.
         pe: override the positional encoding of the transformer
             (``"laplacian"``, ``"random_walk"`` or ``"none"``).
-        progress: show a tqdm progress bar.
+        progress: progress bars for the runs and for the epochs of the current run
+            (training loss, validation metric, ETA); shown only when stderr is a
+            terminal.
         on_update: called with the report after every finished run (e.g. to
             save it, so a killed benchmark keeps its results).
 
@@ -327,13 +336,21 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "interrupted": False, "runs": [],
     }
     results: List[RunResult] = []
-    bar = tqdm(range(runs), desc=f"{dataset.name} {model}", unit="run", disable=not progress)
+    # disable=None: tqdm stays quiet when stderr is not a terminal
+    quiet = None if progress else True
+    bar = tqdm(range(runs), desc=f"{dataset.name} {model}", unit="run", disable=quiet)
+    metric = "ROC-AUC" if dataset.metric == "rocauc" else "acc"
     try:
         for i in bar:
+            epochs_bar = tqdm(total=rcp.epochs, desc=f"  run {i + 1}/{runs}", unit="epoch",
+                              leave=False, disable=quiet)
             # Which kernels ran is recorded in the first run; the others run the same calls.
-            with record_kernels() if i == 0 else contextlib.nullcontext() as log:
-                res = train_run(dataset, rcp, seed=seed + i, device=device, backend=backend,
-                                graph=graph)
+            try:
+                with record_kernels() if i == 0 else contextlib.nullcontext() as log:
+                    res = train_run(dataset, rcp, seed=seed + i, device=device, backend=backend,
+                                    graph=graph, on_epoch=_epoch_progress(epochs_bar, metric))
+            finally:
+                epochs_bar.close()
             if i == 0:
                 report["kernels"] = list(dict.fromkeys(log))
             results.append(res)
@@ -347,6 +364,16 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
         bar.close()
     _summarise(report, results)
     return report
+
+
+def _epoch_progress(bar, metric: str) -> Callable[[int, float, float], None]:
+    """``train_run``'s ``on_epoch`` for a tqdm bar over a run's epochs (its ETA
+    is to the recipe's maximum; early stopping ends a run sooner)."""
+    def on_epoch(epoch: int, loss: float, val: float) -> None:
+        bar.set_postfix({"loss": f"{loss:.4f}", f"val {metric}": f"{100 * val:.2f}"}, refresh=False)
+        bar.update(epoch - bar.n)
+
+    return on_epoch
 
 
 def _summarise(report: Dict[str, Any], results: List[RunResult]) -> None:
