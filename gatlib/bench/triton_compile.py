@@ -429,12 +429,15 @@ def render(report: Dict) -> str:
         "# Triton kernels compiled for NVIDIA GPUs (no GPU needed)",
         "",
         f"Command: `{report['command']}`  ",
-        f"Git: `{report['environment'].get('git_commit')}`, triton {triton.__version__}, "
-        f"torch {torch.__version__}. {len(report['cases'])} dispatcher calls (forward and "
-        f"backward) gave {len(report['specs'])} distinct specialisations, each bound by "
+        f"Git: `{report['environment'].get('git_sha')}`, triton "
+        f"{report['environment']['versions']['triton']}, "
+        f"torch {report['environment']['versions']['torch']}; {report['seconds']:.0f} s on "
+        f"{report['environment']['cpu_count']} cores of an {report['environment']['cpu_model']}. "
+        f"{len(report['cases'])} dispatcher calls (forward and backward) gave "
+        f"{len(report['specs'])} distinct specialisations, each bound by "
         "Triton's launch binder and compiled to a cubin by its bundled ptxas for every target.",
         "",
-        format_table(SUMMARY_HEADERS, summary_rows(rows), align="<<" + ">" * 6),
+        format_table(SUMMARY_HEADERS, summary_rows(rows), align="<<" + ">" * 6, markdown=True),
         "",
         "## Every specialisation",
         "",
@@ -446,7 +449,7 @@ def render(report: Dict) -> str:
         detail.append([r["kernel"], r["target"], r["constexprs"], res, "; ".join(r["cases"][:2])
                        + (f" (+{len(r['cases']) - 2})" if len(r["cases"]) > 2 else "")])
     lines.append(format_table(["kernel", "target", "constexprs", "regs / spill B / shared B",
-                               "first cases"], detail))
+                               "first cases"], detail, align="<<<><", markdown=True))
     return "\n".join(lines) + "\n"
 
 
@@ -462,7 +465,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPUs)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     parser.add_argument("--table", default=None, metavar="PATH", help="write the markdown table here")
+    parser.add_argument("--render", default=None, metavar="JSON",
+                        help="only rewrite --table from a JSON this command wrote (no compiling)")
     args = parser.parse_args(argv)
+    if args.render:
+        import json
+
+        with open(args.render) as f:
+            report = json.load(f)
+        table = render(report)
+        if args.table:
+            with open(args.table, "w") as f:
+                f.write(table)
+        print(format_summary(report))
+        return 0
     targets = [t for t in args.targets.split(",") if t]
     if not targets or any(t not in TARGETS for t in targets):
         parser.error(f"--targets: choose from {', '.join(TARGETS)}; got {args.targets!r}")
