@@ -317,10 +317,18 @@ def gpu_checks(device: torch.device) -> List[Dict]:
         return out
 
     def graph(n, e, seed):
+        # Every degree bucket and split pieces on both sides, in both graphs, so
+        # that the second needs no kernel the first did not (only sizes differ):
+        # node 0 takes 300 edges from nodes 1-10 and sends 300 to nodes 11-20;
+        # the e random edges among the other nodes have degrees around 4.
         g = torch.Generator().manual_seed(seed)
-        ei = torch.randint(0, n, (2, e), generator=g).to(device)
+        i = torch.arange(300)
+        zero = torch.zeros_like(i)
+        rest = torch.randint(21, n, (2, e), generator=g)
+        ei = torch.cat([torch.stack([i % 10 + 1, zero]), torch.stack([zero, i % 10 + 11]), rest],
+                       1).to(device)
         inputs = {k: (v[:n] if v.size(0) == NUM_NODES else v).float()
-                  for k, v in _inputs("gatv2", False, e, device, seed).items()}
+                  for k, v in _inputs("gatv2", False, ei.size(1), device, seed).items()}
         return gatlib.GraphPlan(ei, num_nodes=n), inputs
 
     def compiled() -> int:
@@ -336,7 +344,7 @@ def gpu_checks(device: torch.device) -> List[Dict]:
             detail = f"{type(exc).__name__}: {str(exc)[:300]}"
         checks.append({"name": name, "status": "FAIL" if detail else "ok", "detail": detail})
 
-    plan, inputs = graph(NUM_NODES, 4 * NUM_NODES, 0)
+    plan, inputs = graph(NUM_NODES, 4 * (NUM_NODES - 21), 0)
     call(plan, NUM_NODES, inputs)  # plan derived, kernels compiled
     torch.cuda.synchronize(device)
 
@@ -349,7 +357,7 @@ def gpu_checks(device: torch.device) -> List[Dict]:
         return None
 
     def no_recompile():
-        plan2, inputs2 = graph(NUM_NODES - 13, 3 * NUM_NODES + 7, 1)
+        plan2, inputs2 = graph(NUM_NODES - 13, 4 * (NUM_NODES - 34) + 7, 1)
         plan2.layout()
         _triton._plan(plan2)  # the schedule is the plan's, built before the count
         before = compiled()
