@@ -42,6 +42,16 @@ def test_synthetic_graph_size_range_and_symmetry():
     assert directed.size(1) == E
 
 
+def test_sorted_unique_is_torch_unique():
+    """The generator's in-place sort-and-dedupe (no index tensor, for products-sized
+    key arrays) gives torch.unique's result, edge cases included."""
+    from gatlib.bench.synthetic import _sorted_unique
+
+    for n, hi in ((0, 5), (1, 5), (2, 1), (3000, 40), (3000, 2**40)):
+        keys = torch.randint(0, hi, (n,), generator=torch.Generator().manual_seed(n))
+        assert torch.equal(_sorted_unique(keys.clone()), torch.unique(keys))
+
+
 def test_synthetic_graph_is_deterministic_by_seed():
     a = synthetic.power_law_edges(1000, 5000, seed=1)
     b = synthetic.power_law_edges(1000, 5000, seed=1)

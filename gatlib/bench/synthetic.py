@@ -149,23 +149,44 @@ def power_law_edges(num_nodes: int, num_edges: int, *, exponent: float = 2.5,
     relabel = torch.randperm(N, generator=g)
 
     def draw(m: int) -> Tensor:
-        u = torch.rand(m, dtype=torch.float64, generator=g)
-        return relabel[torch.searchsorted(cdf, u, right=True).clamp_(max=N - 1)]
+        idx = torch.searchsorted(cdf, torch.rand(m, dtype=torch.float64, generator=g), right=True)
+        return relabel[idx.clamp_(max=N - 1)]
 
+    # Memory: ogbn-products' sizes make every [E] int64 tensor ~0.5-1 GB, so
+    # temporaries are freed as soon as possible and the output is written in place.
     keys = torch.empty(0, dtype=torch.int64)  # src * N + dst of the distinct edges so far
     while keys.numel() < num_edges:
         need = num_edges - keys.numel()
         m = int(need * 1.15) + 64  # a little extra: loops and repeats get dropped
         src, dst = draw(m), draw(m)
         keep = src != dst
-        keys = torch.unique(torch.cat([keys, src[keep] * N + dst[keep]]))
-    # torch.unique sorts, so keep a *random* subset of the right size, not the smallest keys.
+        new = src[keep].mul_(N).add_(dst[keep])
+        del src, dst, keep
+        keys = _sorted_unique(torch.cat([keys, new]))
+        del new
+    # The keys are sorted, so keep a *random* subset of the right size, not the smallest keys.
     keys = keys[torch.randperm(keys.numel(), generator=g)[:num_edges]]
     if undirected:
-        src, dst = keys // N, keys % N
-        keys = torch.cat([keys, dst * N + src])
-    keys = torch.unique(keys)  # sorted by (src, dst): coalesced, like PyG's datasets
-    return torch.stack([keys // N, keys % N])
+        reverse = (keys % N).mul_(N).add_(keys // N)  # dst * N + src
+        keys = torch.cat([keys, reverse])
+        del reverse
+    keys = _sorted_unique(keys)  # sorted by (src, dst): coalesced, like PyG's datasets
+    edge_index = torch.empty(2, keys.numel(), dtype=torch.int64)
+    torch.div(keys, N, rounding_mode="floor", out=edge_index[0])
+    torch.remainder(keys, N, out=edge_index[1])
+    return edge_index
+
+
+def _sorted_unique(keys: Tensor) -> Tensor:
+    """``torch.unique(keys)`` (sorted), consuming ``keys``: sorted in place (no
+    index tensor, which ``torch.sort`` would allocate), then one copy of the
+    distinct values."""
+    keys.numpy().sort()
+    if keys.numel() < 2:
+        return keys
+    first = torch.ones(keys.numel(), dtype=torch.bool)
+    torch.ne(keys[1:], keys[:-1], out=first[1:])
+    return keys[first]
 
 
 def synthetic_graph(spec: Union[str, GraphSpec], *, seed: int = 0,
