@@ -315,6 +315,8 @@ def _fwd_kernel(
     scale = tl.load(coef).to(ACC)
     slope = tl.load(coef + 1).to(ACC)
     keep_scale = tl.load(coef + 2).to(ACC)
+    if DROPOUT:
+        rng_seed = tl.load(seed)
     h2 = h[:, None]  # [R, 1]
     dst = row[:, None]
     m_dst = valid[:, None]
@@ -341,7 +343,7 @@ def _fwd_kernel(
         corr = tl.exp(m_i - m_safe)
         l_i = l_i * corr + tl.sum(p, 1)
         if DROPOUT:
-            keep = tl.rand(tl.load(seed), k * H + h2) >= p_drop
+            keep = tl.rand(rng_seed, k * H + h2) >= p_drop
             p = tl.where(keep, p * keep_scale, 0.0)
         # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
         # value_edge (Transformer layers) is the same tensor
@@ -438,6 +440,8 @@ def _bwd_dst_kernel(
     g = g2[:, None, :]  # [R, 1, CV]
     row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
     row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+    if DROPOUT:
+        rng_seed = tl.load(seed)
     # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
     # backward builds no [N, H, C] temporary for it
     row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
@@ -477,7 +481,7 @@ def _bwd_dst_kernel(
                                 other=0).to(ACC)
         dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
         if DROPOUT:
-            keep = tl.rand(tl.load(seed), k * H + h2) >= p_drop
+            keep = tl.rand(rng_seed, k * H + h2) >= p_drop
             drop = tl.where(keep, keep_scale, 0.0)
             a = p * drop
             dp = dp * drop
@@ -616,7 +620,7 @@ class _Meta:
     scale: float
     slope: float
     p: float  # dropout probability, 0 when inactive
-    seed: Tensor  # [1] int64 on the kernels' device (dropout), or a placeholder
+    seed: Optional[Tensor]  # [1] int64 on the kernels' device; None without dropout
     need_alpha: bool
     alpha_dtype: torch.dtype
     acc: torch.dtype  # accumulation dtype: float32, or float64 for float64 inputs
@@ -704,7 +708,7 @@ class _FusedAttention(torch.autograd.Function):
             _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
                     lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                     _or(s_att, dummy), value, _or(value_edge, dummy), coef,
-                    out, lse, part_out, part_lse, meta.seed, meta.p, H, CK, CV,
+                    out, lse, part_out, part_lse, _or(meta.seed, dummy), meta.p, H, CK, CV,
                     DROPOUT=meta.p > 0, **consts)
             _merge_softmax(out, lse, part_out, part_lse, items)
             alpha = None
@@ -782,7 +786,8 @@ class _FusedAttention(torch.autograd.Function):
                     _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                     g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
                     _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
-                    _or(part_dst, dummy), _or(part_att, dummy), meta.seed, meta.p, H, CK, CV,
+                    _or(part_dst, dummy), _or(part_att, dummy), _or(meta.seed, dummy), meta.p,
+                    H, CK, CV,
                     max_lanes=att_lanes if need_att else None, after=add_att if need_att else None,
                     DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                     NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
@@ -852,8 +857,9 @@ def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
 def _draw_seed(device: torch.device) -> Tensor:
     """A dropout seed drawn on ``device`` by its default generator and read by the
     kernels from device memory: no host sync, ``torch.manual_seed`` makes fused
-    dropout reproducible, and a captured CUDA graph draws a new seed per replay
-    (PyTorch's generator advances its Philox offset on the device under capture)."""
+    dropout reproducible, and a captured CUDA graph should draw a new seed per
+    replay (PyTorch's generator advances its Philox offset on the device under
+    capture; ``gatlib selftest --device cuda`` checks it, not yet run on a GPU)."""
     return torch.randint(0, 2**31 - 1, (1,), device=device)
 
 
@@ -912,7 +918,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     CK = 1 if kind == 0 else s_src.size(-1)
     share_v = kind == 1 and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
-    seed = _draw_seed(value.device) if p > 0 else _no_seed(value.device)
+    seed = _draw_seed(value.device) if p > 0 else None
     floats = [t for t in tensors if t is not None]
     acc = torch.float64 if any(t.dtype == torch.float64 for t in floats) else torch.float32
     score_tensors = [t for t in (s_src, s_dst, s_edge, s_att) if t is not None]
@@ -928,12 +934,6 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         ins[4] = ins[1]
     out, alpha, _ = _FusedAttention.apply(meta, *ins)
     return out, alpha
-
-
-@functools.lru_cache(maxsize=8)
-def _no_seed(device: torch.device) -> Tensor:
-    # The kernels' seed pointer when dropout is off (never read).
-    return torch.zeros(1, dtype=torch.int64, device=device)
 
 
 def _keep_mask(plan: _Plan, heads: int, p: float, seed: Tensor) -> Tensor:
