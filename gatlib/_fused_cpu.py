@@ -41,6 +41,7 @@ import threading
 import warnings
 import contextlib
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -78,13 +79,18 @@ class _HeadLayout:
 
     lay: Layout
     heads: int
-    ptr: Tensor  # [N_dst*H + 1]
-    col: Tensor  # [E*H]  j*H + h of each block entry
-    bh2eh: Tensor  # [E*H]  block entry -> e*H + h, e the edge's CSR position
-    eh2bh: Tensor  # [E*H]  e*H + h -> block entry (inverse of bh2eh)
-    t_ptr: Tensor  # [N_src*H + 1]
-    t_col: Tensor  # [E*H]  i*H + h of each transposed entry
-    t2eh: Tensor  # [E*H]  transposed entry -> e*H + h
+    ptr: Optional[Tensor] = None  # [N_dst*H + 1]
+    col: Optional[Tensor] = None  # [E*H]  j*H + h of each block entry
+    bh2eh: Optional[Tensor] = None  # [E*H]  block entry -> e*H + h, e the edge's CSR position
+    eh2bh: Optional[Tensor] = None  # [E*H]  e*H + h -> block entry (inverse of bh2eh)
+    t_ptr: Optional[Tensor] = None  # [N_src*H + 1]
+    t_col: Optional[Tensor] = None  # [E*H]  i*H + h of each transposed entry
+    t2eh: Optional[Tensor] = None  # [E*H]  transposed entry -> e*H + h
+
+    @property
+    def blocked(self) -> bool:
+        """Whether the block CSR exists (else the products run over edge blocks)."""
+        return self.ptr is not None
 
 
 def _block_positions(ptr: Tensor, row: Tensor, heads: int) -> Tensor:
@@ -130,6 +136,35 @@ def _build_head_layout(lay: Layout, heads: int) -> _HeadLayout:
     )
 
 
+def block_csr_bytes(lay: Layout, heads: int) -> int:
+    """Bytes of the index tensors of the :class:`_HeadLayout` of ``lay`` for ``heads``."""
+    H, E = heads, lay.num_edges
+    idt = index_dtype(E * H, (lay.num_src + 1) * H, (lay.num_dst + 1) * H)
+    size = torch.empty((), dtype=idt).element_size()
+    return size * (5 * E * H + (lay.num_src + lay.num_dst + 2) * H)
+
+
+def _use_block_csr(lay: Layout, heads: int) -> bool:
+    """Whether the sparse products use the block CSR (:class:`_HeadLayout`): they
+    do unless its index tensors exceed :data:`BLOCK_CSR_MAX_BYTES`; above, the
+    products run over edge blocks with the plan's own CSR/CSC."""
+    return block_csr_bytes(lay, heads) <= BLOCK_CSR_MAX_BYTES
+
+
+# The block CSR costs 5 index entries per edge and head (arxiv-like, H=4: 196 MiB;
+# ogbn-products: ~9.4 GiB) and makes the sparse products ~1.5x faster than the
+# edge blocks (SpMM 330 vs 492 ms, SDDMM 304 vs 506 ms on the arxiv-like graph,
+# 2 threads, benchmarks/NOTES.md). Above this size the edge blocks run instead.
+BLOCK_CSR_MAX_BYTES = 1 << 30
+
+
+def kernel_layout(plan: GraphPlan, heads: int) -> _HeadLayout:
+    """What the kernel runs on: the plan's block CSR where :func:`_use_block_csr`
+    allows it, else only the plan's :class:`Layout` (edge-block products)."""
+    lay = plan.layout()
+    return head_layout(plan, heads) if _use_block_csr(lay, heads) else _HeadLayout(lay, heads)
+
+
 def head_layout(plan: GraphPlan, heads: int) -> _HeadLayout:
     """The plan's :class:`_HeadLayout` for ``heads`` heads (built once, kept on the plan)."""
     return plan.derived(("fused_cpu.heads", heads), lambda: _build_head_layout(plan.layout(), heads))
@@ -154,6 +189,8 @@ def _spmm(hl: _HeadLayout, weight: Tensor, dense: Tensor, transpose: bool = Fals
     lay, H = hl.lay, hl.heads
     C = dense.size(-1)
     rows, cols = (lay.num_src, lay.num_dst) if transpose else (lay.num_dst, lay.num_src)
+    if not hl.blocked:
+        return _spmm_edges(lay, weight, dense, transpose)
     if transpose:
         a = _csr(hl.t_ptr, hl.t_col, weight.view(-1).index_select(0, hl.t2eh), (rows * H, cols * H))
     else:
@@ -164,6 +201,33 @@ def _spmm(hl: _HeadLayout, weight: Tensor, dense: Tensor, transpose: bool = Fals
     out = torch.empty(rows * H, C, dtype=dense.dtype)
     torch.addmm(out, a, dense.reshape(cols * H, C), beta=0, out=out)
     return out.view(rows, H, C)
+
+
+def _spmm_edges(lay: Layout, weight: Tensor, dense: Tensor, transpose: bool) -> Tensor:
+    """:func:`_spmm` over edge blocks: gather ``[n, H, C]`` rows of ``dense``, scale
+    them by their edge's weights and add them into their rows of the result. The
+    transpose walks the edges in CSC order, so each part owns its source rows."""
+    H, C = dense.shape[1:]
+    if transpose:
+        out = dense.new_zeros(lay.num_src, H, C)
+        ptr, row, other = lay.csc_ptr, None, lay.csc_dst
+    else:
+        out = dense.new_zeros(lay.num_dst, H, C)
+        ptr, row, other = lay.ptr, lay.dst, lay.src
+
+    def block(e0, e1, part):
+        x = dense.index_select(0, other[e0:e1])  # [n, H, C]
+        if transpose:
+            w = weight.index_select(0, lay.csc_edge[e0:e1])
+            r = lay.src.index_select(0, lay.csc_edge[e0:e1])  # non-decreasing
+        else:
+            w, r = weight[e0:e1], row[e0:e1]
+        x.mul_(w.to(x.dtype).unsqueeze(-1))
+        i0 = int(r[0])
+        out[i0:int(r[-1]) + 1].index_add_(0, r - i0, x)
+
+    _for_blocks(lay, H * C * dense.element_size(), block, ptr)
+    return out
 
 
 def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
@@ -177,9 +241,9 @@ def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
     """
     lay, H = hl.lay, hl.heads
     C, E = a.size(-1), lay.num_edges
-    if E * H > lay.num_dst * lay.num_src * H * H:
-        # More entries than the matrix has cells (duplicate edges on a tiny graph):
-        # sampled_addmm rejects that pattern, so take the edge blocks.
+    if not hl.blocked or E * H > lay.num_dst * lay.num_src * H * H:
+        # No block CSR, or more entries than the matrix has cells (duplicate edges
+        # on a tiny graph, which sampled_addmm rejects): take the edge blocks.
         out = a.new_empty(E, H)
 
         def block(e0, e1, part):
@@ -230,9 +294,12 @@ def _num_parts(lay: Layout) -> int:
     return max(1, min(torch.get_num_threads(), lay.num_edges // _MIN_PART_EDGES))
 
 
-def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]) -> None:
+def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None],
+                ptr: Optional[Tensor] = None) -> None:
     """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges,
     of about :data:`_CHUNK_BYTES` of ``row_bytes``-sized rows, without autograd.
+    With ``ptr=lay.csc_ptr`` the blocks are of CSC positions instead, and the
+    parts are split at source-row boundaries.
 
     The edges are split at destination-row boundaries into one range per intra-op
     thread (``torch.get_num_threads()``); each range runs on its own Python thread
@@ -259,8 +326,9 @@ def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]
         return
     # part k starts at the first row boundary at or after k*E/parts
     targets = torch.arange(parts + 1, dtype=torch.float64) * (E / parts)
-    rows = torch.searchsorted(lay.ptr.double(), targets)
-    bounds = lay.ptr.long()[rows.clamp_(max=lay.ptr.numel() - 1)].tolist()
+    ptr = lay.ptr if ptr is None else ptr
+    rows = torch.searchsorted(ptr.double(), targets)
+    bounds = ptr.long()[rows.clamp_(max=ptr.numel() - 1)].tolist()
     bounds[0], bounds[-1] = 0, E
     errors: List[BaseException] = []
 
@@ -306,17 +374,25 @@ def _scatter_rows(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None
 # ---------------------------------------------------------------------------
 # Stages 2 and 3: softmax and aggregation (shared by every score kind).
 # ---------------------------------------------------------------------------
-def _row_softmax(e: Tensor, lay: Layout) -> Tensor:
-    """Softmax of ``e`` ``[E, H]`` (CSR order) over each destination's in-edges."""
+def _row_softmax(e: Tensor, lay: Layout) -> Tuple[Tensor, Tensor]:
+    """Softmax of ``e`` ``[E, H]`` (CSR order) over each destination's in-edges,
+    in place (``e`` becomes the weights), and its log-normaliser ``lse [N_dst, H]``
+    (``alpha_ij = exp(e_ij - lse_i)``)."""
     m = torch.segment_reduce(e, "max", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    ex = (e - m.index_select(0, lay.dst)).exp_()  # [E, H], every entry <= 1
+    ex = e.sub_(m.index_select(0, lay.dst)).exp_()  # [E, H], every entry <= 1
     den = torch.segment_reduce(ex, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H], >= 1 where used
-    return ex.div_(den.index_select(0, lay.dst))
+    ex.div_(den.index_select(0, lay.dst))
+    return ex, den.log_().add_(m)
+
+
+def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
+    """The softmax weights again from the scores ``e`` (consumed) and ``lse``."""
+    return e.sub_(lse.index_select(0, lay.dst)).exp_()
 
 
 def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayout,
-                       drop: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    r"""Forward of stages 2 and 3, all heads at once::
+                       drop: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""Forward of stages 2 and 3, all heads at once (``e`` is consumed)::
 
         m_i      = max_j e_ij                                     # segment max  [N_dst, H]
         alpha_ij = exp(e_ij - m_i) / sum_k exp(e_ik - m_i)        # [E, H]
@@ -325,10 +401,10 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
                  + sum_j a_ij u_ij                                # edge blocks of _CHUNK_BYTES
 
     ``e``, ``drop`` ``[E, H]`` in CSR order; ``u`` ``[E, H, C]`` in edge-list order.
-    Returns ``(out [N_dst, H, C], alpha [E, H])``.
+    Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])``.
     """
     lay = hl.lay
-    alpha = _row_softmax(e, lay)  # [E, H]
+    alpha, lse = _row_softmax(e, lay)  # [E, H], [N_dst, H]
     a = alpha if drop is None else alpha * drop
     out = _spmm(hl, a, v)  # [N_dst, H, C]
     if u is not None:
@@ -339,7 +415,7 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
             _add_row_sums(out, ub.mul_(a[e0:e1, :, None]), lay, e0, e1)
 
         _for_blocks(lay, H * C * out.element_size(), block)
-    return out, alpha
+    return out, alpha, lse
 
 
 def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
@@ -358,7 +434,8 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
     """
     lay = hl.lay
     a = alpha if drop is None else alpha * drop  # [E, H]
-    d_alpha = torch.zeros_like(alpha) if g_alpha is None else g_alpha.clone()  # [E, H]
+    # [E, H] temporaries are few: at ogbn-products' scale each is 2 GB (H=4, float32)
+    d_alpha = None if g_alpha is None else g_alpha.clone()  # [E, H]
     dv = du = d_drop = None
     if g_out is not None:
         g = g_out.contiguous()  # [N_dst, H, C]
@@ -378,12 +455,16 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
             _for_blocks(lay, H * C * g.element_size(), block)
         if need_drop:
             d_drop = alpha * dot
-        d_alpha += dot if drop is None else dot * drop
+        if drop is not None:
+            dot.mul_(drop)
+        d_alpha = dot if d_alpha is None else d_alpha.add_(dot)
+        del dot
         if need_v:
             dv = _spmm(hl, a, g, transpose=True)  # [N_src, H, C]
-    ad = alpha * d_alpha  # [E, H]
+    del a
+    ad = torch.zeros_like(alpha) if d_alpha is None else d_alpha.mul_(alpha)  # [E, H]
     delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    return ad.sub_(alpha * delta.index_select(0, lay.dst)), dv, du, d_drop
+    return ad.sub_(delta.index_select(0, lay.dst).mul_(alpha)), dv, du, d_drop
 
 
 # ---------------------------------------------------------------------------
@@ -604,13 +685,17 @@ class _FusedAttention(torch.autograd.Function):
     ``value [N_src, H, C]``, ``value_edge [E, H, C]`` (edge-list order) or
     ``None``, and ``drop [E, H]`` (CSR order: ``keep / (1 - p)``, the dropout
     mask, times the edge weights if any — then it needs a gradient) or ``None``.
-    Outputs ``out [N_dst, H, C]`` and ``alpha [E, H]`` in CSR order, both in the
+    Outputs ``out [N_dst, H, C]``, ``alpha [E, H]`` in CSR order and the
+    softmax's log-normaliser ``lse [N_dst, H]`` (not differentiable), in the
     compute dtype.
 
     Forward: stage 1 of the score's kind (``_gat_forward``, ``_gatv2_forward``,
     ``_dot_forward``), then :func:`_softmax_aggregate`. Backward: their
     backwards in reverse order (the softmax gradient is in
-    :func:`_softmax_aggregate_backward`). Saved: the inputs and ``alpha``.
+    :func:`_softmax_aggregate_backward`). Saved: the inputs, and ``alpha`` —
+    except for GAT, whose scores are two ``[E, H]`` gathers to recompute: it
+    saves ``lse`` and rebuilds ``alpha`` in backward (one ``[E, H]`` tensor less
+    per layer between forward and backward: 2 GB at ogbn-products' scale).
     """
 
     @staticmethod
@@ -621,10 +706,10 @@ class _FusedAttention(torch.autograd.Function):
         tracing = torch.jit.is_tracing()
         with torch.autocast("cpu", enabled=False), (_untraced() if tracing else contextlib.nullcontext()):
             e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
-            out, alpha = _softmax_aggregate(e, value, value_edge, spec.hl, drop)
+            out, alpha, lse = _softmax_aggregate(e, value, value_edge, spec.hl, drop)
         if tracing:  # values the tracer knows, for the op's outputs
-            out, alpha = out.clone(), alpha.clone()
-        return out, alpha
+            out, alpha, lse = out.clone(), alpha.clone(), lse.clone()
+        return out, alpha, lse
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -632,10 +717,11 @@ class _FusedAttention(torch.autograd.Function):
         ctx.spec = _with_layout(spec, tensors[7:])
         ctx.num_layout = len(tensors) - 7
         ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
-        ctx.save_for_backward(*tensors[:7], output[1])
+        ctx.mark_non_differentiable(output[2])
+        ctx.save_for_backward(*tensors[:7], output[2] if spec.kind == "gat" else output[1])
 
     @staticmethod
-    def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor]):
+    def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor], g_lse: None):
         spec = ctx.spec
         *ins, alpha = ctx.saved_tensors
         need = ctx.needs_input_grad[1:8]
@@ -646,6 +732,9 @@ class _FusedAttention(torch.autograd.Function):
         _log(spec.log, "fused.backward")
         s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
         with torch.autocast("cpu", enabled=False):
+            if spec.kind == "gat":  # saved: lse
+                alpha = _recomputed_alpha(_gat_forward(s_src, s_dst, s_edge, s_att, spec.hl,
+                                                       spec.scale, spec.slope), alpha, spec.hl.lay)
             de, dv, du, d_drop = _softmax_aggregate_backward(
                 g_out, g_alpha, alpha, value, value_edge, spec.hl, drop, need[4], need[5], need[6])
             score_grads = (None,) * 4
@@ -653,6 +742,12 @@ class _FusedAttention(torch.autograd.Function):
                 score_grads = _SCORES[spec.kind][1](de, s_src, s_dst, s_edge, s_att, spec.hl,
                                                     spec.scale, spec.slope, need[:4])
         return (None, *score_grads, dv, du, d_drop, *layout)
+
+
+# Function.apply binds its arguments to forward's signature on every call (it
+# has a setup_context); inspect.signature returns a function's __signature__
+# when it has one instead of rebuilding it (~40 us of a ~1 ms small-graph call).
+_FusedAttention.forward.__signature__ = inspect.signature(_FusedAttention.forward)
 
 
 def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequence[bool],
@@ -723,7 +818,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(torch.promote_types(score_dtype, value.dtype))
     H = int(value.shape[1])  # an int under torch.jit.trace too, where size() is a tensor
-    hl = head_layout(plan, H)
+    hl = kernel_layout(plan, H)
     lay = hl.lay
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
@@ -739,7 +834,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     # GAT's per-edge term is [E, H]: upcast; [E, H, C] edge tensors are cast per block
     s_edge = node(s_edge) if score.kind == "gat" else s_edge
     spec = _Spec(score.kind, hl, float(score.scale), float(score.negative_slope), acc, log)
-    out, alpha = _FusedAttention.apply(spec, node(s_src), node(s_dst), s_edge, node(s_att),
+    out, alpha, _ = _FusedAttention.apply(spec, node(s_src), node(s_dst), s_edge, node(s_att),
                                        node(value), value_edge, drop, *_layout_tensors(hl))
     out = out.to(value.dtype)
     if not need_alpha:

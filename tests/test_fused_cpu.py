@@ -13,14 +13,23 @@ from gatlib._plan import GraphPlan
 from testing import KINDS, LAYERS, hub_graph, leaves, make_score, random_graph
 
 
-@pytest.fixture(params=["one_block", "tiny_blocks"])
+@pytest.fixture(params=["one_block", "tiny_blocks", "edge_products"])
 def blocks(request, monkeypatch):
-    """Run with the default edge blocks and with blocks of a few edges on two
+    """Run with the default edge blocks; with blocks of a few edges on two
     threads, so that destination rows straddle block boundaries and sources are
-    shared between threads even on small graphs."""
-    if request.param == "tiny_blocks":
+    shared between threads even on small graphs; and with the sparse products
+    over such edge blocks instead of the block CSR (graphs whose block CSR would
+    exceed fc.BLOCK_CSR_MAX_BYTES), the head layout never built."""
+    if request.param != "one_block":
         monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
         monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
+    if request.param == "edge_products":
+        monkeypatch.setattr(fc, "BLOCK_CSR_MAX_BYTES", 0)
+
+        def no_block_csr(*args):
+            raise AssertionError("the block CSR was built")
+
+        monkeypatch.setattr(fc, "_build_head_layout", no_block_csr)
     return request.param
 
 
@@ -36,7 +45,7 @@ def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4, weighted
     ``weighted``: the mask carries edge weights (explainer masks) and needs a gradient."""
     ei = small_graph(n_src, n_dst)
     plan = GraphPlan(ei, size=(n_src, n_dst))
-    hl = fc.head_layout(plan, H)
+    hl = fc.kernel_layout(plan, H)
     E = ei.size(1)
     s = make_score(kind, n_src, n_dst, E, H, C, edge=edge, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -180,7 +189,7 @@ def build(layer, **kw):
 @pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("edge_dim", [None, 4], ids=["no_edge_attr", "edge_attr"])
 @pytest.mark.parametrize("concat", [True, False], ids=["concat", "mean"])
-def test_layers_fused_equal_torch(layer, edge_dim, concat):
+def test_layers_fused_equal_torch(blocks, layer, edge_dim, concat):
     n = 50
     ei = torch.cat([random_graph(n, 400, seed=3), hub_graph(n, 500)], dim=1)
     x = torch.randn(n, 12, requires_grad=True)
