@@ -76,7 +76,8 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
                             "(default: full)")
     bench.add_argument("--fanouts", type=_fanouts, default=None,
                        help="with --loader neighbor: neighbours sampled per hop, one per layer, "
-                            "-1 for all (default: 10,10,5)")
+                            "-1 for all; write --fanouts=-1,-1,-1 when the list starts with -1 "
+                            "(default: 10,10,5)")
     bench.add_argument("--batch-size", type=int, default=None,
                        help="with --loader neighbor: training nodes per batch and process "
                             "(default: 512)")
@@ -119,6 +120,8 @@ def _bench_options(args: argparse.Namespace) -> Optional[str]:
 
     if args.runs < 1:
         return "--runs must be at least 1"
+    if args.epochs is not None and args.epochs < 1:
+        return f"--epochs must be at least 1; got {args.epochs}"
     if args.num_workers < 0:
         return f"--num-workers must be >= 0; got {args.num_workers}"
     if args.loader == "full":
@@ -170,18 +173,23 @@ def _bench_in(args, dist, load_dataset, benchmark) -> int:
 
     main = dist is None or dist.is_main
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        # Rank 0 first: a dataset's first load writes its processed files,
-        # which the other ranks then read instead of writing them too.
-        if not main:
+    # A dataset's first load writes its processed files. Under torchrun rank 0
+    # loads first, then the first process of every other node (which finds
+    # them on a shared file system, or writes its node's own), then the rest:
+    # no two processes write the same file.
+    stage = 0 if main else 1 if dist.local_rank == 0 else 2
+    dataset, error = None, None
+    for turn in range(3 if dist is not None else 1):
+        if turn == stage:
+            try:
+                dataset = load_dataset(args.dataset, args.data_dir)
+            except (DatasetNotFoundError, ImportError) as e:
+                error = e  # after the barriers: the other ranks must not wait for us
+        if dist is not None:
             dist.barrier()
-        dataset = load_dataset(args.dataset, args.data_dir)
-    except (DatasetNotFoundError, ImportError) as e:
-        print(f"gatlib bench: {e}", file=sys.stderr)
+    if error is not None:
+        print(f"gatlib bench: {error}", file=sys.stderr)
         return 1
-    finally:
-        if main and dist is not None:
-            dist.barrier()
 
     def save(report: Dict[str, Any]) -> None:
         if args.json_path is not None and main:
