@@ -117,7 +117,7 @@ class SampledRecipe(Recipe):
         eval_batch_size: nodes per batch of layer-wise inference.
         eval_every: evaluate after every ``eval_every``-th epoch ...
         eval_after: ... once more than ``eval_after`` epochs are done (and
-            always after the last epoch).
+            always after the last epoch). A ``patience`` counts evaluations.
     """
 
     fanouts: List[int] = field(default_factory=lambda: [10, 10, 5])
@@ -379,7 +379,7 @@ def train_sampled_run(dataset: NodeDataset, rcp: SampledRecipe, *, seed: int,
 
     train_idx = dataset.split_idx["train"]
     share = DistributedSampler(range(train_idx.numel()), num_replicas=world, rank=rank,
-                               shuffle=True, seed=derived_seed(seed, 1 << 20) % (1 << 62),
+                               shuffle=True, seed=derived_seed(seed, 1 << 20),
                                drop_last=True)
     train_loader = neighbor_loader(graph, input_nodes=train_idx, num_neighbors=rcp.fanouts,
                                     batch_size=rcp.batch_size, sampler=share,
