@@ -379,15 +379,14 @@ def train_sampled_run(dataset: NodeDataset, rcp: SampledRecipe, *, seed: int,
 
     train_idx = dataset.split_idx["train"]
     share = DistributedSampler(range(train_idx.numel()), num_replicas=world, rank=rank,
-                               shuffle=True, seed=derived_seed(seed, 1 << 20),
-                               drop_last=True)
+                               shuffle=True, seed=derived_seed(seed, 1 << 20), drop_last=True)
     train_loader = neighbor_loader(graph, input_nodes=train_idx, num_neighbors=rcp.fanouts,
-                                    batch_size=rcp.batch_size, sampler=share,
-                                    num_workers=num_workers)
+                                   batch_size=rcp.batch_size, sampler=share,
+                                   num_workers=num_workers)
     eval_nodes = torch.tensor(chunk_range(graph.num_nodes, rank, world))
     eval_loader = neighbor_loader(Data(edge_index=graph.edge_index, num_nodes=graph.num_nodes),
-                                   input_nodes=eval_nodes, num_neighbors=[-1],
-                                   batch_size=rcp.eval_batch_size, num_workers=num_workers)
+                                  input_nodes=eval_nodes, num_neighbors=[-1],
+                                  batch_size=rcp.eval_batch_size, num_workers=num_workers)
 
     def reduce(*values: float) -> List[float]:
         t = torch.tensor(values, dtype=torch.float64)
