@@ -9,13 +9,16 @@
   example.
 * :class:`UniMP` — the gated graph Transformer of Shi et al. (2021), without
   the label embedding.
+* :class:`SampledGAT` — the GAT with skip connections of PyG's ogbn-products
+  example, for mini-batches of sampled neighbourhoods (``NeighborLoader``):
+  each layer computes only the nodes the next layer still needs.
 
 Every model takes ``backend=`` and hands it to all of its attention layers.
 Input features may be a sparse CSR tensor (see :func:`input_dropout`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -308,6 +311,114 @@ class UniMP(torch.nn.Module):
         for conv, norm in zip(self.convs[:-1], self.norms, strict=True):
             x = F.dropout(F.relu(norm(conv(x, edge_index))), self.dropout, self.training)
         return self.convs[-1](x, edge_index)
+
+
+class SampledGAT(torch.nn.Module):
+    r"""The GAT of PyG's ogbn-products example (``examples/ogbn_products_gat.py``:
+    3 layers, 4 heads x 128 channels, a linear skip around every layer, ELU and
+    dropout 0.5 between layers), built to train on sampled mini-batches.
+
+    .. math::
+        \mathbf{h}^{l+1}_i = \mathrm{drop}\big(\mathrm{ELU}\big(
+        \mathrm{GAT}^l(\mathbf{h}^l)_i + \mathbf{W}^l_{skip}\mathbf{h}^l_i\big)\big)
+
+    (the last layer averages its heads and has neither ELU nor dropout).
+
+    Given ``num_sampled_nodes`` — the seed count and the nodes each hop added,
+    in the order ``NeighborLoader`` lays them out (seeds first, then hop 1,
+    hop 2, ...) — layer ``l`` of ``L`` runs on the bipartite block from the
+    nodes within ``L - l`` hops to those within ``L - l - 1`` hops
+    (``(x_src, x_dst)`` with ``x_dst`` a prefix of ``x_src``, as PyG's layers
+    take it), so the last layer computes the seeds only. This is what PyG's
+    ``trim_to_layer`` does with its hop counts, one step further: the nodes of
+    the outermost hop are sources only, never destinations. Without
+    ``num_sampled_nodes`` every layer runs on the whole graph, as in PyG's
+    example.
+
+    Args:
+        in_channels (int): input features ``F``.
+        out_channels (int): classes ``C``.
+        hidden_channels (int): channels per head. (default: ``128``)
+        num_layers (int): layers, i.e. sampled hops. (default: ``3``)
+        heads (int): heads of every layer. (default: ``4``)
+        dropout (float): dropout after each hidden layer. (default: ``0.5``)
+        conv (str): ``"gat"`` or ``"gatv2"``. (default: ``"gat"``)
+        backend (str): attention backend. (default: ``"auto"``)
+
+    Shapes:
+        - **input:** ``x`` ``[N, F]``, ``edge_index`` ``[2, E]``,
+          ``num_sampled_nodes`` ``num_layers + 1`` ints summing to ``N``
+        - **output:** logits ``[N, C]``, or ``[num_sampled_nodes[0], C]``
+          (the seeds) when ``num_sampled_nodes`` is given
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, hidden_channels: int = 128,
+                 num_layers: int = 3, heads: int = 4, dropout: float = 0.5, conv: str = "gat",
+                 backend: str = "auto"):
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1; got {num_layers}")
+        if conv not in ("gat", "gatv2"):
+            raise ValueError(f"conv must be 'gat' or 'gatv2'; got {conv!r}")
+        Conv = {"gat": GATConv, "gatv2": GATv2Conv}[conv]
+        self.num_layers, self.dropout = num_layers, dropout
+        self.convs, self.skips = ModuleList(), ModuleList()
+        for i in range(num_layers):
+            last = i == num_layers - 1
+            width_in = in_channels if i == 0 else heads * hidden_channels
+            width_out = out_channels if last else heads * hidden_channels
+            self.convs.append(Conv(width_in, out_channels if last else hidden_channels,
+                                   heads=heads, concat=not last, backend=backend))
+            self.skips.append(Linear(width_in, width_out))
+
+    def reset_parameters(self):
+        for conv, skip in zip(self.convs, self.skips, strict=True):
+            conv.reset_parameters()
+            skip.reset_parameters()
+
+    def layer(self, i: int, x: Tensor, edge_index: Tensor, num_dst: Optional[int] = None) -> Tensor:
+        """Layer ``i`` alone, from the sources ``x`` to the destinations
+        ``x[:num_dst]`` (all of ``x`` when ``None``): the step of layer-wise
+        inference, where ``edge_index`` holds every in-edge of the destinations.
+
+        Shapes: ``x`` ``[N_s, F_i]``, ``edge_index`` ``[2, E]`` (destinations
+        ``< num_dst``) -> ``[num_dst, F_{i+1}]``.
+        """
+        x_dst = x if num_dst is None else x[:num_dst]
+        h = self.convs[i]((x, x_dst), edge_index) + self.skips[i](x_dst)  # [N_t, F_{i+1}]
+        if i < self.num_layers - 1:
+            h = F.dropout(F.elu(h), self.dropout, self.training)
+        return h
+
+    def forward(self, x: Tensor, edge_index: Tensor,
+                num_sampled_nodes: Optional[Sequence[int]] = None) -> Tensor:
+        if num_sampled_nodes is None:
+            for i in range(self.num_layers):
+                x = self.layer(i, x, edge_index)
+            return x
+        counts = hop_offsets(num_sampled_nodes, self.num_layers, x.size(0))
+        dst = edge_index[1]
+        for i in range(self.num_layers):
+            # Destinations within L-1-i hops are a prefix of the nodes; their
+            # in-edges come from at most one hop further out, i.e. from x.
+            num_dst = counts[self.num_layers - 1 - i]
+            x = self.layer(i, x, edge_index[:, dst < num_dst], num_dst)
+        return x
+
+
+def hop_offsets(num_sampled_nodes: Sequence[int], num_layers: int, num_nodes: int) -> List[int]:
+    """Cumulative node counts ``[n_0, n_0 + n_1, ...]`` of per-hop counts
+    ``n_0`` (seeds), ``n_1``, ... (``num_layers + 1`` of them, summing to
+    ``num_nodes``); raises ``ValueError`` otherwise."""
+    counts = [int(n) for n in num_sampled_nodes]
+    if len(counts) != num_layers + 1 or any(n < 0 for n in counts) or sum(counts) != num_nodes:
+        raise ValueError(f"num_sampled_nodes must be {num_layers + 1} non-negative counts (seeds, "
+                         f"then one per hop) summing to the {num_nodes} nodes; got {counts}")
+    offsets, total = [], 0
+    for n in counts:
+        total += n
+        offsets.append(total)
+    return offsets
 
 
 def positional_encoding(kind: str, dim: int):

@@ -60,7 +60,7 @@ def ogb_meta_dict(folder: Path, *, num_tasks: int = 1, num_classes: int = 4,
 
 def write_ogb_node_dataset(folder: Path, meta: Dict[str, str], *, num_nodes: int = 300,
                            num_features: int = 16, edge_dim: int = 8, avg_degree: int = 6,
-                           seed: int = 0, release: bool = True) -> Path:
+                           feature_noise: float = 1.0, seed: int = 0, release: bool = True) -> Path:
     """Write a learnable node dataset described by ``meta`` into ``folder``.
 
     Nodes of one class share a feature centroid and link mostly to each other,
@@ -71,6 +71,9 @@ def write_ogb_node_dataset(folder: Path, meta: Dict[str, str], *, num_nodes: int
         folder: the dataset folder (created).
         meta: ogb meta information (``master.csv`` column or :func:`ogb_meta_dict`).
         num_nodes, num_features, edge_dim, avg_degree: sizes.
+        feature_noise: standard deviation of the noise around the class
+            centroids (whose entries are standard normal): large values make
+            a node's own features ambiguous and its neighbours' decisive.
         seed: RNG seed.
         release: write the ``RELEASE_v<version>.txt`` marker.
 
@@ -107,7 +110,8 @@ def write_ogb_node_dataset(folder: Path, meta: Dict[str, str], *, num_nodes: int
     if meta["has_node_attr"] == "True":
         centroids = rng.normal(size=(classes, num_features))
         write(raw / "node-feat.csv.gz",
-              (centroids[latent] + rng.normal(size=(num_nodes, num_features))).astype(np.float32))
+              (centroids[latent] + feature_noise * rng.normal(size=(num_nodes, num_features)))
+              .astype(np.float32))
     if meta["has_edge_attr"] == "True":
         write(raw / "edge-feat.csv.gz", (rng.random((E, edge_dim)) * (1 + latent[dst, None])) / classes)
     if meta["additional node files"] != "None":

@@ -13,7 +13,7 @@ import torch
 
 from gatlib import GATConv, GATv2Conv, TransformerConv
 from gatlib.bench.data import load_dataset
-from gatlib.models import (GAT, GATv2, DeepGAT, GraphTransformer, UniMP, input_dropout,
+from gatlib.models import (GAT, GATv2, DeepGAT, GraphTransformer, SampledGAT, UniMP, input_dropout,
                            positional_encoding)
 from gatlib.bench.train import (Recipe, _Stopping, benchmark, build_model, prepare_graph, recipe,
                                 train_run)
@@ -54,6 +54,8 @@ def _attention_layers(model):
     lambda b: DeepGAT(F_IN, C, hidden_channels=8, heads=2, backend=b),
     lambda b: DeepGAT(F_IN, C, hidden_channels=8, heads=2, conv="gatv2", backend=b),
     lambda b: UniMP(F_IN, C, hidden_channels=8, heads=2, backend=b),
+    lambda b: SampledGAT(F_IN, C, hidden_channels=8, heads=2, backend=b),
+    lambda b: SampledGAT(F_IN, C, hidden_channels=8, heads=2, num_layers=2, conv="gatv2", backend=b),
 ])
 def test_models_shapes_backend_and_gradients(make):
     torch.manual_seed(0)

@@ -5,6 +5,13 @@
 
     gatlib bench --dataset cora --model gat --runs 100 --device cpu --json results.json
 
+``--loader neighbor`` trains on sampled mini-batches (PyG's ``NeighborLoader``),
+and under torchrun data-parallel over several processes, rank 0 printing and
+writing the JSON::
+
+    torchrun --nproc-per-node 2 --no-python gatlib bench --dataset ogbn-products \
+        --model gat --loader neighbor --device cpu --json products.json
+
 ``gatlib compare`` compares gatlib's layers with PyTorch Geometric's (time,
 peak memory, agreement); it is :mod:`gatlib.bench.compare`.
 
@@ -25,7 +32,7 @@ from gatlib import BACKENDS
 
 from .data import DATASETS, DatasetNotFoundError
 from .report import format_table, write_json
-from .train import MODELS
+from .train import LOADERS, MODELS
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -62,6 +69,21 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     bench.add_argument("--json", type=Path, default=None, dest="json_path",
                        help="write the results here (rewritten after every run)")
+    bench.add_argument("--loader", choices=LOADERS, default="full",
+                       help="full: full-batch training (one process); neighbor: mini-batches of "
+                            "sampled neighbourhoods (NeighborLoader), the recipe of PyG's "
+                            "ogbn-products GAT example; runs data-parallel under torchrun "
+                            "(default: full)")
+    bench.add_argument("--fanouts", type=_fanouts, default=None,
+                       help="with --loader neighbor: neighbours sampled per hop, one per layer, "
+                            "-1 for all; write --fanouts=-1,-1,-1 when the list starts with -1 "
+                            "(default: 10,10,5)")
+    bench.add_argument("--batch-size", type=int, default=None,
+                       help="with --loader neighbor: training nodes per batch and process "
+                            "(default: 512)")
+    bench.add_argument("--num-workers", type=int, default=0,
+                       help="with --loader neighbor: sampling worker processes (default: 0, "
+                            "sample in the training process)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
@@ -82,35 +104,108 @@ def _parser(argv: List[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _fanouts(text: str) -> List[int]:
+    """``"10,10,5"`` -> ``[10, 10, 5]`` (argparse names the option on error)."""
+    try:
+        return [int(f) for f in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers such as 10,10,5; got {text!r}") from None
+
+
+def _bench_options(args: argparse.Namespace) -> Optional[str]:
+    """Why the options cannot run together (checked before any data is loaded), or ``None``."""
+    from .distributed import launched_by_torchrun
+    from .train import recipe, with_sampling
+
+    if args.runs < 1:
+        return "--runs must be at least 1"
+    if args.epochs is not None and args.epochs < 1:
+        return f"--epochs must be at least 1; got {args.epochs}"
+    if args.num_workers < 0:
+        return f"--num-workers must be >= 0; got {args.num_workers}"
+    if args.loader == "full":
+        sampling = [o for o, v in (("--fanouts", args.fanouts), ("--batch-size", args.batch_size))
+                    if v is not None]
+        if sampling:
+            return f"{' and '.join(sampling)} apply to --loader neighbor"
+        if launched_by_torchrun():
+            return ("--loader full trains on the whole graph in one process; for several "
+                    "processes (torchrun) use --loader neighbor")
+        return None
+    try:
+        with_sampling(recipe(args.model, args.dataset, args.loader), fanouts=args.fanouts,
+                      batch_size=args.batch_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from .data import load_dataset
+    from .distributed import from_env
     from .train import benchmark
 
-    if args.runs < 1:
-        print("gatlib bench: --runs must be at least 1", file=sys.stderr)
+    problem = _bench_options(args)
+    if problem is not None:
+        print(f"gatlib bench: {problem}", file=sys.stderr)
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dataset = load_dataset(args.dataset, args.data_dir)
-    except (DatasetNotFoundError, ImportError) as e:
+        dist = from_env(args.device)
+    except ValueError as e:
         print(f"gatlib bench: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _bench_in(args, dist, load_dataset, benchmark)
+    finally:
+        if dist is not None:
+            dist.close()
+
+
+def _bench_in(args, dist, load_dataset, benchmark) -> int:
+    """``gatlib bench`` in one process, or as one rank of a torchrun job: only
+    rank 0 shows progress, prints and writes the JSON."""
+    import torch
+
+    main = dist is None or dist.is_main
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # A dataset's first load writes its processed files. Under torchrun rank 0
+    # loads first, then the first process of every other node (which finds
+    # them on a shared file system, or writes its node's own), then the rest:
+    # no two processes write the same file.
+    stage = 0 if main else 1 if dist.local_rank == 0 else 2
+    dataset, error = None, None
+    for turn in range(3 if dist is not None else 1):
+        if turn == stage:
+            try:
+                dataset = load_dataset(args.dataset, args.data_dir)
+            except (DatasetNotFoundError, ImportError) as e:
+                error = e  # after the barriers: the other ranks must not wait for us
+        if dist is not None:
+            dist.barrier()
+    if error is not None:
+        print(f"gatlib bench: {error}", file=sys.stderr)
         return 1
 
     def save(report: Dict[str, Any]) -> None:
-        if args.json_path is not None:
+        if args.json_path is not None and main:
             write_json(args.json_path, report)
 
     try:
         report = benchmark(dataset, args.model, runs=args.runs, device=device, backend=args.backend,
                            seed=args.seed, epochs=args.epochs, patience=args.patience, pe=args.pe,
-                           progress=not args.no_progress, on_update=save)
+                           progress=main and not args.no_progress, on_update=save,
+                           loader=args.loader, fanouts=args.fanouts, batch_size=args.batch_size,
+                           num_workers=args.num_workers, dist=dist)
     except ValueError as e:  # a backend or option that cannot run here
         print(f"gatlib bench: {e}", file=sys.stderr)
         return 2
+    if not main:
+        return 130 if report["interrupted"] else 0
     save(report)
     print(bench_table(report))
     if args.json_path is not None:
@@ -132,7 +227,9 @@ def bench_table(report: Dict[str, Any]) -> str:
     metric = "ROC-AUC" if report["metric"] == "rocauc" else "acc"
     headers = ["dataset", "model", "device", "runs", f"test {metric} (%)", f"val {metric} (%)",
                "epochs", "s/epoch", "peak mem (MiB)"]
-    row = [report["dataset"], report["model"], report["device"],
+    world = report.get("distributed", {}).get("world_size", 1)
+    device = report["device"] if world == 1 else f"{report['device']} x {world} processes"
+    row = [report["dataset"], report["model"], device,
            f"{report['runs_completed']}/{report['runs_requested']}",
            pm(report["test_acc_mean"], report["test_acc_std"]),
            pm(report["val_acc_mean"], report["val_acc_std"]),

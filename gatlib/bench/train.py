@@ -1,4 +1,4 @@
-"""Full-batch training recipes, one training run, and the multi-seed benchmark.
+"""Training recipes, one training run, and the multi-seed benchmark.
 
 A :class:`Recipe` is everything that defines an experiment besides the seed:
 model and its arguments, optimiser, epochs and the model-selection rule.
@@ -20,6 +20,14 @@ model and its arguments, optimiser, epochs and the model-selection rule.
   bidirected graph); OGB + ``transformer`` — :class:`~gatlib.models.UniMP` as in
   PyG's UniMP example (Adam lr 0.001, weight decay 5e-4, 500 epochs). Both keep
   the epoch with the best validation metric.
+* ``loader="neighbor"`` (any dataset) + ``gat``/``gatv2`` — mini-batches of
+  sampled neighbourhoods (:class:`SampledRecipe`, trained by
+  :mod:`gatlib.bench.sampled`) as in PyG's ogbn-products example
+  (``examples/ogbn_products_gat.py``): :class:`~gatlib.models.SampledGAT`,
+  fan-outs 10, 10, 5, batches of 512 training nodes, Adam lr 0.001 without
+  weight decay, 100 epochs, layer-wise inference over full neighbourhoods in
+  batches of 2048 nodes after epochs 60, 70, ..., 100, keeping the evaluation
+  with the best validation metric.
 
 Model selection only ever looks at the validation split.
 """
@@ -42,8 +50,12 @@ from .. import GraphPlan, models, record_kernels
 from .data import PLANETOID, NodeDataset
 from .measure import proc_status
 from .report import environment
+from .distributed import Distributed, chunk_range
+from .sampled import batch_hop_counts, derived_seed, layerwise_inference, neighbor_loader
+
 
 MODELS = ("gat", "gatv2", "transformer")
+LOADERS = ("full", "neighbor")
 _GAT_CLASS = {"gat": "GAT", "gatv2": "GATv2"}
 _SPARSE_FEATURES = 0.1  # density below which prepare_graph stores features as sparse CSR
 
@@ -91,6 +103,35 @@ class Recipe:
 
 
 @dataclass
+class SampledRecipe(Recipe):
+    """A :class:`Recipe` trained on sampled mini-batches (``NeighborLoader``).
+
+    An epoch is one pass over the training nodes in batches of
+    ``batch_size`` seeds (per process: with K processes an optimiser step sees
+    K batches); evaluation is layer-wise over full neighbourhoods.
+
+    Attributes:
+        fanouts: neighbours sampled per node at each hop, one per layer
+            (``-1``: all of them).
+        batch_size: training nodes per batch and process.
+        eval_batch_size: nodes per batch of layer-wise inference.
+        eval_every: evaluate after every ``eval_every``-th epoch ...
+        eval_after: ... once more than ``eval_after`` epochs are done (and
+            always after the last epoch). A ``patience`` counts evaluations.
+    """
+
+    fanouts: List[int] = field(default_factory=lambda: [10, 10, 5])
+    batch_size: int = 512
+    eval_batch_size: int = 2048
+    eval_every: int = 10
+    eval_after: int = 50
+
+    def evaluates(self, epoch: int) -> bool:
+        """Whether the model is evaluated after ``epoch`` (1-based)."""
+        return epoch == self.epochs or (epoch > self.eval_after and epoch % self.eval_every == 0)
+
+
+@dataclass
 class RunResult:
     """One training run. Metrics are percentages.
 
@@ -114,10 +155,42 @@ class RunResult:
     peak_memory_mib: Optional[float]
 
 
-def recipe(model: str, dataset: str) -> Recipe:
-    """The published recipe for ``model`` (one of :data:`MODELS`) on ``dataset``."""
+@dataclass
+class SampledRunResult(RunResult):
+    """A run of :class:`SampledRecipe` (see :class:`RunResult`).
+
+    Attributes:
+        train_seconds_per_epoch: wall time of the training pass alone.
+        world_size: processes that trained it.
+        history: per epoch ``{"epoch", "loss", "train_acc", "val_acc"}``: the
+            mean training loss over all batches of all processes, the accuracy
+            (%) of the training batches' predictions ("approximate", as in PyG's
+            example: the model changes during the epoch), and the validation
+            metric (%) where the epoch was evaluated (else ``None``).
+    """
+
+    train_seconds_per_epoch: float = 0.0
+    world_size: int = 1
+    history: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def recipe(model: str, dataset: str, loader: str = "full") -> Recipe:
+    """The published recipe for ``model`` (one of :data:`MODELS`) on ``dataset``,
+    trained full-batch or on sampled mini-batches (``loader``, one of :data:`LOADERS`)."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; available: {', '.join(MODELS)}")
+    if loader not in LOADERS:
+        raise ValueError(f"loader must be one of {', '.join(LOADERS)}; got {loader!r}")
+    if loader == "neighbor":
+        if model not in ("gat", "gatv2"):
+            raise ValueError(f"loader='neighbor' trains gat or gatv2 (the GAT of PyG's "
+                             f"ogbn-products example); got model={model!r}")
+        # ogbn-arxiv is the only directed graph here; PyG's arxiv examples
+        # make it undirected, and OGB stores the others with both directions.
+        return SampledRecipe("SampledGAT", {"conv": model, "hidden_channels": 128, "heads": 4,
+                                            "num_layers": 3, "dropout": 0.5},
+                             lr=0.001, weight_decay=0.0, epochs=100, patience=None,
+                             stopping="best_val", undirected=dataset == "ogbn-arxiv")
     if dataset in PLANETOID:
         if model in ("gat", "gatv2"):
             if dataset == "pubmed":
@@ -137,10 +210,11 @@ def recipe(model: str, dataset: str) -> Recipe:
                   stopping="best_val", undirected=True)
 
 
-def prepare_graph(dataset: NodeDataset, rcp: Recipe, device: torch.device | str) -> Data:
+def prepare_graph(dataset: NodeDataset, rcp: Recipe, device: torch.device | str,
+                  sparse_features: bool = True) -> Data:
     """The graph a recipe trains on (reverse edges, positional encoding,
-    self-loops), on ``device``; features that are mostly zeros become a sparse
-    CSR tensor."""
+    self-loops), on ``device``; with ``sparse_features``, features that are
+    mostly zeros become a sparse CSR tensor."""
     from torch_geometric.utils import add_self_loops, remove_self_loops, to_undirected
 
     data = copy.copy(dataset.data)
@@ -153,7 +227,8 @@ def prepare_graph(dataset: NodeDataset, rcp: Recipe, device: torch.device | str)
         data.edge_index = add_self_loops(edge_index, num_nodes=data.num_nodes)[0]
     keep = ["x", "edge_index", "y"] + (["pe"] if rcp.pe is not None else [])
     data = Data(**{k: data[k] for k in keep}, num_nodes=data.num_nodes)
-    if data.x.layout == torch.strided and data.x.count_nonzero() < _SPARSE_FEATURES * data.x.numel():
+    if (sparse_features and data.x.layout == torch.strided
+            and data.x.count_nonzero() < _SPARSE_FEATURES * data.x.numel()):
         # Bag-of-words features (Planetoid: ~1% nonzero) as CSR make the first
         # layer's matmul and the input dropout O(nnz): 2-5x faster epochs on CPU.
         with warnings.catch_warnings():
@@ -244,6 +319,150 @@ def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.dev
                      peak_memory_mib=peak_memory_mib(device))
 
 
+def train_sampled_run(dataset: NodeDataset, rcp: SampledRecipe, *, seed: int,
+                      device: torch.device | str = "cpu", backend: str = "auto",
+                      graph: Optional[Data] = None,
+                      on_epoch: Optional[Callable[[int, float, Optional[float]], None]] = None,
+                      num_workers: int = 0, dist: Optional[Distributed] = None,
+                      on_step: Optional[Callable[[int, torch.nn.Module], None]] = None
+                      ) -> SampledRunResult:
+    """Train one model on sampled mini-batches and evaluate the selected weights
+    (how, and how several processes share the work: :mod:`gatlib.bench.sampled`).
+
+    Args:
+        dataset: the dataset (its split and metric).
+        rcp: the recipe.
+        seed: seeds the model's initialisation (the same on every rank), the
+            epochs' permutations of the training nodes, and the sampling and
+            dropout streams (rank 0's is the single-process run's).
+        device: where to train (ignored with ``dist``: its device).
+        backend: attention backend of every layer.
+        graph: :func:`~gatlib.bench.train.prepare_graph`'s output, dense and on
+            the CPU (built here if ``None``).
+        on_epoch: called after every epoch with ``(epoch, training loss,
+            validation metric or None)``.
+        num_workers: ``NeighborLoader`` worker processes.
+        dist: this process's place in a multi-process job.
+        on_step: called after every backward pass (gradients reduced, before the
+            optimiser step) with the step number (1-based) and the model (not its
+            DDP wrapper): a hook for checks.
+
+    Returns:
+        The :class:`~gatlib.bench.train.SampledRunResult`; with ``dist``, every
+        rank returns the same one.
+    """
+    from torch.utils.data import DistributedSampler
+    from torch_geometric import seed_everything
+
+    device = torch.device(device) if dist is None else dist.device
+    rank, world = (0, 1) if dist is None else (dist.rank, dist.world_size)
+    if graph is None:
+        graph = prepare_graph(dataset, rcp, "cpu", sparse_features=False)
+    if graph.x.layout != torch.strided:
+        raise ValueError("sampled training gathers feature rows: pass a dense graph "
+                         "(prepare_graph(..., sparse_features=False))")
+    seed_everything(seed)
+    model = build_model(rcp, dataset, backend).to(device)
+    net = model
+    if dist is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # DDP broadcasts rank 0's initial weights and averages gradients over ranks.
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                      else None)
+        if rank > 0:  # own sampling and dropout streams
+            torch.manual_seed(derived_seed(seed, rank))
+    opt = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop}[rcp.optimizer](
+        model.parameters(), lr=rcp.lr, weight_decay=rcp.weight_decay)
+    loss_fn = F.binary_cross_entropy_with_logits if dataset.multilabel else F.cross_entropy
+    hops = model.num_layers
+
+    train_idx = dataset.split_idx["train"]
+    share = DistributedSampler(range(train_idx.numel()), num_replicas=world, rank=rank,
+                               shuffle=True, seed=derived_seed(seed, 1 << 20), drop_last=True)
+    train_loader = neighbor_loader(graph, input_nodes=train_idx, num_neighbors=rcp.fanouts,
+                                   batch_size=rcp.batch_size, sampler=share,
+                                   num_workers=num_workers)
+    eval_nodes = torch.tensor(chunk_range(graph.num_nodes, rank, world))
+    eval_loader = neighbor_loader(Data(edge_index=graph.edge_index, num_nodes=graph.num_nodes),
+                                  input_nodes=eval_nodes, num_neighbors=[-1],
+                                  batch_size=rcp.eval_batch_size, num_workers=num_workers)
+
+    def reduce(*values: float) -> List[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        return (t if dist is None else dist.all_reduce(t)).tolist()
+
+    stop, history = _Stopping(rcp), []
+    val_at: Dict[int, float] = {}
+    test_at: Dict[int, float] = {}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start, train_seconds, step, epoch = time.perf_counter(), 0.0, 0, 0
+    for epoch in range(1, rcp.epochs + 1):
+        if epoch <= rcp.warmup_epochs:
+            for group in opt.param_groups:
+                group["lr"] = rcp.lr * epoch / rcp.warmup_epochs
+        share.set_epoch(epoch)
+        tic = time.perf_counter()
+        net.train()
+        loss_sum = batches = correct = seen = 0.0
+        for batch in train_loader:
+            batch = batch.to(device)
+            counts = batch_hop_counts(batch, hops)
+            opt.zero_grad()
+            out = net(batch.x, batch.edge_index, counts)  # [B, C]: the seeds
+            y = batch.y[:batch.batch_size]
+            loss = loss_fn(out, y)
+            loss.backward()
+            step += 1
+            if on_step is not None:
+                on_step(step, model)
+            opt.step()
+            loss_sum, batches = loss_sum + float(loss.detach()), batches + 1
+            if not dataset.multilabel:
+                correct += int((out.argmax(-1) == y).sum())
+            seen += batch.batch_size
+        loss_sum, batches, correct, seen = reduce(loss_sum, batches, correct, seen)
+        train_seconds += time.perf_counter() - tic
+        loss = loss_sum / max(batches, 1)
+        entry: Dict[str, Any] = {"epoch": epoch, "loss": loss,
+                                 "train_acc": None if dataset.multilabel
+                                 else round(100 * correct / max(seen, 1), 6),
+                                 "val_acc": None}
+        val_metric = None
+        if rcp.evaluates(epoch):
+            model.eval()
+            out = layerwise_inference(model, graph.x, eval_loader, graph.num_nodes, device, dist)
+            val_idx = dataset.split_idx["valid"]
+            val_loss = float(loss_fn(out[val_idx], graph.y[val_idx]))
+            val_metric = dataset.evaluate(out, "valid")
+            val_at[epoch], test_at[epoch] = val_metric, dataset.evaluate(out, "test")
+            entry["val_acc"] = round(100 * val_metric, 6)
+            stopping = stop.update(epoch, val_loss, val_metric, model)
+        else:
+            stopping = False
+        history.append(entry)
+        if on_epoch is not None:
+            on_epoch(epoch, loss, val_metric)
+        if stopping:
+            break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = peak_memory_mib(device)
+    if dist is not None and peak is not None:
+        peak = dist.all_reduce(torch.tensor([peak], dtype=torch.float64), "max").item()
+    # The selected epoch's test metric came from the same deterministic
+    # inference its validation metric did: no second pass over the graph.
+    best = stop.best_epoch
+    return SampledRunResult(
+        seed=seed, test_acc=round(100 * test_at[best], 6), val_acc=round(100 * val_at[best], 6),
+        epochs=epoch,
+        best_epoch=stop.best_epoch, seconds_per_epoch=seconds / max(epoch, 1),
+        peak_memory_mib=peak, train_seconds_per_epoch=train_seconds / max(epoch, 1),
+        world_size=world, history=history)
+
+
 class _Stopping:
     """Model selection and early stopping on the validation split (see :class:`Recipe`)."""
 
@@ -272,6 +491,31 @@ class _Stopping:
         return self.patience is not None and self.bad_epochs >= self.patience
 
 
+def with_sampling(rcp: Recipe, *, fanouts: Optional[List[int]] = None,
+                  batch_size: Optional[int] = None) -> Recipe:
+    """``rcp`` with its fan-outs and batch size replaced where given; checks them.
+
+    Raises:
+        ValueError: options for sampling on a full-batch recipe, a fan-out count
+            other than the model's layer count, a fan-out below -1 or of 0, or a
+            batch size below 1.
+    """
+    if not isinstance(rcp, SampledRecipe):
+        if fanouts is not None or batch_size is not None:
+            raise ValueError("fanouts and batch_size apply to loader='neighbor' (--loader neighbor)")
+        return rcp
+    fanouts = list(rcp.fanouts if fanouts is None else fanouts)
+    batch_size = rcp.batch_size if batch_size is None else batch_size
+    layers = rcp.model_kwargs.get("num_layers", 3)
+    if len(fanouts) != layers or any(isinstance(f, bool) or not isinstance(f, int) or f == 0
+                                     or f < -1 for f in fanouts):
+        raise ValueError(f"fanouts (--fanouts) must be {layers} integers, one per layer of "
+                         f"{rcp.model}, each >= 1 or -1 (all neighbours); got {fanouts}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size (--batch-size) must be an integer >= 1; got {batch_size!r}")
+    return replace(rcp, fanouts=fanouts, batch_size=batch_size)
+
+
 def peak_memory_mib(device: torch.device | str = "cpu") -> Optional[float]:
     """Peak memory in MiB: ``torch.cuda.max_memory_allocated`` on CUDA, the
     process's peak resident set (``VmHWM``) on CPU; ``None`` where unknown."""
@@ -285,11 +529,19 @@ def peak_memory_mib(device: torch.device | str = "cpu") -> Optional[float]:
 def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.device | str = "cpu",
               backend: str = "auto", seed: int = 0, epochs: Optional[int] = None,
               patience: Optional[int] = None, pe: Optional[str] = None, progress: bool = True,
-              on_update: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+              on_update: Optional[Callable[[Dict[str, Any]], None]] = None,
+              loader: str = "full", fanouts: Optional[List[int]] = None,
+              batch_size: Optional[int] = None, num_workers: int = 0,
+              dist: Optional[Distributed] = None) -> Dict[str, Any]:
     """Train ``runs`` models with seeds ``seed, seed+1, ...`` and summarise them.
 
     Ctrl-C stops after the run in progress is discarded; the report then holds
     the finished runs and ``"interrupted": True``.
+
+    With ``dist`` (one process of a torchrun job, see
+    :mod:`gatlib.bench.distributed`) every process calls this; each trains on
+    its share of every batch and all of them return the same report (its
+    metrics are reduced over the processes), which rank 0 writes.
 
     Args:
         dataset: the dataset.
@@ -307,6 +559,15 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
             terminal.
         on_update: called with the report after every finished run (e.g. to
             save it, so a killed benchmark keeps its results).
+        loader: ``"full"`` (full-batch) or ``"neighbor"`` (sampled mini-batches,
+            :class:`SampledRecipe`).
+        fanouts: override the sampled recipe's fan-outs (one per layer; ``-1``:
+            all neighbours).
+        batch_size: override the sampled recipe's training nodes per batch
+            (per process).
+        num_workers: ``NeighborLoader`` worker processes (0: sample in the
+            training process).
+        dist: this process's place in a multi-process job (``None``: one process).
 
     Returns:
         The report: ``runs`` (one :class:`RunResult` dict each), ``test_acc``
@@ -317,7 +578,12 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
     """
     from tqdm.auto import tqdm
 
-    rcp = recipe(model, dataset.name)
+    rcp = recipe(model, dataset.name, loader)
+    if dist is not None and dist.world_size > 1 and loader != "neighbor":
+        raise ValueError(f"loader={loader!r} trains on the whole graph in one process; "
+                         f"{dist.world_size} processes train data-parallel with "
+                         f"loader='neighbor' (--loader neighbor)")
+    rcp = with_sampling(rcp, fanouts=fanouts, batch_size=batch_size)
     if epochs is not None:
         rcp = replace(rcp, epochs=epochs)
     if patience is not None:
@@ -327,14 +593,24 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
             raise ValueError(f"--pe applies to the Planetoid transformer, not to {rcp.model}")
         rcp = replace(rcp, pe=None if pe == "none" else pe,
                       pe_dim={"none": 0, "laplacian": 8, "random_walk": 16}[pe])
-    device = torch.device(device)
-    graph = prepare_graph(dataset, rcp, device)
+    device = torch.device(device) if dist is None else dist.device
+    sampled = isinstance(rcp, SampledRecipe)
+    # Sampled batches gather feature rows: the graph stays dense and on the CPU,
+    # where the sampler runs; each batch moves to the device.
+    graph = prepare_graph(dataset, rcp, "cpu" if sampled else device, sparse_features=not sampled)
     report: Dict[str, Any] = {
         "dataset": dataset.name, "model": model, "metric": dataset.metric, **environment(device),
         "backend": backend, "kernels": None, "runs_requested": runs,
         "config": {"seed": seed, **asdict(rcp)},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "interrupted": False, "runs": [],
     }
+    if sampled:
+        world = 1 if dist is None else dist.world_size
+        report.update(loader=loader, num_workers=num_workers,
+                      distributed={"world_size": world,
+                                   "backend": None if dist is None else dist.backend,
+                                   "batch_size_per_process": rcp.batch_size,
+                                   "global_batch_size": world * rcp.batch_size})
     results: List[RunResult] = []
     # disable=None: tqdm stays quiet when stderr is not a terminal
     quiet = None if progress else True
@@ -347,8 +623,14 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
             # Which kernels ran is recorded in the first run; the others run the same calls.
             try:
                 with record_kernels() if i == 0 else contextlib.nullcontext() as log:
-                    res = train_run(dataset, rcp, seed=seed + i, device=device, backend=backend,
-                                    graph=graph, on_epoch=_epoch_progress(epochs_bar, metric))
+                    on_epoch = _epoch_progress(epochs_bar, metric)
+                    if sampled:
+                        res = train_sampled_run(dataset, rcp, seed=seed + i, device=device,
+                                                backend=backend, graph=graph, on_epoch=on_epoch,
+                                                num_workers=num_workers, dist=dist)
+                    else:
+                        res = train_run(dataset, rcp, seed=seed + i, device=device,
+                                        backend=backend, graph=graph, on_epoch=on_epoch)
             finally:
                 epochs_bar.close()
             if i == 0:
@@ -366,11 +648,15 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
     return report
 
 
-def _epoch_progress(bar, metric: str) -> Callable[[int, float, float], None]:
+def _epoch_progress(bar, metric: str) -> Callable[[int, float, Optional[float]], None]:
     """``train_run``'s ``on_epoch`` for a tqdm bar over a run's epochs (its ETA
-    is to the recipe's maximum; early stopping ends a run sooner)."""
-    def on_epoch(epoch: int, loss: float, val: float) -> None:
-        bar.set_postfix({"loss": f"{loss:.4f}", f"val {metric}": f"{100 * val:.2f}"}, refresh=False)
+    is to the recipe's maximum; early stopping ends a run sooner). A sampled
+    run reports ``val=None`` for epochs it did not evaluate."""
+    def on_epoch(epoch: int, loss: float, val: Optional[float]) -> None:
+        post = {"loss": f"{loss:.4f}"}
+        if val is not None:
+            post[f"val {metric}"] = f"{100 * val:.2f}"
+        bar.set_postfix(post, refresh=False)
         bar.update(epoch - bar.n)
 
     return on_epoch
