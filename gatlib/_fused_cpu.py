@@ -379,15 +379,25 @@ def _row_softmax(e: Tensor, lay: Layout) -> Tuple[Tensor, Tensor]:
     in place (``e`` becomes the weights), and its log-normaliser ``lse [N_dst, H]``
     (``alpha_ij = exp(e_ij - lse_i)``)."""
     m = torch.segment_reduce(e, "max", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    ex = e.sub_(m.index_select(0, lay.dst)).exp_()  # [E, H], every entry <= 1
-    den = torch.segment_reduce(ex, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H], >= 1 where used
-    ex.div_(den.index_select(0, lay.dst))
-    return ex, den.log_().add_(m)
+    _per_edge_(e, m, lay, lambda eb, mb: eb.sub_(mb).exp_())  # every entry <= 1
+    den = torch.segment_reduce(e, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H], >= 1 where used
+    _per_edge_(e, den, lay, Tensor.div_)
+    return e, den.log_().add_(m)
 
 
 def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
     """The softmax weights again from the scores ``e`` (consumed) and ``lse``."""
-    return e.sub_(lse.index_select(0, lay.dst)).exp_()
+    return _per_edge_(e, lse, lay, lambda eb, lb: eb.sub_(lb).exp_())
+
+
+def _per_edge_(x: Tensor, node: Tensor, lay: Layout, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """``x[e] = fn(x[e], node[dst[e]])`` in place for ``[E, H]`` ``x`` and ``[N_dst, H]``
+    ``node``, in edge blocks: the gathered ``node`` rows never exist whole."""
+    def block(e0, e1, part):
+        fn(x[e0:e1], node.index_select(0, lay.dst[e0:e1]))
+
+    _for_blocks(lay, x.size(1) * x.element_size(), block)
+    return x
 
 
 def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayout,
@@ -464,7 +474,12 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
     del a
     ad = torch.zeros_like(alpha) if d_alpha is None else d_alpha.mul_(alpha)  # [E, H]
     delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    return ad.sub_(delta.index_select(0, lay.dst).mul_(alpha)), dv, du, d_drop
+
+    def block(e0, e1, part):
+        ad[e0:e1].sub_(delta.index_select(0, lay.dst[e0:e1]).mul_(alpha[e0:e1]))
+
+    _for_blocks(lay, ad.size(1) * ad.element_size(), block)
+    return ad, dv, du, d_drop
 
 
 # ---------------------------------------------------------------------------
@@ -473,16 +488,24 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
 # ---------------------------------------------------------------------------
 def _gat_forward(s, t, w, att, hl, scale, slope) -> Tensor:
     r"""GAT: ``e_ij = leaky_relu(z_ij)``, ``z_ij = s_j + t_i + w_ij`` from ``[*, H]``
-    node terms (gathers of ``[*, H]`` rows, CSR order)."""
-    return F.leaky_relu(_gat_z(s, t, w, hl.lay), slope)
+    node terms (gathers of ``[*, H]`` rows, CSR order), in edge blocks: the only
+    ``[E, H]`` tensor is the result."""
+    lay = hl.lay
+    e = s.new_empty(lay.num_edges, s.size(1))  # [E, H]
+
+    def block(e0, e1, part):
+        e[e0:e1] = F.leaky_relu_(_gat_z(s, t, w, lay, e0, e1), slope)
+
+    _for_blocks(lay, e.size(1) * e.element_size(), block)
+    return e
 
 
-def _gat_z(s, t, w, lay) -> Tensor:
-    z = s.index_select(0, lay.src)  # [E, H]
+def _gat_z(s, t, w, lay, e0, e1) -> Tensor:
+    z = s.index_select(0, lay.src[e0:e1])  # [n, H]
     if t is not None:
-        z += t.index_select(0, lay.dst)
+        z += t.index_select(0, lay.dst[e0:e1])
     if w is not None:
-        z += w.index_select(0, lay.perm)
+        z += w.index_select(0, lay.perm[e0:e1])
     return z
 
 
@@ -495,11 +518,25 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
         dw_ij = dz_ij                           # back to the edge-list order
     """
     lay = hl.lay
-    dz = torch.ops.aten.leaky_relu_backward(de, _gat_z(s, t, w, lay), slope, False)  # [E, H]
+    dz = de  # [E, H], ours: overwritten block by block
+
+    def block(e0, e1, part):
+        dz[e0:e1] = torch.ops.aten.leaky_relu_backward(de[e0:e1], _gat_z(s, t, w, lay, e0, e1),
+                                                       slope, False)
+
+    row_bytes = dz.size(1) * dz.element_size()
+    _for_blocks(lay, row_bytes, block)
     ds = dt = dw = None
-    if need[0]:
-        ds = torch.segment_reduce(dz.index_select(0, lay.csc_edge), "sum",
-                                  offsets=lay.csc_ptr, axis=0)  # [N_src, H]
+    if need[0]:  # each source's out-edges, walked in CSC order: no [E, H] gather
+        ds = s.new_zeros(lay.num_src, dz.size(1))
+
+        def block(e0, e1, part):
+            edges = lay.csc_edge[e0:e1]
+            r = lay.src.index_select(0, edges)  # non-decreasing
+            i0 = int(r[0])
+            ds[i0:int(r[-1]) + 1].index_add_(0, r - i0, dz.index_select(0, edges))
+
+        _for_blocks(lay, row_bytes, block, lay.csc_ptr)
     if need[1]:
         dt = torch.segment_reduce(dz, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
     if need[2]:
