@@ -21,7 +21,10 @@ on a head-major copy, benchmarks/NOTES.md). Per-edge tensors are kept ``[E, H]``
 in the destination-sorted (CSR) edge order of the plan's
 :class:`~gatlib._plan.Layout` and are permuted to the block order only around
 the sparse kernels. The head layout is derived once per plan and head count
-and lives on the plan (:meth:`gatlib.GraphPlan.derived`).
+and lives on the plan (:meth:`gatlib.GraphPlan.derived`). It costs five index
+entries per edge and head; where that would exceed :data:`BLOCK_CSR_MAX_BYTES`
+(ogbn-products: ~9.4 GiB at H = 4) the same products run over edge blocks of
+the plan's own CSR/CSC instead, ~1.5x slower and with no index of their own.
 
 The whole call is one autograd function, :class:`_FusedAttention`, with a
 ``setup_context`` (so ``torch.func`` transforms can use it). Its backward is
