@@ -149,9 +149,11 @@ def block_csr_bytes(lay: Layout, heads: int) -> int:
 
 def _use_block_csr(lay: Layout, heads: int) -> bool:
     """Whether the sparse products use the block CSR (:class:`_HeadLayout`): they
-    do unless its index tensors exceed :data:`BLOCK_CSR_MAX_BYTES`; above, the
+    do unless the graph has fewer than :data:`BLOCK_CSR_MIN_ENTRIES` edges times
+    heads or its index tensors exceed :data:`BLOCK_CSR_MAX_BYTES`; otherwise the
     products run over edge blocks with the plan's own CSR/CSC."""
-    return block_csr_bytes(lay, heads) <= BLOCK_CSR_MAX_BYTES
+    return (lay.num_edges * heads >= BLOCK_CSR_MIN_ENTRIES
+            and block_csr_bytes(lay, heads) <= BLOCK_CSR_MAX_BYTES)
 
 
 # The block CSR costs 5 index entries per edge and head (arxiv-like, H=4: 196 MiB;
@@ -159,6 +161,11 @@ def _use_block_csr(lay: Layout, heads: int) -> bool:
 # edge blocks (SpMM 330 vs 492 ms, SDDMM 304 vs 506 ms on the arxiv-like graph,
 # 2 threads, benchmarks/NOTES.md). Above this size the edge blocks run instead.
 BLOCK_CSR_MAX_BYTES = 1 << 30
+# Below this many entries building the block CSR costs more than it saves: on
+# NeighborLoader-sized graphs (H=4, C=64, forward+backward through a new plan,
+# 2 threads) edge blocks took 1.35 vs 1.61 ms at 59 edges, 1.83 vs 1.98 ms at
+# 237, and 5.54 vs 4.45 ms at 945 (benchmarks/NOTES.md).
+BLOCK_CSR_MIN_ENTRIES = 2048
 
 
 def kernel_layout(plan: GraphPlan, heads: int) -> _HeadLayout:
@@ -321,7 +328,7 @@ def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]
     if E == 0:
         return
     step = max(1, _CHUNK_BYTES // max(1, row_bytes))
-    parts = _num_parts(lay)
+    parts = 1 if E <= step else _num_parts(lay)
     if parts == 1:
         with torch.no_grad():
             for e0 in range(0, E, step):
@@ -695,8 +702,8 @@ def _layout_tensors(hl: _HeadLayout) -> Tuple[Tensor, ...]:
 
 def _with_layout(spec: _Spec, tensors: Sequence[Tensor]) -> _Spec:
     """``spec`` with its head layout made of ``tensors`` (see :func:`_layout_tensors`)."""
-    if not tensors:
-        return spec
+    if not tensors or all(a is b for a, b in zip(tensors, _layout_tensors(spec.hl), strict=True)):
+        return spec  # an ordinary call: they are the spec's own
     fields = [[f.name for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), Tensor)]
               for obj in (spec.hl.lay, spec.hl)]
     n = len(fields[0])

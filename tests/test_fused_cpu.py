@@ -19,7 +19,11 @@ def blocks(request, monkeypatch):
     threads, so that destination rows straddle block boundaries and sources are
     shared between threads even on small graphs; and with the sparse products
     over such edge blocks instead of the block CSR (graphs whose block CSR would
-    exceed fc.BLOCK_CSR_MAX_BYTES), the head layout never built."""
+    exceed fc.BLOCK_CSR_MAX_BYTES, or have fewer than fc.BLOCK_CSR_MIN_ENTRIES
+    edges times heads), the head layout never built. The first two build the
+    block CSR even on these small graphs."""
+    if request.param != "edge_products":
+        monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES", 0)
     if request.param != "one_block":
         monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
         monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
@@ -263,3 +267,31 @@ def test_layers_save_no_edge_sized_feature_tensor(layer):
     m = build(layer, backend="fused", dropout=0.1)
     saved = saved_tensors_during(lambda: m(x, ei).sum().backward())
     assert max(t.numel() for t in saved) < E * H * C // 2
+
+
+def test_block_csr_is_built_only_between_its_bounds(monkeypatch):
+    """The head layout (block CSR) is built for graphs with at least
+    BLOCK_CSR_MIN_ENTRIES edges times heads whose index fits BLOCK_CSR_MAX_BYTES;
+    tiny graphs and huge ones run the edge-block products. Every case agrees
+    with the reference."""
+    built = []
+    real = fc._build_head_layout
+    monkeypatch.setattr(fc, "_build_head_layout", lambda *a: built.append(a[1]) or real(*a))
+    H, n = 4, 300
+    x = torch.randn(n, 8)
+    torch.manual_seed(0)
+    fused = gatlib.GATConv(8, 3, heads=H, backend="fused")
+    ref = gatlib.GATConv(8, 3, heads=H, backend="torch")
+    ref.load_state_dict(fused.state_dict())
+    small = random_graph(n, 100, seed=1)  # (100 + 300 loops) * 4 < 2048 entries
+    large = random_graph(n, 600, seed=2)  # (600 + 300) * 4 >= 2048
+    assert fc.BLOCK_CSR_MIN_ENTRIES == 2048
+    for ei, expect in ((small, []), (large, [H])):
+        built.clear()
+        torch.testing.assert_close(fused(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
+        assert built == expect
+    monkeypatch.setattr(fc, "BLOCK_CSR_MAX_BYTES", fc.block_csr_bytes(
+        gatlib.GraphPlan(large, num_nodes=n).with_self_loops().layout(), H) - 1)
+    built.clear()
+    torch.testing.assert_close(fused(x, large), ref(x, large), rtol=1e-4, atol=1e-5)
+    assert built == []
