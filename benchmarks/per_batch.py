@@ -58,7 +58,7 @@ def _plan_ms(batches, heads: int) -> float:
     """Milliseconds per batch to derive what a GATConv call needs from a new graph."""
     def derive():
         for x, ei in batches:
-            _fused_cpu.head_layout(GraphPlan(ei, num_nodes=x.size(0)).with_self_loops(), heads)
+            _fused_cpu.kernel_layout(GraphPlan(ei, num_nodes=x.size(0)).with_self_loops(), heads)
 
     derive()
     t0 = time.perf_counter()
