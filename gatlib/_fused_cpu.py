@@ -702,8 +702,8 @@ def _layout_tensors(hl: _HeadLayout) -> Tuple[Tensor, ...]:
 
 def _with_layout(spec: _Spec, tensors: Sequence[Tensor]) -> _Spec:
     """``spec`` with its head layout made of ``tensors`` (see :func:`_layout_tensors`)."""
-    if not tensors or all(a is b for a, b in zip(tensors, _layout_tensors(spec.hl), strict=True)):
-        return spec  # an ordinary call: they are the spec's own
+    if not tensors or tensors[0] is spec.hl.lay.ptr:
+        return spec  # an ordinary call: they are the spec's own (ptr is the first of them)
     fields = [[f.name for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), Tensor)]
               for obj in (spec.hl.lay, spec.hl)]
     n = len(fields[0])
