@@ -740,9 +740,10 @@ class _FusedAttention(torch.autograd.Function):
     ``_dot_forward``), then :func:`_softmax_aggregate`. Backward: their
     backwards in reverse order (the softmax gradient is in
     :func:`_softmax_aggregate_backward`). Saved: the inputs, and ``alpha`` —
-    except for GAT, whose scores are two ``[E, H]`` gathers to recompute: it
-    saves ``lse`` and rebuilds ``alpha`` in backward (one ``[E, H]`` tensor less
-    per layer between forward and backward: 2 GB at ogbn-products' scale).
+    except for GAT on all but small graphs (:func:`_recomputes_alpha`), whose
+    scores are two ``[E, H]`` gathers to recompute: it saves ``lse`` and rebuilds
+    ``alpha`` in backward (one ``[E, H]`` tensor less per layer between forward
+    and backward: 2 GB at ogbn-products' scale).
     """
 
     @staticmethod
@@ -765,7 +766,8 @@ class _FusedAttention(torch.autograd.Function):
         ctx.num_layout = len(tensors) - 7
         ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
         ctx.mark_non_differentiable(output[2])
-        ctx.save_for_backward(*tensors[:7], output[2] if spec.kind == "gat" else output[1])
+        ctx.recompute = _recomputes_alpha(ctx.spec)
+        ctx.save_for_backward(*tensors[:7], output[2] if ctx.recompute else output[1])
 
     @staticmethod
     def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor], g_lse: None):
@@ -779,7 +781,7 @@ class _FusedAttention(torch.autograd.Function):
         _log(spec.log, "fused.backward")
         s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
         with torch.autocast("cpu", enabled=False):
-            if spec.kind == "gat":  # saved: lse
+            if ctx.recompute:  # saved: lse
                 alpha = _recomputed_alpha(_gat_forward(s_src, s_dst, s_edge, s_att, spec.hl,
                                                        spec.scale, spec.slope), alpha, spec.hl.lay)
             de, dv, du, d_drop = _softmax_aggregate_backward(
@@ -789,6 +791,17 @@ class _FusedAttention(torch.autograd.Function):
                 score_grads = _SCORES[spec.kind][1](de, s_src, s_dst, s_edge, s_att, spec.hl,
                                                     spec.scale, spec.slope, need[:4])
         return (None, *score_grads, dv, du, d_drop, *layout)
+
+
+def _recomputes_alpha(spec: _Spec) -> bool:
+    """Whether backward recomputes ``alpha`` from the saved ``lse`` (GAT, whose
+    scores are cheap to recompute, on graphs of :data:`RECOMPUTE_MIN_ENTRIES` or
+    more edges times heads) instead of saving it."""
+    return spec.kind == "gat" and spec.hl.lay.num_edges * spec.hl.heads >= RECOMPUTE_MIN_ENTRIES
+
+
+# On small graphs the recomputation's few extra ops cost more than the memory saves.
+RECOMPUTE_MIN_ENTRIES = 2048
 
 
 # Function.apply binds its arguments to forward's signature on every call (it

@@ -247,6 +247,19 @@ def _projected_scores(x: Tensor, lin: Linear, att: Tensor, h: Optional[Tensor] =
     return x @ w.t()
 
 
+def _projected_score_pair(x: Tensor, lin: Linear, att_a: Tensor, att_b: Tensor,
+                          h: Tensor) -> Tuple[Tensor, Tensor]:
+    """:func:`_projected_scores` of one ``x`` for two attention vectors: with the
+    fold, one ``[N, F] @ [F, 2H]`` product (and one input gradient in backward)
+    instead of two. Returns two ``[N, H]``."""
+    H, C = att_a.shape[1:]
+    if H * C < x.size(-1):
+        return (h * att_a).sum(-1), (h * att_b).sum(-1)
+    att = torch.stack([att_a, att_b]).view(2, H, C, 1)
+    w = (lin.weight.view(1, H, C, -1) * att).sum(2)  # [2, H, F]
+    return (x @ w.view(2 * H, -1).t()).split(H, dim=1)
+
+
 class GATConv(_AttentionConv):
     r"""The graph attention layer of `Veličković et al. (2018)
     <https://arxiv.org/abs/1710.10903>`_.
@@ -419,11 +432,13 @@ class GATConv(_AttentionConv):
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
         # and a_edge·W_e e_ij one [E, H] term per edge (see _projected_scores).
-        a_src = _projected_scores(x_src, lin_src, self.att_src, h_src)  # [N_s, H]
         a_dst = None
-        if x_dst is not None:  # h_src is also W x_dst when both are x under one weight
-            same = x_dst is x_src and lin_dst is lin_src
-            a_dst = _projected_scores(x_dst, lin_dst, self.att_dst, h_src if same else None)  # [N_t, H]
+        if x_dst is x_src and lin_dst is lin_src:  # one x under one weight: both terms at once
+            a_src, a_dst = _projected_score_pair(x_src, lin_src, self.att_src, self.att_dst, h_src)
+        else:
+            a_src = _projected_scores(x_src, lin_src, self.att_src, h_src)  # [N_s, H]
+            if x_dst is not None:
+                a_dst = _projected_scores(x_dst, lin_dst, self.att_dst)  # [N_t, H]
         if self._use_propagate():  # PyG's flow: edge_update, then message per edge
             if self.value_dropout > 0.0:
                 h_src = F.dropout(h_src, self.value_dropout, self.training)

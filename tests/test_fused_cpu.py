@@ -21,9 +21,11 @@ def blocks(request, monkeypatch):
     over such edge blocks instead of the block CSR (graphs whose block CSR would
     exceed fc.BLOCK_CSR_MAX_BYTES, or have fewer than fc.BLOCK_CSR_MIN_ENTRIES
     edges times heads), the head layout never built. The first two build the
-    block CSR even on these small graphs."""
-    if request.param != "edge_products":
+    block CSR even on these small graphs, and GAT recomputes its weights in
+    backward; in the third it saves them, as on every small graph."""
+    if request.param != "edge_products":  # and GAT recomputes alpha (else it saves it)
         monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES", 0)
+        monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)
     if request.param != "one_block":
         monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
         monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
@@ -295,3 +297,29 @@ def test_block_csr_is_built_only_between_its_bounds(monkeypatch):
     built.clear()
     torch.testing.assert_close(fused(x, large), ref(x, large), rtol=1e-4, atol=1e-5)
     assert built == []
+
+
+def test_gat_keeps_lse_not_alpha_from_recompute_min_entries_on():
+    """GAT saves its [N, H] log-normaliser instead of the [E, H] weights on graphs of
+    RECOMPUTE_MIN_ENTRIES edges times heads or more (and saves the weights below),
+    with the same result and gradients as the reference either way."""
+    H, n = 4, 300
+    for E, keeps_alpha in ((100, True), (900, False)):  # (E + n loops) * H vs 2048
+        ei = random_graph(n, E, seed=5)
+        x = torch.randn(n, 8, requires_grad=True)
+        torch.manual_seed(0)
+        fused = gatlib.GATConv(8, 3, heads=H, backend="fused")
+        ref = gatlib.GATConv(8, 3, heads=H, backend="torch")
+        ref.load_state_dict(fused.state_dict())
+        outs = []
+        saved = saved_tensors_during(lambda: outs.append(fused(x, ei)))
+        E_att = GraphPlan(ei, num_nodes=n).with_self_loops().num_edges
+        edge_sized = [t for t in saved if t.dim() == 2 and t.shape == (E_att, H) and t.is_floating_point()]
+        assert bool(edge_sized) == keeps_alpha, [tuple(t.shape) for t in saved]
+        assert any(t.shape == (n, H) for t in saved)  # lse or the scores
+        want = ref(x, ei)
+        torch.testing.assert_close(outs[0], want, rtol=1e-4, atol=1e-5)
+        g1 = torch.autograd.grad(outs[0].square().sum(), [x, *fused.parameters()])
+        g2 = torch.autograd.grad(want.square().sum(), [x, *ref.parameters()])
+        for a, b in zip(g1, g2, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
