@@ -1,6 +1,7 @@
 """Test-session set-up shared by every test module."""
 import os
 
+import pytest
 import torch
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter (numpy
@@ -15,3 +16,15 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: small graphs gain nothing from a second one,
+    and on a busy 2-core machine OpenMP threads slow every op down several times.
+    Modules that train or benchmark end to end use it for all their tests
+    (``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -14,14 +14,7 @@ from gatlib.bench import cli
 from ogb_fake import planetoid_raw_dir
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Cora-sized graphs gain nothing from a second thread, and on a busy
-    2-core machine OpenMP threads slow every op down several times."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -18,14 +18,7 @@ from gatlib.bench.data import (DatasetNotFoundError, load_dataset, ogb_required_
 from ogb_fake import ogb_meta_dict, planetoid_raw_dir, write_fake_ogbn, write_ogb_node_dataset
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small graphs gain nothing from a second thread, and on a busy 2-core
-    machine OpenMP threads slow every op down several times."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture

@@ -30,13 +30,7 @@ TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """On a busy 2-core machine OpenMP threads slow every op down several times."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")

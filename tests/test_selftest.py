@@ -16,13 +16,7 @@ from gatlib.bench import cli, selftest
 from testing import DEVICE
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The checks' graphs are tiny: a second thread only slows a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _selftest(tmp_path, *extra, monkeypatch=None):
