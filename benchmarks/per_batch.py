@@ -54,11 +54,12 @@ def _layer_call(module, batches):
     return fn
 
 
-def _plan_ms(batches, heads: int) -> float:
+def _plan_ms(batches, heads: int, channels: int) -> float:
     """Milliseconds per batch to derive what a GATConv call needs from a new graph."""
     def derive():
         for x, ei in batches:
-            _fused_cpu.kernel_layout(GraphPlan(ei, num_nodes=x.size(0)).with_self_loops(), heads)
+            plan = GraphPlan(ei, num_nodes=x.size(0)).with_self_loops()
+            _fused_cpu.kernel_layout(plan, heads, channels)
 
     derive()
     t0 = time.perf_counter()
@@ -97,7 +98,7 @@ def main() -> None:
         e = statistics.mean(ei.size(1) for _, ei in batches)
         fns = {name: _layer_call(m, batches) for name, m in modules.items()}
         t = time_interleaved(fns, torch.device("cpu"), args.repeats, warmup=2, min_block_s=0.3)
-        plan_ms = _plan_ms(batches, H)
+        plan_ms = _plan_ms(batches, H, C)
         ms = {k: (1e3 * v["median_s"] if v["status"] == "ok" else None) for k, v in t.items()}
         res = {"batch_size": bs, "mean_nodes": n, "mean_edges": e, "ms": ms, "plan_ms": plan_ms,
                "rounds": {k: v.get("times_s") for k, v in t.items()}}

@@ -107,7 +107,7 @@ def main() -> None:
         looped = graph.with_self_loops()  # what GATConv attends over
         lay = looped.layout()
         state["plan"] = graph
-        state["block_csr"] = {H: _fused_cpu._use_block_csr(lay, H) for H in (1, 4)}
+        state["block_csr"] = {H: _fused_cpu._use_block_csr(lay, H, C) for H, C in ((1, 47), (4, 32))}
         state["plan_gib"] = round(graph.nbytes / GiB, 3)
 
     def forward():

@@ -127,7 +127,9 @@ def _fused_context(call: AttentionCall) -> Optional[str]:
     import torch.autograd.forward_ad as fwAD
 
     reason = _traced()
-    if reason is None and any(fwAD.unpack_dual(t).tangent is not None for t in call.tensors()):
+    # dual tensors exist only inside a dual_level() block (its level is >= 0 there)
+    if (reason is None and getattr(fwAD, "_current_level", 0) >= 0
+            and any(fwAD.unpack_dual(t).tangent is not None for t in call.tensors())):
         reason = "forward-mode AD (dual tensors): fused kernels have no jvp"
     return reason
 

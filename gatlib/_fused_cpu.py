@@ -147,12 +147,12 @@ def block_csr_bytes(lay: Layout, heads: int) -> int:
     return size * (5 * E * H + (lay.num_src + lay.num_dst + 2) * H)
 
 
-def _use_block_csr(lay: Layout, heads: int) -> bool:
+def _use_block_csr(lay: Layout, heads: int, channels: int) -> bool:
     """Whether the sparse products use the block CSR (:class:`_HeadLayout`): they
     do unless the graph has fewer than :data:`BLOCK_CSR_MIN_ENTRIES` edges times
-    heads or its index tensors exceed :data:`BLOCK_CSR_MAX_BYTES`; otherwise the
-    products run over edge blocks with the plan's own CSR/CSC."""
-    return (lay.num_edges * heads >= BLOCK_CSR_MIN_ENTRIES
+    heads times channels or its index tensors exceed :data:`BLOCK_CSR_MAX_BYTES`;
+    otherwise the products run over edge blocks with the plan's own CSR/CSC."""
+    return (lay.num_edges * heads * channels >= BLOCK_CSR_MIN_ENTRIES
             and block_csr_bytes(lay, heads) <= BLOCK_CSR_MAX_BYTES)
 
 
@@ -161,18 +161,23 @@ def _use_block_csr(lay: Layout, heads: int) -> bool:
 # edge blocks (SpMM 330 vs 492 ms, SDDMM 304 vs 506 ms on the arxiv-like graph,
 # 2 threads, benchmarks/NOTES.md). Above this size the edge blocks run instead.
 BLOCK_CSR_MAX_BYTES = 1 << 30
-# Below this many entries building the block CSR costs more than it saves: on
-# NeighborLoader-sized graphs (H=4, C=64, forward+backward through a new plan,
-# 2 threads) edge blocks took 1.35 vs 1.61 ms at 59 edges, 1.83 vs 1.98 ms at
-# 237, and 5.54 vs 4.45 ms at 945 (benchmarks/NOTES.md).
-BLOCK_CSR_MIN_ENTRIES = 2048
+# Below this many [E, H, C] entries (a graph whose edges, gathered, make one
+# float32 block of _CHUNK_BYTES) building the block CSR costs more than it saves:
+# such a graph runs whole (_softmax_aggregate_small). GATConv forward+backward
+# through a new plan (H=4, C=64, 2 threads, NeighborLoader subgraphs): 2.09 vs
+# 2.44 ms at 918 edges (whole vs block CSR), 4.52 vs 3.97 ms at 1,819
+# (benchmarks/NOTES.md).
+BLOCK_CSR_MIN_ENTRIES = 1 << 18
 
 
-def kernel_layout(plan: GraphPlan, heads: int) -> _HeadLayout:
-    """What the kernel runs on: the plan's block CSR where :func:`_use_block_csr`
-    allows it, else only the plan's :class:`Layout` (edge-block products)."""
+def kernel_layout(plan: GraphPlan, heads: int, channels: int) -> _HeadLayout:
+    """What the kernel runs on for ``heads`` x ``channels`` values: the plan's block
+    CSR where :func:`_use_block_csr` allows it, else only the plan's
+    :class:`Layout` (edge-block products)."""
     lay = plan.layout()
-    return head_layout(plan, heads) if _use_block_csr(lay, heads) else _HeadLayout(lay, heads)
+    if _use_block_csr(lay, heads, channels):
+        return head_layout(plan, heads)
+    return _HeadLayout(lay, heads)
 
 
 def head_layout(plan: GraphPlan, heads: int) -> _HeadLayout:
@@ -218,25 +223,30 @@ def _spmm_edges(lay: Layout, weight: Tensor, dense: Tensor, transpose: bool) -> 
     them by their edge's weights and add them into their rows of the result. The
     transpose walks the edges in CSC order, so each part owns its source rows."""
     H, C = dense.shape[1:]
-    if transpose:
-        out = dense.new_zeros(lay.num_src, H, C)
-        ptr, row, other = lay.csc_ptr, None, lay.csc_dst
-    else:
+    row_bytes = H * C * dense.element_size()
+    if not transpose:
         out = dense.new_zeros(lay.num_dst, H, C)
-        ptr, row, other = lay.ptr, lay.dst, lay.src
+
+        def block(e0, e1, part):
+            x = dense.index_select(0, lay.src[e0:e1])  # [n, H, C]
+            _add_row_sums(out, x.mul_(weight[e0:e1].to(x.dtype).unsqueeze(-1)), lay, e0, e1)
+
+        _for_blocks(lay, row_bytes, block)
+        return out
+    out = dense.new_zeros(lay.num_src, H, C)
+    if _one_block(lay, row_bytes):  # one thread, one pass: no need for the CSC walk
+        x = dense.index_select(0, lay.dst)
+        return out.index_add_(0, lay.src, x.mul_(weight.to(x.dtype).unsqueeze(-1)))
 
     def block(e0, e1, part):
-        x = dense.index_select(0, other[e0:e1])  # [n, H, C]
-        if transpose:
-            w = weight.index_select(0, lay.csc_edge[e0:e1])
-            r = lay.src.index_select(0, lay.csc_edge[e0:e1])  # non-decreasing
-        else:
-            w, r = weight[e0:e1], row[e0:e1]
-        x.mul_(w.to(x.dtype).unsqueeze(-1))
+        edges = lay.csc_edge[e0:e1]
+        x = dense.index_select(0, lay.csc_dst[e0:e1])  # [n, H, C]
+        x.mul_(weight.index_select(0, edges).to(x.dtype).unsqueeze(-1))
+        r = lay.src.index_select(0, edges)  # non-decreasing
         i0 = int(r[0])
         out[i0:int(r[-1]) + 1].index_add_(0, r - i0, x)
 
-    _for_blocks(lay, H * C * dense.element_size(), block, ptr)
+    _for_blocks(lay, row_bytes, block, lay.csc_ptr)
     return out
 
 
@@ -261,7 +271,7 @@ def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
                                 b.index_select(0, lay.src[e0:e1]), out=out[e0:e1])
 
         _for_blocks(lay, H * C * a.element_size(), block)
-        return out.mul_(scale)
+        return out if scale == 1.0 else out.mul_(scale)
     # sampled_addmm reads the pattern's values even with beta=0 (NaN * 0 = NaN): zeros.
     pattern = _csr(hl.ptr, hl.col, a.new_zeros(E * H), (lay.num_dst * H, lay.num_src * H))
     # b.t() is a view: the kernel wants rows of b contiguous, which they are.
@@ -304,6 +314,16 @@ def _num_parts(lay: Layout) -> int:
     return max(1, min(torch.get_num_threads(), lay.num_edges // _MIN_PART_EDGES))
 
 
+def _block_edges(row_bytes: int) -> int:
+    """Edges per block of :func:`_for_blocks` for rows of ``row_bytes``."""
+    return max(1, _CHUNK_BYTES // max(1, row_bytes))
+
+
+def _one_block(lay: Layout, row_bytes: int) -> bool:
+    """Whether :func:`_for_blocks` runs ``lay``'s edges as one block on the calling thread."""
+    return lay.num_edges <= _block_edges(row_bytes)
+
+
 def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None],
                 ptr: Optional[Tensor] = None) -> None:
     """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges,
@@ -327,7 +347,10 @@ def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]
     E = lay.num_edges
     if E == 0:
         return
-    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+    step = _block_edges(row_bytes)
+    if E <= step and not torch.is_grad_enabled():  # one block (every small graph)
+        fn(0, E, 0)
+        return
     parts = 1 if E <= step else _num_parts(lay)
     if parts == 1:
         with torch.no_grad():
@@ -370,6 +393,9 @@ def _sum_(parts: List[Tensor]) -> Tensor:
 
 def _add_row_sums(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
     """``out[i] += sum of x over the edges of block [e0, e1) into i`` (rows may be partial)."""
+    if e0 == 0 and e1 == lay.num_edges:  # all of them: no row range to find
+        out.index_add_(0, lay.dst, x)
+        return
     i0 = int(lay.dst[e0])
     # the block's rows are few and adjacent: index_add_ into them stays in cache
     # (measured 2-4x faster than segment_reduce on [1024, 4, 64] blocks)
@@ -424,6 +450,8 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
     Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])``.
     """
     lay = hl.lay
+    if u is None and _is_small(hl, v):
+        return _softmax_aggregate_small(e, v, lay, drop)
     alpha, lse = _row_softmax(e, lay)  # [E, H], [N_dst, H]
     a = alpha if drop is None else alpha * drop
     out = _spmm(hl, a, v)  # [N_dst, H, C]
@@ -436,6 +464,51 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
 
         _for_blocks(lay, H * C * out.element_size(), block)
     return out, alpha, lse
+
+
+def _is_small(hl: _HeadLayout, v: Tensor) -> bool:
+    """Whether stages 2 and 3 run as :func:`_softmax_aggregate_small` and its
+    backward: no block CSR, and every pass over the edges one block."""
+    return not hl.blocked and _one_block(hl.lay, v.size(1) * v.size(2) * v.element_size())
+
+
+def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor]
+                             ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`_softmax_aggregate` (without ``u``) of a graph whose edges make one
+    block (:func:`_is_small`): the same steps on whole tensors, with none of the
+    edge-block machinery around them. On NeighborLoader's smallest subgraphs
+    (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv call, forward and
+    backward (benchmarks/NOTES.md)."""
+    dst = lay.dst
+    m = torch.segment_reduce(e, "max", offsets=lay.ptr, axis=0)  # [N_dst, H]
+    e.sub_(m.index_select(0, dst)).exp_()
+    den = torch.segment_reduce(e, "sum", offsets=lay.ptr, axis=0)
+    alpha = e.div_(den.index_select(0, dst))  # [E, H]
+    a = alpha if drop is None else alpha * drop
+    x = v.index_select(0, lay.src).mul_(a.unsqueeze(-1))  # [E, H, C], one block
+    out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, dst, x)
+    return out, alpha, den.log_().add_(m)
+
+
+def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_v, need_drop):
+    """:func:`_softmax_aggregate_backward` of :func:`_softmax_aggregate_small`."""
+    dst, src = lay.dst, lay.src
+    dv = d_drop = None
+    ad = None if g_alpha is None else g_alpha.clone()  # [E, H]: dL/dalpha, then de
+    if g_out is not None:
+        g_e = g_out.contiguous().index_select(0, dst)  # [E, H, C], one block
+        dot = torch.linalg.vecdot(g_e, v.index_select(0, src))  # <g_i, v_j>
+        a = alpha if drop is None else alpha * drop
+        if need_v:
+            dv = v.new_zeros(v.shape).index_add_(0, src, g_e.mul_(a.unsqueeze(-1)))
+        if need_drop:
+            d_drop = alpha * dot
+        if drop is not None:
+            dot.mul_(drop)
+        ad = dot if ad is None else ad.add_(dot)
+    ad = torch.zeros_like(alpha) if ad is None else ad.mul_(alpha)
+    delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
+    return ad.sub_(delta.index_select(0, dst).mul_(alpha)), dv, None, d_drop
 
 
 def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
@@ -453,6 +526,9 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
     Returns ``(de [E, H] CSR order, dv or None, du or None, ddrop or None)``.
     """
     lay = hl.lay
+    if u is None and _is_small(hl, v):
+        return _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_v,
+                                                 need_drop)
     a = alpha if drop is None else alpha * drop  # [E, H]
     # [E, H] temporaries are few: at ogbn-products' scale each is 2 GB (H=4, float32)
     d_alpha = None if g_alpha is None else g_alpha.clone()  # [E, H]
@@ -501,12 +577,15 @@ def _gat_forward(s, t, w, att, hl, scale, slope) -> Tensor:
     node terms (gathers of ``[*, H]`` rows, CSR order), in edge blocks: the only
     ``[E, H]`` tensor is the result."""
     lay = hl.lay
+    row_bytes = s.size(1) * s.element_size()
+    if _one_block(lay, row_bytes):
+        return F.leaky_relu_(_gat_z(s, t, w, lay, 0, lay.num_edges), slope)
     e = s.new_empty(lay.num_edges, s.size(1))  # [E, H]
 
     def block(e0, e1, part):
         e[e0:e1] = F.leaky_relu_(_gat_z(s, t, w, lay, e0, e1), slope)
 
-    _for_blocks(lay, e.size(1) * e.element_size(), block)
+    _for_blocks(lay, row_bytes, block)
     return e
 
 
@@ -528,16 +607,22 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
         dw_ij = dz_ij                           # back to the edge-list order
     """
     lay = hl.lay
-    dz = de  # [E, H], ours: overwritten block by block
+    row_bytes = de.size(1) * de.element_size()
+    if _one_block(lay, row_bytes):
+        dz = torch.ops.aten.leaky_relu_backward(de, _gat_z(s, t, w, lay, 0, lay.num_edges), slope,
+                                                False)
+    else:
+        dz = de  # [E, H], ours: overwritten block by block
 
-    def block(e0, e1, part):
-        dz[e0:e1] = torch.ops.aten.leaky_relu_backward(de[e0:e1], _gat_z(s, t, w, lay, e0, e1),
-                                                       slope, False)
+        def block(e0, e1, part):
+            dz[e0:e1] = torch.ops.aten.leaky_relu_backward(de[e0:e1], _gat_z(s, t, w, lay, e0, e1),
+                                                           slope, False)
 
-    row_bytes = dz.size(1) * dz.element_size()
-    _for_blocks(lay, row_bytes, block)
+        _for_blocks(lay, row_bytes, block)
     ds = dt = dw = None
-    if need[0]:  # each source's out-edges, walked in CSC order: no [E, H] gather
+    if need[0] and _one_block(lay, row_bytes):
+        ds = s.new_zeros(lay.num_src, dz.size(1)).index_add_(0, lay.src, dz)
+    elif need[0]:  # each source's out-edges, walked in CSC order: no [E, H] gather
         ds = s.new_zeros(lay.num_src, dz.size(1))
 
         def block(e0, e1, part):
@@ -695,21 +780,40 @@ def _layout_tensors(hl: _HeadLayout) -> Tuple[Tensor, ...]:
     """The index tensors of ``hl`` and its :class:`Layout`, flat: inputs of
     :class:`_FusedAttention` of their own, so that ``torch.jit.trace`` records them
     as values of the graph (derived from its ``edge_index``) instead of meeting
-    tensors it never saw inside a Python object."""
-    return tuple(getattr(obj, f.name) for obj in (hl.lay, hl) for f in dataclasses.fields(obj)
-                 if isinstance(getattr(obj, f.name), Tensor))
+    tensors it never saw inside a Python object. Outside a trace there are none:
+    the spec holds them (and ~10 inputs fewer cost the autograd function less)."""
+    if not torch.jit.is_tracing():
+        return ()
+    return tuple(t for t in [*(getattr(hl.lay, n) for n in _FIELDS[Layout]),
+                             *(getattr(hl, n) for n in _FIELDS[_HeadLayout])]
+                 if isinstance(t, Tensor))
+
+
+# field names, in declaration order (dataclasses.fields() per call cost ~10 us);
+# those that hold tensors are the inputs (under torch.jit.trace the node counts
+# are tensors too)
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (Layout, _HeadLayout)}
 
 
 def _with_layout(spec: _Spec, tensors: Sequence[Tensor]) -> _Spec:
     """``spec`` with its head layout made of ``tensors`` (see :func:`_layout_tensors`)."""
     if not tensors or tensors[0] is spec.hl.lay.ptr:
         return spec  # an ordinary call: they are the spec's own (ptr is the first of them)
-    fields = [[f.name for f in dataclasses.fields(obj) if isinstance(getattr(obj, f.name), Tensor)]
+    fields = [[n for n in _FIELDS[type(obj)] if isinstance(getattr(obj, n), Tensor)]
               for obj in (spec.hl.lay, spec.hl)]
     n = len(fields[0])
-    lay = dataclasses.replace(spec.hl.lay, **dict(zip(fields[0], tensors[:n], strict=True)))
+    # (csc=None: the CSC view, derived from the CSR, is derived again from these)
+    lay = dataclasses.replace(spec.hl.lay, csc=None, **dict(zip(fields[0], tensors[:n], strict=True)))
     hl = dataclasses.replace(spec.hl, lay=lay, **dict(zip(fields[1], tensors[n:], strict=True)))
     return dataclasses.replace(spec, hl=hl)
+
+
+def _no_autocast():
+    """Autocast off for the block (the kernel picks its own precision); a no-op
+    context where it is off already (~10 us of a small-graph call less)."""
+    if torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -752,7 +856,7 @@ class _FusedAttention(torch.autograd.Function):
         _log(spec.log, "fused")
         fwd = _SCORES[spec.kind][0]
         tracing = torch.jit.is_tracing()
-        with torch.autocast("cpu", enabled=False), (_untraced() if tracing else contextlib.nullcontext()):
+        with _no_autocast(), (_untraced() if tracing else contextlib.nullcontext()):
             e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
             out, alpha, lse = _softmax_aggregate(e, value, value_edge, spec.hl, drop)
         if tracing:  # values the tracer knows, for the op's outputs
@@ -780,7 +884,7 @@ class _FusedAttention(torch.autograd.Function):
             return (None, *_reference_backward(spec, ins, need, g_out, g_alpha), *layout)
         _log(spec.log, "fused.backward")
         s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
-        with torch.autocast("cpu", enabled=False):
+        with _no_autocast():
             if ctx.recompute:  # saved: lse
                 alpha = _recomputed_alpha(_gat_forward(s_src, s_dst, s_edge, s_att, spec.hl,
                                                        spec.scale, spec.slope), alpha, spec.hl.lay)
@@ -808,6 +912,21 @@ RECOMPUTE_MIN_ENTRIES = 2048
 # has a setup_context); inspect.signature returns a function's __signature__
 # when it has one instead of rebuilding it (~40 us of a ~1 ms small-graph call).
 _FusedAttention.forward.__signature__ = inspect.signature(_FusedAttention.forward)
+# Outside torch.func transforms, Function.apply only binds the arguments (all
+# positional here, no defaults: a no-op) and then calls the C++ apply; calling
+# that directly saves the bind, ~30 us of a ~1 ms small-graph call. Inside a
+# transform (or should torch move these) the public apply runs.
+_unwrap_dead = getattr(getattr(torch, "_functorch", None), "utils", None)
+_unwrap_dead = getattr(_unwrap_dead, "unwrap_dead_wrappers", None)
+_C_APPLY = getattr(super(torch.autograd.Function, _FusedAttention), "apply", None)
+
+
+def _apply(*args):
+    """``_FusedAttention.apply(*args)``."""
+    if (_C_APPLY is None or _unwrap_dead is None
+            or torch._C._are_functorch_transforms_active()):
+        return _FusedAttention.apply(*args)
+    return _C_APPLY(*_unwrap_dead(args))
 
 
 def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequence[bool],
@@ -877,8 +996,8 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         if t is not None:
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(torch.promote_types(score_dtype, value.dtype))
-    H = int(value.shape[1])  # an int under torch.jit.trace too, where size() is a tensor
-    hl = kernel_layout(plan, H)
+    H, C = int(value.shape[1]), int(value.shape[2])  # ints under torch.jit.trace too
+    hl = kernel_layout(plan, H, C)
     lay = hl.lay
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
@@ -888,15 +1007,17 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         drop = w.expand(lay.num_edges, H) if drop is None else drop * w
 
     def node(t: Optional[Tensor]) -> Optional[Tensor]:  # node-sized: upcast is cheap
-        return None if t is None else t.to(acc).contiguous()
+        if t is None or (t.dtype == acc and t.is_contiguous()):
+            return t
+        return t.to(acc).contiguous()
 
     s_src, s_dst, s_edge, s_att = score.tensors()
     # GAT's per-edge term is [E, H]: upcast; [E, H, C] edge tensors are cast per block
     s_edge = node(s_edge) if score.kind == "gat" else s_edge
     spec = _Spec(score.kind, hl, float(score.scale), float(score.negative_slope), acc, log)
-    out, alpha, _ = _FusedAttention.apply(spec, node(s_src), node(s_dst), s_edge, node(s_att),
+    out, alpha, _ = _apply(spec, node(s_src), node(s_dst), s_edge, node(s_att),
                                        node(value), value_edge, drop, *_layout_tensors(hl))
-    out = out.to(value.dtype)
+    out = out if out.dtype == value.dtype else out.to(value.dtype)
     if not need_alpha:
         return out, None
     alpha = torch.empty_like(alpha).index_copy(0, lay.perm, alpha)  # edge-list order

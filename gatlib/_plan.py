@@ -60,21 +60,47 @@ class Layout:
     (``csc_edge``, increasing), so a backward pass can gather per-edge
     quantities saved in CSR order without atomics. Index tensors are int32 when
     every value fits, else int64; ``perm`` is int64.
+
+    On a small graph the CSC view is derived from the CSR when it is first read
+    (``csc_ptr``, ``csc_edge``, ``csc_dst``); otherwise it comes with the layout
+    (``csc``). A small graph's fused kernel never reads it, and sorting it cost
+    ~15% of the per-call plan of a NeighborLoader subgraph.
     """
 
     ptr: Tensor  # [N_dst + 1]
     src: Tensor  # [E]  source of each edge, CSR order
     dst: Tensor  # [E]  destination of each edge, CSR order (sorted)
     perm: Tensor  # [E]  edge-list position of each CSR edge (int64)
-    csc_ptr: Tensor  # [N_src + 1]
-    csc_edge: Tensor  # [E]  CSR position of each edge, source-sorted
-    csc_dst: Tensor  # [E]  destination of each edge, source-sorted
     num_src: int
     num_dst: int
+    # (csc_ptr [N_src + 1], csc_edge [E], csc_dst [E]), or None until first read
+    csc: Optional[Tuple[Tensor, Tensor, Tensor]] = dataclasses.field(default=None, repr=False)
 
     @property
     def num_edges(self) -> int:
         return self.src.numel()
+
+    def _csc(self) -> Tuple[Tensor, Tensor, Tensor]:
+        csc = self.csc
+        if csc is None:  # derived from tensors that never change: a racing thread gets the same
+            csc = _normal(_csc_of, self.src, self.dst, self.num_src)
+            object.__setattr__(self, "csc", csc)
+        return csc
+
+    @property
+    def csc_ptr(self) -> Tensor:
+        """``[N_src + 1]`` offsets of each source's out-edges in CSC order."""
+        return self._csc()[0]
+
+    @property
+    def csc_edge(self) -> Tensor:
+        """``[E]`` CSR position of each edge, source-sorted."""
+        return self._csc()[1]
+
+    @property
+    def csc_dst(self) -> Tensor:
+        """``[E]`` destination of each edge, source-sorted."""
+        return self._csc()[2]
 
 
 def index_dtype(*bounds: int) -> torch.dtype:
@@ -217,8 +243,9 @@ class GraphPlan:
             # needs a sort anyway) and merging took 2.5-3.5x as long (0.49-0.64 vs
             # 0.14-0.21 ms at 60 edges, 272-364 vs 96-99 ms at 2.4M; random
             # destination-sorted graphs, 2 threads).
-            if base_layout is None and not compressed:
-                return build_layout(looped_ei[0], looped_ei[1], num_src, num_dst)
+            if base_layout is None and not compressed:  # (with its loops last, it is unsorted)
+                return build_layout(looped_ei[0], looped_ei[1], num_src, num_dst,
+                                    check_sorted=n == 0)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
 
         looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout)
@@ -281,7 +308,7 @@ def _drop_and_add_loops(ei: Tensor, n: int) -> Tuple[Tensor, Tensor]:
     loops ``i -> i`` for ``i < n``."""
     keep = ei[0] != ei[1]  # [E]
     loops = torch.arange(n, device=ei.device)
-    return keep, torch.cat([ei[:, keep], torch.stack([loops, loops])], dim=1)
+    return keep, torch.cat([ei[:, keep], loops.expand(2, n)], dim=1)
 
 
 def _sizes(num_nodes, size) -> Tuple[Optional[int], Optional[int]]:
@@ -415,13 +442,14 @@ def _ptr(sorted_index: Tensor, n: int) -> Tensor:
     return torch.searchsorted(sorted_index, bounds).to(sorted_index.dtype)
 
 
-def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int) -> Layout:
+def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
+                 check_sorted: bool = True) -> Layout:
     """CSR + CSC of a checked edge list (stable sorts; no sort where ``dst`` is
-    already non-decreasing)."""
+    already non-decreasing, which ``check_sorted=False`` does not look for)."""
     E = src.numel()
     idt = index_dtype(E, num_src, num_dst)
     dst_i = dst.to(idt)
-    if _nondecreasing(dst_i):  # already destination-sorted
+    if check_sorted and _nondecreasing(dst_i):  # already destination-sorted
         perm = torch.arange(E, device=src.device)
         dst_csr, src_csr = dst_i.clone(), src.to(idt, copy=True)
     else:
@@ -431,11 +459,23 @@ def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int) -> Layout
 
 
 def _with_csc(ptr, src_csr, dst_csr, perm, num_src, num_dst) -> Layout:
-    """Complete a CSR with its CSC view: each source's out-edges in CSR order."""
+    """The layout of a CSR with its CSC view (:func:`_csc_of`), which on graphs of
+    fewer than :data:`EAGER_CSC_MIN_EDGES` edges is derived only when first read."""
+    csc = _csc_of(src_csr, dst_csr, num_src) if src_csr.numel() >= EAGER_CSC_MIN_EDGES else None
+    return Layout(ptr=ptr, src=src_csr, dst=dst_csr, perm=perm, num_src=num_src, num_dst=num_dst,
+                  csc=csc)
+
+
+# A large graph's CSC view is built with its CSR, while little else is in memory,
+# not in the first backward pass (at ogbn-products' scale its sort needs ~2.5 GB).
+EAGER_CSC_MIN_EDGES = 1 << 16
+
+
+def _csc_of(src_csr: Tensor, dst_csr: Tensor, num_src: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(csc_ptr, csc_edge, csc_dst)`` of a CSR: each source's out-edges in CSR order."""
     src_sorted, csc_edge = torch.sort(src_csr, stable=True)
-    return Layout(ptr=ptr, src=src_csr, dst=dst_csr, perm=perm,
-                  csc_ptr=_ptr(src_sorted, num_src), csc_edge=csc_edge.to(src_csr.dtype),
-                  csc_dst=dst_csr.index_select(0, csc_edge), num_src=num_src, num_dst=num_dst)
+    return (_ptr(src_sorted, num_src), csc_edge.to(src_csr.dtype),
+            dst_csr.index_select(0, csc_edge))
 
 
 def _edge_index_layout_fn(ei, num_src: int, num_dst: int) -> Callable[[], Layout]:
@@ -483,9 +523,9 @@ def _csc_layout_fn(ptr: Tensor, ei: Tensor, num_src: int, num_dst: int) -> Calla
         if not _nondecreasing(src * num_dst + dst):
             return _with_csc(csr_ptr, src_csr, dst_csr, perm, num_src, num_dst)
         csc_edge = torch.empty_like(perm).index_copy_(0, perm, torch.arange(E, device=ei.device))
-        return Layout(ptr=csr_ptr, src=src_csr, dst=dst_csr, perm=perm,
-                      csc_ptr=ptr.to(idt, copy=True), csc_edge=csc_edge.to(idt),
-                      csc_dst=dst.to(idt, copy=True), num_src=num_src, num_dst=num_dst)
+        return Layout(ptr=csr_ptr, src=src_csr, dst=dst_csr, perm=perm, num_src=num_src,
+                      num_dst=num_dst,
+                      csc=(ptr.to(idt, copy=True), csc_edge.to(idt), dst.to(idt, copy=True)))
 
     return build
 
@@ -554,7 +594,7 @@ def _layout_with_loops(base: Layout, keep_list: Tensor, num_edges: int, n: int) 
     new_pos = pos if ke is None else torch.empty(base.num_edges, dtype=torch.long,
                                                  device=dev).index_copy_(0, ke, pos)
     return Layout(ptr=new_ptr.to(idt), src=new_src, dst=new_dst, perm=new_perm,
-                  csc_ptr=new_cptr.to(idt),
-                  csc_edge=place(cpos, new_pos.index_select(0, sel(cedge, kt)), loop_cpos, loop_pos, idt),
-                  csc_dst=place(cpos, sel(cdst, kt), loop_cpos, loops, idt),
-                  num_src=base.num_src, num_dst=base.num_dst)
+                  num_src=base.num_src, num_dst=base.num_dst,
+                  csc=(new_cptr.to(idt),
+                       place(cpos, new_pos.index_select(0, sel(cedge, kt)), loop_cpos, loop_pos, idt),
+                       place(cpos, sel(cdst, kt), loop_cpos, loops, idt)))

@@ -195,8 +195,9 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
             torch._assert_async(edge_index[1].max() < num_dst,
                                 f"{names[1]} out of range for {num_dst} destination nodes")
         return
-    lo, hi_src, hi_dst = torch.stack(  # one host sync for all three bounds
-        [edge_index.min(), edge_index[0].max(), edge_index[1].max()]).tolist()
+    lo, hi = torch.aminmax(edge_index, dim=1)  # [2] each
+    lo_src, lo_dst, hi_src, hi_dst = torch.cat([lo, hi]).tolist()  # one host sync for all four
+    lo = min(lo_src, lo_dst)
     if lo < 0:
         raise IndexError(f"edge_index contains a negative index ({lo}); indices must be >= 0")
     if num_src is not None and hi_src >= num_src:

@@ -13,30 +13,45 @@ from gatlib._plan import GraphPlan
 from testing import KINDS, LAYERS, hub_graph, leaves, make_score, random_graph
 
 
-@pytest.fixture(params=["one_block", "tiny_blocks", "edge_products"])
+@pytest.fixture(params=["one_block", "tiny_blocks", "edge_products", "small"])
 def blocks(request, monkeypatch):
     """Run with the default edge blocks; with blocks of a few edges on two
     threads, so that destination rows straddle block boundaries and sources are
-    shared between threads even on small graphs; and with the sparse products
-    over such edge blocks instead of the block CSR (graphs whose block CSR would
-    exceed fc.BLOCK_CSR_MAX_BYTES, or have fewer than fc.BLOCK_CSR_MIN_ENTRIES
-    edges times heads), the head layout never built. The first two build the
-    block CSR even on these small graphs, and GAT recomputes its weights in
-    backward; in the third it saves them, as on every small graph."""
-    if request.param != "edge_products":  # and GAT recomputes alpha (else it saves it)
+    shared between threads even on small graphs; with the sparse products over
+    such edge blocks instead of the block CSR (graphs whose block CSR would
+    exceed fc.BLOCK_CSR_MAX_BYTES), the head layout never built; and as every
+    small graph runs ("small": no block CSR, one edge block, stages 2 and 3 in
+    fc._softmax_aggregate_small and its backward). The first two build the block
+    CSR even on these small graphs, and GAT recomputes its weights in backward;
+    in the last two it saves them, as on every small graph.
+
+    Returns ``(mode, small)``: ``small`` lists the small path's runs ("forward",
+    "backward"); outside "small" that path raises."""
+    mode, small = request.param, []
+    if mode in ("one_block", "tiny_blocks"):  # and GAT recomputes alpha (else it saves it)
         monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES", 0)
         monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)
-    if request.param != "one_block":
+    if mode in ("tiny_blocks", "edge_products"):
         monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
         monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
-    if request.param == "edge_products":
-        monkeypatch.setattr(fc, "BLOCK_CSR_MAX_BYTES", 0)
+    if mode in ("edge_products", "small"):
+        monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES" if mode == "small" else "BLOCK_CSR_MAX_BYTES",
+                            1 << 62 if mode == "small" else 0)
 
         def no_block_csr(*args):
             raise AssertionError("the block CSR was built")
 
         monkeypatch.setattr(fc, "_build_head_layout", no_block_csr)
-    return request.param
+    for name, what in (("_softmax_aggregate_small", "forward"),
+                       ("_softmax_aggregate_small_backward", "backward")):
+        def run(*args, _real=getattr(fc, name), _what=what):
+            if mode != "small":
+                raise AssertionError("the small-graph path ran")
+            small.append(_what)
+            return _real(*args)
+
+        monkeypatch.setattr(fc, name, run)
+    return mode, small
 
 
 def small_graph(n_src=6, n_dst=5, seed=1):
@@ -51,7 +66,7 @@ def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4, weighted
     ``weighted``: the mask carries edge weights (explainer masks) and needs a gradient."""
     ei = small_graph(n_src, n_dst)
     plan = GraphPlan(ei, size=(n_src, n_dst))
-    hl = fc.kernel_layout(plan, H)
+    hl = fc.kernel_layout(plan, H, C)
     E = ei.size(1)
     s = make_score(kind, n_src, n_dst, E, H, C, edge=edge, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -89,6 +104,9 @@ def test_gradcheck(blocks, kind, edge, p, weighted):
     spec = fc._Spec(spec.kind, spec.hl, spec.scale, spec.slope, spec.acc, log)
     assert torch.autograd.gradcheck(f, [ins[i] for i in diff])
     assert "fused" in log and "fused.backward" in log
+    mode, small = blocks
+    if mode == "small" and not edge:  # (value_edge, with edge=True, takes the general path)
+        assert "forward" in small and "backward" in small
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -211,6 +229,9 @@ def test_layers_fused_equal_torch(blocks, layer, edge_dim, concat):
             grads = torch.autograd.grad(out.square().sum(), [x, *m.parameters()])
         assert log[0] == name and (name == "torch" or "fused.backward" in log)
         results.append((out, alpha, ei_out, grads))
+    mode, small = blocks
+    if mode == "small" and not (layer == "TransformerConv" and edge_dim):  # (value_edge)
+        assert small == ["forward", "backward"]
     (o1, a1, e1, g1), (o2, a2, e2, g2) = results
     torch.testing.assert_close(o2, o1, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(a2, a1, rtol=1e-4, atol=1e-5)
@@ -273,21 +294,21 @@ def test_layers_save_no_edge_sized_feature_tensor(layer):
 
 def test_block_csr_is_built_only_between_its_bounds(monkeypatch):
     """The head layout (block CSR) is built for graphs with at least
-    BLOCK_CSR_MIN_ENTRIES edges times heads whose index fits BLOCK_CSR_MAX_BYTES;
-    tiny graphs and huge ones run the edge-block products. Every case agrees
-    with the reference."""
+    BLOCK_CSR_MIN_ENTRIES edges times heads times channels whose index fits
+    BLOCK_CSR_MAX_BYTES; small graphs (which run whole) and huge ones run the
+    edge-block products. Every case agrees with the reference."""
     built = []
     real = fc._build_head_layout
     monkeypatch.setattr(fc, "_build_head_layout", lambda *a: built.append(a[1]) or real(*a))
-    H, n = 4, 300
+    H, C, n = 4, 64, 300
     x = torch.randn(n, 8)
     torch.manual_seed(0)
-    fused = gatlib.GATConv(8, 3, heads=H, backend="fused")
-    ref = gatlib.GATConv(8, 3, heads=H, backend="torch")
+    fused = gatlib.GATConv(8, C, heads=H, backend="fused")
+    ref = gatlib.GATConv(8, C, heads=H, backend="torch")
     ref.load_state_dict(fused.state_dict())
-    small = random_graph(n, 100, seed=1)  # (100 + 300 loops) * 4 < 2048 entries
-    large = random_graph(n, 600, seed=2)  # (600 + 300) * 4 >= 2048
-    assert fc.BLOCK_CSR_MIN_ENTRIES == 2048
+    small = random_graph(n, 700, seed=1)  # (700 + 300 loops) * 4 * 64 < 2**18 entries
+    large = random_graph(n, 800, seed=2)  # (800 + 300) * 4 * 64 >= 2**18
+    assert fc.BLOCK_CSR_MIN_ENTRIES == 2**18
     for ei, expect in ((small, []), (large, [H])):
         built.clear()
         torch.testing.assert_close(fused(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)

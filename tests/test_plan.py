@@ -11,6 +11,7 @@ from torch_geometric.utils import add_self_loops, remove_self_loops
 
 import gatlib
 from gatlib import GraphPlan
+from gatlib import _plan
 from gatlib._plan import build_layout
 
 from testing import count_sorts, graphs, random_graph
@@ -82,17 +83,22 @@ def test_a_plan_owns_its_indices():
 
 def test_sorted_input_is_not_sorted_again(monkeypatch):
     """A destination-sorted edge list is used in its order: the only sort left is
-    the one by source for the CSC view. Self-loops are merged, not sorted in."""
+    the one by source for the CSC view, when that is first read. Self-loops are
+    merged, not sorted in."""
     n = 30
     ei = random_graph(n, 120, seed=2)
     ei = ei[:, ei[1].argsort(stable=True)]
     calls = count_sorts(monkeypatch)
     plan = GraphPlan(ei, num_nodes=n)
     lay = plan.layout()
-    assert len(calls) == 1 and lay.perm.tolist() == list(range(ei.size(1)))
+    assert len(calls) == 0 and lay.perm.tolist() == list(range(ei.size(1)))
+    lay.csc_edge  # the CSC view, derived now
+    assert len(calls) == 1
     plan.with_self_loops().layout()
     assert len(calls) == 1
-    GraphPlan(ei.flip(1), num_nodes=n).layout()  # unsorted: by destination, then by source
+    lay = GraphPlan(ei.flip(1), num_nodes=n).layout()  # unsorted: by destination
+    assert len(calls) == 2
+    lay.csc_ptr, lay.csc_dst  # then by source, once
     assert len(calls) == 3
 
 
@@ -107,7 +113,9 @@ def test_sorted_edge_index_supplies_its_own_csc(monkeypatch, order):
     e.get_csc()  # PyG's own (cached) work
     calls = count_sorts(monkeypatch)
     lay = GraphPlan(e, num_nodes=n).layout()
-    assert len(calls) == 1  # the CSC (by source) view only
+    assert len(calls) == 0
+    lay.csc_ptr
+    assert len(calls) == 1  # the CSC (by source) view only, when it is read
     plain = e.as_tensor()
     want = build_layout(plain[0], plain[1], n, n)
     for f in ("ptr", "dst", "csc_ptr", "csc_dst"):
@@ -203,12 +211,16 @@ def test_no_reference_cycles():
         gc.enable()
 
 
-def test_nbytes_counts_what_the_plan_derived():
+def test_nbytes_counts_what_the_plan_derived(monkeypatch):
     n, E = 20, 60
     plan = GraphPlan(random_graph(n, E, seed=7), num_nodes=n)
     assert plan.nbytes == 2 * E * 8  # the int64 edge list
-    plan.layout()  # int32 ptr [N+1], src/dst/csc_edge/csc_dst [E], csc_ptr [N+1]; int64 perm [E]
+    lay = plan.layout()  # int32 ptr [N+1], src/dst [E]; int64 perm [E]
+    assert plan.nbytes == 2 * E * 8 + 4 * ((n + 1) + 2 * E) + 8 * E
+    lay.csc_ptr  # + int32 csc_ptr [N+1], csc_edge/csc_dst [E], derived when first read
     assert plan.nbytes == 2 * E * 8 + 4 * (2 * (n + 1) + 4 * E) + 8 * E
+    monkeypatch.setattr(_plan, "EAGER_CSC_MIN_EDGES", E)  # a "large" graph: built with the CSR
+    assert GraphPlan(random_graph(n, E, seed=7), num_nodes=n).layout().csc is not None
     before = plan.nbytes
     gatlib.GATConv(4, 3, heads=2, backend="fused")(torch.randn(n, 4), plan)
     assert plan.nbytes > before  # + the self-loop'ed twin and its head layout

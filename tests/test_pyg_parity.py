@@ -76,8 +76,16 @@ GAT_GRID = list(itertools.product(
 ))
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("heads,concat,loops,edge_dim,bipartite,residual", GAT_GRID)
-def test_gatconv_parity(heads, concat, loops, edge_dim, bipartite, residual):
+def test_gatconv_parity(heads, concat, loops, edge_dim, bipartite, residual, fold, monkeypatch):
+    """Also with the attention vectors folded into the weights (which these small
+    inputs would not get: FOLD_MIN_ENTRIES), checking which way each score ran."""
+    from gatlib import layers
+
+    real, folded = layers._folds, []
+    monkeypatch.setattr(layers, "FOLD_MIN_ENTRIES", 0 if fold else layers.FOLD_MIN_ENTRIES)
+    monkeypatch.setattr(layers, "_folds", lambda *a: folded.append(real(*a)) or folded[-1])
     x, in_ch, ei, ea = inputs(bipartite, edge_dim)
     kw = dict(heads=heads, concat=concat, add_self_loops=loops, edge_dim=edge_dim,
               residual=residual, negative_slope=0.1, dropout=0.3)
@@ -85,6 +93,8 @@ def test_gatconv_parity(heads, concat, loops, edge_dim, bipartite, residual):
     theirs = pyg.GATConv(in_ch, 4, **kw).eval()
     ours = gatlib.GATConv(in_ch, 4, **kw).eval()
     check_parity(ours, theirs, x, ei, ea)
+    # the source projection is 4*heads wide against F_SRC = 7 input features
+    assert folded and all(f == (fold and 4 * heads >= F_SRC) for f in folded), folded
 
 
 @pytest.mark.parametrize("fill_value", ["mean", "add", "max", 0.5, torch.tensor([1.0, -2.0, 0.5])])
