@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 
 from . import _core
+from . import _fused_cpu
 from . import _validate as V
 from ._core import EdgeScore
 from ._plan import GraphPlan, as_plan
@@ -124,8 +126,6 @@ def _fused_context(call: AttentionCall) -> Optional[str]:
     """Why no fused kernel runs ``call`` in this context (tracing, transforms other
     than grad/vjp, forward-mode AD), or ``None``. Their autograd functions have a
     backward (and a differentiable one for higher orders), no jvp or vmap rule."""
-    import torch.autograd.forward_ad as fwAD
-
     reason = _traced()
     # dual tensors exist only inside a dual_level() block (its level is >= 0 there)
     if (reason is None and getattr(fwAD, "_current_level", 0) >= 0
@@ -232,14 +232,10 @@ class FusedCPUKernel(Kernel):
         return None
 
     def supports(self, call: AttentionCall) -> Optional[str]:
-        from . import _fused_cpu
-
         return (self.available(call.device) or _fused_context(call)
                 or _fused_cpu.unsupported(call.score, call.value, call.value_edge))
 
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
-        from . import _fused_cpu
-
         return _fused_cpu.attention(call.score, call.value, call.plan, call.value_edge, call.p,
                                     call.need_alpha, _LOG.get, call.edge_weight)
 

@@ -161,13 +161,16 @@ def _use_block_csr(lay: Layout, heads: int, channels: int) -> bool:
 # edge blocks (SpMM 330 vs 492 ms, SDDMM 304 vs 506 ms on the arxiv-like graph,
 # 2 threads, benchmarks/NOTES.md). Above this size the edge blocks run instead.
 BLOCK_CSR_MAX_BYTES = 1 << 30
-# Below this many [E, H, C] entries (a graph whose edges, gathered, make one
-# float32 block of _CHUNK_BYTES) building the block CSR costs more than it saves:
-# such a graph runs whole (_softmax_aggregate_small). GATConv forward+backward
-# through a new plan (H=4, C=64, 2 threads, NeighborLoader subgraphs): 2.09 vs
-# 2.44 ms at 918 edges (whole vs block CSR), 4.52 vs 3.97 ms at 1,819
-# (benchmarks/NOTES.md).
-BLOCK_CSR_MIN_ENTRIES = 1 << 18
+# Below this many [E, H, C] entries building the block CSR costs more than it
+# saves: such a graph runs whole (_softmax_aggregate_small, up to _SMALL_BYTES).
+# GATConv forward+backward through a new plan (H=4, C=64, 2 threads,
+# NeighborLoader subgraphs, interleaved rounds): PyG/fused 0.99x whole vs 0.89x
+# block CSR at 1,818 edges, 1.05x vs 1.09x at 3,600 (benchmarks/NOTES.md).
+BLOCK_CSR_MIN_ENTRIES = 1 << 19
+# A graph without block CSR whose gathered [E, H, C] values take at most this
+# many bytes runs stages 2 and 3 whole (_softmax_aggregate_small): one transient
+# gather instead of edge blocks of _CHUNK_BYTES.
+_SMALL_BYTES = 1 << 21
 
 
 def kernel_layout(plan: GraphPlan, heads: int, channels: int) -> _HeadLayout:
@@ -468,14 +471,16 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
 
 def _is_small(hl: _HeadLayout, v: Tensor) -> bool:
     """Whether stages 2 and 3 run as :func:`_softmax_aggregate_small` and its
-    backward: no block CSR, and every pass over the edges one block."""
-    return not hl.blocked and _one_block(hl.lay, v.size(1) * v.size(2) * v.element_size())
+    backward: no block CSR, and the gathered values ``[E, H, C]`` within
+    :data:`_SMALL_BYTES`."""
+    return (not hl.blocked
+            and hl.lay.num_edges * v.size(1) * v.size(2) * v.element_size() <= _SMALL_BYTES)
 
 
 def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor]
                              ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_softmax_aggregate` (without ``u``) of a graph whose edges make one
-    block (:func:`_is_small`): the same steps on whole tensors, with none of the
+    """:func:`_softmax_aggregate` (without ``u``) of a small graph
+    (:func:`_is_small`): the same steps on whole tensors, with none of the
     edge-block machinery around them. On NeighborLoader's smallest subgraphs
     (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv call, forward and
     backward (benchmarks/NOTES.md)."""
@@ -485,7 +490,7 @@ def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[T
     den = torch.segment_reduce(e, "sum", offsets=lay.ptr, axis=0)
     alpha = e.div_(den.index_select(0, dst))  # [E, H]
     a = alpha if drop is None else alpha * drop
-    x = v.index_select(0, lay.src).mul_(a.unsqueeze(-1))  # [E, H, C], one block
+    x = v.index_select(0, lay.src).mul_(a.unsqueeze(-1))  # [E, H, C], <= _SMALL_BYTES
     out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, dst, x)
     return out, alpha, den.log_().add_(m)
 
@@ -496,7 +501,7 @@ def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_
     dv = d_drop = None
     ad = None if g_alpha is None else g_alpha.clone()  # [E, H]: dL/dalpha, then de
     if g_out is not None:
-        g_e = g_out.contiguous().index_select(0, dst)  # [E, H, C], one block
+        g_e = g_out.contiguous().index_select(0, dst)  # [E, H, C], <= _SMALL_BYTES
         dot = torch.linalg.vecdot(g_e, v.index_select(0, src))  # <g_i, v_j>
         a = alpha if drop is None else alpha * drop
         if need_v:
@@ -904,8 +909,10 @@ def _recomputes_alpha(spec: _Spec) -> bool:
     return spec.kind == "gat" and spec.hl.lay.num_edges * spec.hl.heads >= RECOMPUTE_MIN_ENTRIES
 
 
-# On small graphs the recomputation's few extra ops cost more than the memory saves.
-RECOMPUTE_MIN_ENTRIES = 2048
+# On small graphs the recomputation's few extra ops cost more than the memory saves
+# (GATConv forward+backward at 908 edges, H=4: PyG/fused 0.85x recomputing, 0.89x
+# not, interleaved rounds); below 2^16 entries the weights are at most 256 KiB.
+RECOMPUTE_MIN_ENTRIES = 1 << 16
 
 
 # Function.apply binds its arguments to forward's signature on every call (it

@@ -20,7 +20,7 @@ def blocks(request, monkeypatch):
     shared between threads even on small graphs; with the sparse products over
     such edge blocks instead of the block CSR (graphs whose block CSR would
     exceed fc.BLOCK_CSR_MAX_BYTES), the head layout never built; and as every
-    small graph runs ("small": no block CSR, one edge block, stages 2 and 3 in
+    small graph runs ("small": no block CSR, stages 2 and 3 on the whole graph in
     fc._softmax_aggregate_small and its backward). The first two build the block
     CSR even on these small graphs, and GAT recomputes its weights in backward;
     in the last two it saves them, as on every small graph.
@@ -33,6 +33,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)
     if mode in ("tiny_blocks", "edge_products"):
         monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
+        monkeypatch.setattr(fc, "_SMALL_BYTES", 0)
         monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
     if mode in ("edge_products", "small"):
         monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES" if mode == "small" else "BLOCK_CSR_MAX_BYTES",
@@ -306,9 +307,9 @@ def test_block_csr_is_built_only_between_its_bounds(monkeypatch):
     fused = gatlib.GATConv(8, C, heads=H, backend="fused")
     ref = gatlib.GATConv(8, C, heads=H, backend="torch")
     ref.load_state_dict(fused.state_dict())
-    small = random_graph(n, 700, seed=1)  # (700 + 300 loops) * 4 * 64 < 2**18 entries
-    large = random_graph(n, 800, seed=2)  # (800 + 300) * 4 * 64 >= 2**18
-    assert fc.BLOCK_CSR_MIN_ENTRIES == 2**18
+    small = random_graph(n, 1700, seed=1)  # (1700 + 300 loops) * 4 * 64 < 2**19 entries
+    large = random_graph(n, 1800, seed=2)  # (1800 + 300) * 4 * 64 >= 2**19
+    assert fc.BLOCK_CSR_MIN_ENTRIES == 2**19
     for ei, expect in ((small, []), (large, [H])):
         built.clear()
         torch.testing.assert_close(fused(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
@@ -325,7 +326,8 @@ def test_gat_keeps_lse_not_alpha_from_recompute_min_entries_on():
     RECOMPUTE_MIN_ENTRIES edges times heads or more (and saves the weights below),
     with the same result and gradients as the reference either way."""
     H, n = 4, 300
-    for E, keeps_alpha in ((100, True), (900, False)):  # (E + n loops) * H vs 2048
+    assert fc.RECOMPUTE_MIN_ENTRIES == 2**16
+    for E, keeps_alpha in ((100, True), (17000, False)):  # (E + n loops) * H vs 2**16
         ei = random_graph(n, E, seed=5)
         x = torch.randn(n, 8, requires_grad=True)
         torch.manual_seed(0)

@@ -215,12 +215,15 @@ def test_nbytes_counts_what_the_plan_derived(monkeypatch):
     n, E = 20, 60
     plan = GraphPlan(random_graph(n, E, seed=7), num_nodes=n)
     assert plan.nbytes == 2 * E * 8  # the int64 edge list
-    lay = plan.layout()  # int32 ptr [N+1], src/dst [E]; int64 perm [E]
-    assert plan.nbytes == 2 * E * 8 + 4 * ((n + 1) + 2 * E) + 8 * E
-    lay.csc_ptr  # + int32 csc_ptr [N+1], csc_edge/csc_dst [E], derived when first read
+    lay = plan.layout()  # a small graph: int64 ptr [N+1], src/dst/perm [E]
+    assert plan.nbytes == 2 * E * 8 + 8 * ((n + 1) + 3 * E)
+    lay.csc_ptr  # + int64 csc_ptr [N+1], csc_edge/csc_dst [E], derived when first read
+    assert plan.nbytes == 2 * E * 8 + 8 * (2 * (n + 1) + 5 * E)
+    monkeypatch.setattr(_plan, "SMALL_EDGES", E)  # as a large graph: int32, CSC with the CSR
+    plan = GraphPlan(random_graph(n, E, seed=7), num_nodes=n)
+    lay = plan.layout()
+    assert lay.csc is not None and lay.src.dtype == torch.int32 and lay.perm.dtype == torch.int64
     assert plan.nbytes == 2 * E * 8 + 4 * (2 * (n + 1) + 4 * E) + 8 * E
-    monkeypatch.setattr(_plan, "EAGER_CSC_MIN_EDGES", E)  # a "large" graph: built with the CSR
-    assert GraphPlan(random_graph(n, E, seed=7), num_nodes=n).layout().csc is not None
     before = plan.nbytes
     gatlib.GATConv(4, 3, heads=2, backend="fused")(torch.randn(n, 4), plan)
     assert plan.nbytes > before  # + the self-loop'ed twin and its head layout
