@@ -595,11 +595,14 @@ def _gat_forward(s, t, w, att, hl, scale, slope) -> Tensor:
 
 
 def _gat_z(s, t, w, lay, e0, e1) -> Tensor:
-    z = s.index_select(0, lay.src[e0:e1])  # [n, H]
+    src, dst, perm = lay.src, lay.dst, lay.perm
+    if e0 != 0 or e1 != src.numel():  # a block of the edges
+        src, dst, perm = src[e0:e1], dst[e0:e1], perm[e0:e1]
+    z = s.index_select(0, src)  # [n, H]
     if t is not None:
-        z += t.index_select(0, lay.dst[e0:e1])
+        z += t.index_select(0, dst)
     if w is not None:
-        z += w.index_select(0, lay.perm[e0:e1])
+        z += w.index_select(0, perm)
     return z
 
 
@@ -613,7 +616,8 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
     """
     lay = hl.lay
     row_bytes = de.size(1) * de.element_size()
-    if _one_block(lay, row_bytes):
+    whole = _one_block(lay, row_bytes)
+    if whole:
         dz = torch.ops.aten.leaky_relu_backward(de, _gat_z(s, t, w, lay, 0, lay.num_edges), slope,
                                                 False)
     else:
@@ -625,7 +629,7 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
 
         _for_blocks(lay, row_bytes, block)
     ds = dt = dw = None
-    if need[0] and _one_block(lay, row_bytes):
+    if need[0] and whole:
         ds = s.new_zeros(lay.num_src, dz.size(1)).index_add_(0, lay.src, dz)
     elif need[0]:  # each source's out-edges, walked in CSC order: no [E, H] gather
         ds = s.new_zeros(lay.num_src, dz.size(1))
@@ -1000,9 +1004,10 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     """
     score_dtype = score.src.dtype
     for t in score.tensors()[1:]:
-        if t is not None:
+        if t is not None and t.dtype != score_dtype:
             score_dtype = torch.promote_types(score_dtype, t.dtype)
-    acc = _acc_dtype(torch.promote_types(score_dtype, value.dtype))
+    acc = _acc_dtype(score_dtype if value.dtype == score_dtype
+                     else torch.promote_types(score_dtype, value.dtype))
     H, C = int(value.shape[1]), int(value.shape[2])  # ints under torch.jit.trace too
     hl = kernel_layout(plan, H, C)
     lay = hl.lay
