@@ -247,7 +247,7 @@ def _spmm_edges(lay: Layout, weight: Tensor, dense: Tensor, transpose: bool) -> 
         x.mul_(weight.index_select(0, edges).to(x.dtype).unsqueeze(-1))
         r = lay.src.index_select(0, edges)  # non-decreasing
         i0 = int(r[0])
-        out[i0:int(r[-1]) + 1].index_add_(0, r - i0, x)
+        out[i0:int(r[-1]) + 1].index_add_(0, (r - i0).long(), x)  # (see _add_row_sums)
 
     _for_blocks(lay, row_bytes, block, lay.csc_ptr)
     return out
@@ -401,8 +401,11 @@ def _add_row_sums(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None
         return
     i0 = int(lay.dst[e0])
     # the block's rows are few and adjacent: index_add_ into them stays in cache
-    # (measured 2-4x faster than segment_reduce on [1024, 4, 64] blocks)
-    out[i0:int(lay.dst[e1 - 1]) + 1].index_add_(0, lay.dst[e0:e1] - i0, x)
+    # (measured 2-4x faster than segment_reduce on [1024, 4, 64] blocks); with
+    # int64 indices: with int32 ones (a large layout's) index_add_ ran 2.5-8x
+    # slower (83 vs 37 us for [1024, 4, 64] blocks, 3.9 vs 0.47 ms for [65536, 4]
+    # ones, conversion included; benchmarks/NOTES.md)
+    out[i0:int(lay.dst[e1 - 1]) + 1].index_add_(0, (lay.dst[e0:e1] - i0).long(), x)
 
 
 def _scatter_rows(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
@@ -638,7 +641,7 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
             edges = lay.csc_edge[e0:e1]
             r = lay.src.index_select(0, edges)  # non-decreasing
             i0 = int(r[0])
-            ds[i0:int(r[-1]) + 1].index_add_(0, r - i0, dz.index_select(0, edges))
+            ds[i0:int(r[-1]) + 1].index_add_(0, (r - i0).long(), dz.index_select(0, edges))
 
         _for_blocks(lay, row_bytes, block, lay.csc_ptr)
     if need[1]:
@@ -706,7 +709,7 @@ def _gatv2_backward(de, x, y, w, att, hl, scale, slope, need):
         if dy is not None:
             _add_row_sums(dy, dz, lay, e0, e1)
         if dx is not None:
-            dx[part].index_add_(0, lay.src[e0:e1], dz)
+            dx[part].index_add_(0, lay.src[e0:e1].long(), dz)  # (see _add_row_sums)
         if dw is not None:
             _scatter_rows(dw, dz, lay, e0, e1)
 

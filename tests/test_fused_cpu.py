@@ -7,6 +7,7 @@ import torch
 
 import gatlib
 from gatlib import _fused_cpu as fc
+from gatlib import _plan
 from gatlib import graph_attention
 from gatlib._plan import GraphPlan
 
@@ -23,11 +24,14 @@ def blocks(request, monkeypatch):
     small graph runs ("small": no block CSR, stages 2 and 3 on the whole graph in
     fc._softmax_aggregate_small and its backward). The first two build the block
     CSR even on these small graphs, and GAT recomputes its weights in backward;
-    in the last two it saves them, as on every small graph.
+    in the last two it saves them, as on every small graph. The first three
+    build their layouts as for large graphs (int32 indices, CSC view with the CSR).
 
     Returns ``(mode, small)``: ``small`` lists the small path's runs ("forward",
     "backward"); outside "small" that path raises."""
     mode, small = request.param, []
+    if mode != "small":
+        monkeypatch.setattr(_plan, "SMALL_EDGES", 0)
     if mode in ("one_block", "tiny_blocks"):  # and GAT recomputes alpha (else it saves it)
         monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES", 0)
         monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)
@@ -346,3 +350,13 @@ def test_gat_keeps_lse_not_alpha_from_recompute_min_entries_on():
         g2 = torch.autograd.grad(want.square().sum(), [x, *ref.parameters()])
         for a, b in zip(g1, g2, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_blocks_fixture_layouts_are_those_of_large_and_small_graphs(blocks):
+    """The edge-block modes run on layouts as large graphs have them (int32, CSC
+    built with the CSR); "small" on a small graph's (int64, CSC when read)."""
+    mode, _ = blocks
+    lay = GraphPlan(small_graph(), size=(6, 5)).layout()
+    large = mode != "small"
+    assert lay.src.dtype == (torch.int32 if large else torch.int64)
+    assert (lay.csc is not None) == large
