@@ -435,10 +435,15 @@ def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
 def _per_edge_(x: Tensor, node: Tensor, lay: Layout, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """``x[e] = fn(x[e], node[dst[e]])`` in place for ``[E, H]`` ``x`` and ``[N_dst, H]``
     ``node``, in edge blocks: the gathered ``node`` rows never exist whole."""
+    row_bytes = x.size(1) * x.element_size()
+    if _one_block(lay, row_bytes) and not torch.is_grad_enabled():  # all edges at once
+        fn(x, node.index_select(0, lay.dst))
+        return x
+
     def block(e0, e1, part):
         fn(x[e0:e1], node.index_select(0, lay.dst[e0:e1]))
 
-    _for_blocks(lay, x.size(1) * x.element_size(), block)
+    _for_blocks(lay, row_bytes, block)
     return x
 
 
@@ -483,19 +488,16 @@ def _is_small(hl: _HeadLayout, v: Tensor) -> bool:
 def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor]
                              ) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_softmax_aggregate` (without ``u``) of a small graph
-    (:func:`_is_small`): the same steps on whole tensors, with none of the
-    edge-block machinery around them. On NeighborLoader's smallest subgraphs
+    (:func:`_is_small`): the same steps on whole tensors (:func:`_row_softmax`
+    runs as one block), with one gather of ``[E, H, C]`` values instead of the
+    edge-block SpMM and none of its machinery. On NeighborLoader's smallest subgraphs
     (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv call, forward and
     backward (benchmarks/NOTES.md)."""
-    dst = lay.dst
-    m = torch.segment_reduce(e, "max", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    e.sub_(m.index_select(0, dst)).exp_()
-    den = torch.segment_reduce(e, "sum", offsets=lay.ptr, axis=0)
-    alpha = e.div_(den.index_select(0, dst))  # [E, H]
+    alpha, lse = _row_softmax(e, lay)  # [E, H], [N_dst, H]
     a = alpha if drop is None else alpha * drop
     x = v.index_select(0, lay.src).mul_(a.unsqueeze(-1))  # [E, H, C], <= _SMALL_BYTES
-    out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, dst, x)
-    return out, alpha, den.log_().add_(m)
+    out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, lay.dst, x)
+    return out, alpha, lse
 
 
 def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_v, need_drop):
@@ -514,9 +516,7 @@ def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_
         if drop is not None:
             dot.mul_(drop)
         ad = dot if ad is None else ad.add_(dot)
-    ad = torch.zeros_like(alpha) if ad is None else ad.mul_(alpha)
-    delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    return ad.sub_(delta.index_select(0, dst).mul_(alpha)), dv, None, d_drop
+    return _softmax_grad(ad, alpha, lay), dv, None, d_drop
 
 
 def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
@@ -566,6 +566,12 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
         if need_v:
             dv = _spmm(hl, a, g, transpose=True)  # [N_src, H, C]
     del a
+    return _softmax_grad(d_alpha, alpha, lay), dv, du, d_drop
+
+
+def _softmax_grad(d_alpha: Optional[Tensor], alpha: Tensor, lay: Layout) -> Tensor:
+    """``de_ij = alpha_ij * (dalpha_ij - delta_i)``, ``delta_i = sum_j alpha_ij dalpha_ij``:
+    the softmax's gradient, in place of ``d_alpha`` (``None``: zero)."""
     ad = torch.zeros_like(alpha) if d_alpha is None else d_alpha.mul_(alpha)  # [E, H]
     delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
 
@@ -573,7 +579,7 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
         ad[e0:e1].sub_(delta.index_select(0, lay.dst[e0:e1]).mul_(alpha[e0:e1]))
 
     _for_blocks(lay, ad.size(1) * ad.element_size(), block)
-    return ad, dv, du, d_drop
+    return ad
 
 
 # ---------------------------------------------------------------------------
