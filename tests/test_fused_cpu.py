@@ -360,3 +360,22 @@ def test_blocks_fixture_layouts_are_those_of_large_and_small_graphs(blocks):
     large = mode != "small"
     assert lay.src.dtype == (torch.int32 if large else torch.int64)
     assert (lay.csc is not None) == large
+
+
+def test_apply_skips_the_public_bind_only_outside_transforms(monkeypatch):
+    """An ordinary call reaches the C++ apply directly (fc._apply); under a
+    torch.func transform it goes through Function.apply, which transforms need."""
+    assert fc._C_APPLY is not None and fc._unwrap_dead is not None  # the bypass exists here
+    public = []
+    real = fc._FusedAttention.apply
+    monkeypatch.setattr(fc._FusedAttention, "apply", lambda *a: public.append(1) or real(*a))
+    n = 6
+    ei = random_graph(n, 15, seed=2)
+    conv = gatlib.GATConv(4, 3, heads=2, backend="fused")
+    x = torch.randn(n, 4)
+    with gatlib.record_kernels() as log:
+        conv(x, ei).sum().backward()
+    assert log == ["fused", "fused.backward"] and public == []
+    with gatlib.record_kernels() as log:
+        torch.func.grad(lambda t: conv(t, ei).sum())(x)
+    assert log[0] == "fused" and public  # (functorch may re-enter it)
