@@ -32,6 +32,7 @@ class Allocations(TorchDispatchMode):
         self.seen = {t.untyped_storage().data_ptr() for t in known}
         self.paused = False
         self.allocs = []  # (shape, dtype, bytes)
+        self.launches = 0  # kernel launches while recording
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -61,6 +62,7 @@ def recorder(monkeypatch):
         if not active:
             return run(self, *args, **kwargs)
         active[-1].paused = True
+        active[-1].launches += 1
         try:
             return run(self, *args, **kwargs)
         finally:
@@ -75,7 +77,7 @@ def recorder(monkeypatch):
     return make
 
 
-def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_launches=0):
+def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_launches=0, att_floor=0):
     """The README's formula: (forward bytes, backward bytes, largest temporary)
     of one call, excluding its inputs and the graph's plan."""
     s = torch.empty((), dtype=dtype).element_size()
@@ -91,19 +93,25 @@ def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_launches=0):
              "gatv2": 3 * N * H * C + E * H * C + H * C + N * H * C,  # x_src, value, x_dst, e, att
              "dot": 3 * N * H * C + 2 * E * H * C + E * H * C}[kind] * s  # q, k, v, e, u
     merge_b = 3 * (P * H * W + Q * H * (C + W)) * a  # split rows' and columns' partial sums
-    # GATv2's att gradient: per-lane partials (at most [E, H] elements), summed
-    # into [H, C] after each of the backward's launches
-    att = E * H * a + (att_launches + 2) * H * C * a if kind == "gatv2" else 0
+    # GATv2's att gradient: per-lane partials (at most max(E·H, att_floor)
+    # elements), summed into [H, C] after each of the backward's launches
+    att_partials = max(E * H, att_floor) * a if kind == "gatv2" else 0
+    att = att_partials + (att_launches + 2) * H * C * a if kind == "gatv2" else 0
     galpha = (N * H + 2 * E * H) * a if alpha else 0
     bwd = 2 * E * H * a + grads + merge_b + att + galpha
-    largest_temp = E * H * a
+    largest_temp = max(E * H * a, att_partials)
     return fwd, bwd, largest_temp
 
 
+@pytest.mark.parametrize("att_floor", [0, None], ids=["att-chunked", "att-floor"])
 @pytest.mark.parametrize("alpha", [False, True], ids=["out", "alpha"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch):
+def test_allocations_follow_the_memory_model(kind, alpha, att_floor, recorder, monkeypatch):
     monkeypatch.setattr(_triton, "_SPLIT", 32)  # split rows and columns, as hubs are
+    if att_floor is None:  # the library's floor: this graph's att launches are not cut
+        att_floor = _triton._ATT_PARTIALS
+    else:  # as if the graph were large: GATv2's att launches cut at E·H partials
+        monkeypatch.setattr(_triton, "_ATT_PARTIALS", att_floor)
     n, H, C, dtype = 60, 2, 8, torch.bfloat16
     ei = hub_graph(n, 100)
     ei = torch.cat([ei, torch.stack([torch.full((70,), 5), torch.arange(70) % n])], 1)
@@ -131,11 +139,14 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     with rec:
         torch.autograd.grad(outs, inputs, grads)
     bwd = rec.allocs
-    att_lanes = max(H, E * H // C)  # as _FusedAttention.backward cuts its launches
+    att_lanes = max(H, max(E * H, att_floor) // C)  # as _FusedAttention.backward cuts launches
     step = max(1, att_lanes // H)
-    launches = sum(-(-count // step) for _, count, _ in tplan.dst_items.buckets)
+    launches = sum(-(-count // step) if kind == "gatv2" else 1
+                   for _, count, _ in tplan.dst_items.buckets)
+    assert (launches > len(tplan.dst_items.buckets)) == (kind == "gatv2" and att_floor == 0)
+    assert rec.launches == launches + len(tplan.src_items.buckets)
     f_model, b_model, largest = model(kind, n, E, H, C, dtype, P, Q, alpha=alpha,
-                                      att_launches=launches)
+                                      att_launches=launches, att_floor=att_floor)
     f_bytes = sum(b for *_, b in fwd)
     b_bytes = sum(b for _, _, b in bwd)
     assert f_bytes <= f_model, (f_bytes, f_model, fwd)
