@@ -306,10 +306,19 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         Under torch.jit.trace: "torch", whose trace is aten ops that
         #         torch.jit.save can write (a fused kernel records as one Python
         #         op, which replays in this process only).
-        #   CUDA and other devices: "torch". The Triton kernels have not run on a
-        #         GPU yet; until they are measured there they are opt-in.
-        cpu = ("torch",) if torch.jit.is_tracing() else ("fused", "torch")
-        for name in (cpu if dev == "cpu" else ("torch",)):
+        #   CUDA: "triton" — on an H100 (benchmarks/results/selftest_h100.md,
+        #         benchmarks/NOTES.md) 96/96 kernel checks against the reference,
+        #         a 2-layer training step 2.2-3.3x PyG's on the arxiv-like graph
+        #         at under 1/10 of its memory, 0.9-1.0x on Cora at 1/4-1/3 of it;
+        #         where it cannot run (no triton, torch.compile, torch.func
+        #         vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
+        #         over 1024 channels, non-float dtypes): "torch".
+        #   Other devices: "torch".
+        if dev == "cpu":
+            order = ("torch",) if torch.jit.is_tracing() else ("fused", "torch")
+        else:
+            order = ("triton", "torch") if dev == "cuda" else ("torch",)
+        for name in order:
             if KERNELS[name].supports(call) is None:
                 return KERNELS[name]
         raise AssertionError("the reference kernel supports every call")  # pragma: no cover

@@ -261,8 +261,8 @@ def _call(device="cpu", dtype=torch.float32):
 
 
 def test_auto_rule():
-    """The rule written in select_kernel: fused on CPU; the reference on other
-    devices (Triton is opt-in until measured on a GPU) and wherever fused cannot run."""
+    """The rule written in select_kernel: fused on CPU; the reference on devices
+    other than CPU and CUDA and wherever fused cannot run."""
     assert select_kernel("auto", _call()).name == "fused"
     assert select_kernel("auto", _call("meta")).name == "torch"
     x = torch.randn(5, 4)
@@ -271,6 +271,21 @@ def test_auto_rule():
     with gatlib.record_kernels() as log:
         torch.func.vmap(lambda t: conv(t, ei))(x[None].expand(2, -1, -1))
     assert log == ["torch"]  # vmap: fused declines with a reason, auto takes the reference
+
+
+def test_auto_rule_on_cuda(monkeypatch):
+    """On CUDA, auto takes the Triton kernels (measured on an H100) and the
+    reference only where they decline. No GPU here: the calls claim CUDA."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(AttentionCall, "device", property(lambda self: torch.device("cuda")))
+    assert select_kernel("auto", _call()).name == "triton"
+    call = _call()
+    weighted = AttentionCall(call.score, call.value, call.plan, None, 0.0, False, torch.ones(2))
+    assert select_kernel("auto", weighted).name == "torch"  # explainer edge masks
+    wide = torch.zeros(3, 1, 1025)
+    plan = call.plan
+    assert select_kernel("auto", AttentionCall(EdgeScore.dot(wide, wide), wide, plan, None, 0.0,
+                                               False)).name == "torch"  # > 1024 channels
 
 
 def test_explicit_backend_never_hands_over():
