@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from torch_geometric import EdgeIndex
-from torch_geometric.index import ptr2index
+from torch_geometric.index import index2ptr, ptr2index
 from torch_geometric.typing import SparseTensor
 
 from . import _validate as V
@@ -328,7 +328,11 @@ def _drop_and_add_loops(ei: Tensor, n: int) -> Tuple[Tensor, Tensor]:
     loops ``i -> i`` for ``i < n``."""
     keep = ei[0] != ei[1]  # [E]
     loops = torch.arange(n, device=ei.device)
-    return keep, torch.cat([ei[:, keep], loops.expand(2, n)], dim=1)
+    # a sampled subgraph rarely has loops: the masked copy only where some must go
+    # (under torch.compile always: one data-dependent step, not two)
+    if torch.compiler.is_compiling() or not bool(keep.all()):
+        ei = ei[:, keep]
+    return keep, torch.cat([ei, loops.expand(2, n)], dim=1)
 
 
 def _sizes(num_nodes, size) -> Tuple[Optional[int], Optional[int]]:
@@ -455,9 +459,9 @@ def _nondecreasing(x: Tensor) -> bool:
 
 
 def _ptr(sorted_index: Tensor, n: int) -> Tensor:
-    """``[n + 1]`` offsets of the runs of each value ``0..n-1`` in ``sorted_index``."""
-    bounds = torch.arange(n + 1, dtype=sorted_index.dtype, device=sorted_index.device)
-    return torch.searchsorted(sorted_index, bounds).to(sorted_index.dtype)
+    """``[n + 1]`` offsets of the runs of each value ``0..n-1`` in ``sorted_index``
+    (PyG's ``index2ptr``, in ``sorted_index``'s dtype)."""
+    return index2ptr(sorted_index, n)
 
 
 def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
@@ -466,13 +470,14 @@ def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
     already non-decreasing, which ``check_sorted=False`` does not look for)."""
     E = src.numel()
     idt = layout_dtype(E, num_src, num_dst)
-    dst_i = dst.to(idt)
+    dst_i = dst if dst.dtype == idt else dst.to(idt)  # (a no-op .to costs ~2 us)
     if check_sorted and _nondecreasing(dst_i):  # already destination-sorted
         perm = torch.arange(E, device=src.device)
         dst_csr, src_csr = dst_i.clone(), src.to(idt, copy=True)
     else:
         dst_csr, perm = torch.sort(dst_i, stable=True)
-        src_csr = src.index_select(0, perm).to(idt)
+        src_csr = src.index_select(0, perm)
+        src_csr = src_csr if src_csr.dtype == idt else src_csr.to(idt)
     return _with_csc(_ptr(dst_csr, num_dst), src_csr, dst_csr, perm, num_src, num_dst)
 
 
