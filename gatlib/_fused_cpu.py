@@ -507,7 +507,7 @@ def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_
     ad = None if g_alpha is None else g_alpha.clone()  # [E, H]: dL/dalpha, then de
     if g_out is not None:
         g_e = g_out.contiguous().index_select(0, dst)  # [E, H, C], <= _SMALL_BYTES
-        dot = torch.linalg.vecdot(g_e, v.index_select(0, src))  # <g_i, v_j>
+        dot = (g_e * v.index_select(0, src)).sum(-1)  # <g_i, v_j> (vecdot: ~3 us slower here)
         a = alpha if drop is None else alpha * drop
         if need_v:
             dv = v.new_zeros(v.shape).index_add_(0, src, g_e.mul_(a.unsqueeze(-1)))
@@ -574,11 +574,14 @@ def _softmax_grad(d_alpha: Optional[Tensor], alpha: Tensor, lay: Layout) -> Tens
     the softmax's gradient, in place of ``d_alpha`` (``None``: zero)."""
     ad = torch.zeros_like(alpha) if d_alpha is None else d_alpha.mul_(alpha)  # [E, H]
     delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
+    row_bytes = ad.size(1) * ad.element_size()
+    if _one_block(lay, row_bytes) and not torch.is_grad_enabled():  # all edges at once
+        return ad.sub_(delta.index_select(0, lay.dst).mul_(alpha))
 
     def block(e0, e1, part):
         ad[e0:e1].sub_(delta.index_select(0, lay.dst[e0:e1]).mul_(alpha[e0:e1]))
 
-    _for_blocks(lay, ad.size(1) * ad.element_size(), block)
+    _for_blocks(lay, row_bytes, block)
     return ad
 
 
@@ -874,6 +877,9 @@ class _FusedAttention(torch.autograd.Function):
         _log(spec.log, "fused")
         fwd = _SCORES[spec.kind][0]
         tracing = torch.jit.is_tracing()
+        if not tracing and not torch.is_autocast_enabled("cpu"):  # (the contexts: ~3 us)
+            e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
+            return _softmax_aggregate(e, value, value_edge, spec.hl, drop)
         with _no_autocast(), (_untraced() if tracing else contextlib.nullcontext()):
             e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
             out, alpha, lse = _softmax_aggregate(e, value, value_edge, spec.hl, drop)
