@@ -94,9 +94,14 @@ class _AttentionConv(MessagePassing):
     def __init__(self):
         super().__init__(aggr="add", node_dim=0)
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__:  # gatlib's own layers; a user's subclass inherits it
+            cls._gatlib_layer = cls
+
     def _propagate_reason(self) -> Optional[str]:
         """Why this call must run through ``propagate``, or ``None``."""
-        base = next(c for c in type(self).__mro__ if c.__module__ == __name__)  # gatlib's layer
+        base = self._gatlib_layer
         for name in _EXTENSION_POINTS:
             if name in self.__dict__ or getattr(type(self), name) is not getattr(base, name):
                 return f"{name}() is overridden"
@@ -165,7 +170,8 @@ class _AttentionConv(MessagePassing):
                           if isinstance(self.in_channels, int) else self.in_channels)
         if isinstance(x, Tensor):
             V.check_features("x", x, in_src, weight)
-            V.check_features("x", x, in_dst, weight)
+            if in_dst != in_src:
+                V.check_features("x", x, in_dst, weight)
             return x, x
         if not isinstance(x, (tuple, list)) or len(x) != 2:
             raise TypeError("x must be a tensor [N, F] or a pair (x_src, x_dst) of tensors; "
