@@ -302,7 +302,7 @@ def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.dev
             val_loss = float(loss_fn(out[split["valid"]], graph.y[split["valid"]]))
         val_metric = dataset.evaluate(out, "valid")
         if on_epoch is not None:
-            on_epoch(epoch, float(loss), val_metric)
+            on_epoch(epoch, float(loss.detach()), val_metric)
         if stop.update(epoch, val_loss, val_metric, model):
             break
     if device.type == "cuda":
