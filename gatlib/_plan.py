@@ -387,7 +387,14 @@ def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.devi
         # (A plan made here lives for one call: inference tensors in it are fine.)
         n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
         keep, looped_ei = _drop_and_add_loops(ei, n)
-        return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(n, keep, looped_ei)
+        if layout_fn is not None:  # the input's own CSR/CSC: loops merge into its layout
+            return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(n, keep, looped_ei)
+        # a plain edge list: its looped twin is sorted directly (see GraphPlan._looped),
+        # and nothing else reads the plan without loops: it is not made
+        looped = GraphPlan._owned(looped_ei, num_src, num_dst, lambda: build_layout(
+            looped_ei[0], looped_ei[1], num_src, num_dst, check_sorted=n == 0))
+        looped._base_ei = ei
+        return looped
     plan = _check_plan(edge_index, num_src, num_dst, device)
     return plan.with_self_loops(loop_nodes) if self_loops else plan
 
