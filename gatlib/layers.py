@@ -101,12 +101,12 @@ class _AttentionConv(MessagePassing):
 
     def _propagate_reason(self) -> Optional[str]:
         """Why this call must run through ``propagate``, or ``None``."""
-        base = self._gatlib_layer
-        for name in _EXTENSION_POINTS:
-            if name in self.__dict__ or getattr(type(self), name) is not getattr(base, name):
+        cls, base, own = type(self), self._gatlib_layer, self.__dict__
+        for name in _EXTENSION_POINTS:  # a gatlib class is compared only when subclassed
+            if name in own or (cls is not base and getattr(cls, name) is not getattr(base, name)):
                 return f"{name}() is overridden"
         for name in _HOOKS:
-            if getattr(self, name):
+            if own[name] if name in own else getattr(self, name):
                 return f"a {name.strip('_').replace('_', ' ')[:-1]} is registered"
         return None
 
