@@ -13,7 +13,6 @@ library: GAT only, no dropout, no edge features.
     python benchmarks/straight_line.py --batch-size 1
 """
 import argparse
-import itertools
 import statistics
 import time
 
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 
 from gatlib.bench import synthetic
 from gatlib.bench.compare import build_pair
-from per_batch import sample_batches
+from per_batch import _layer_call, sample_batches
 
 
 class _Straight(torch.autograd.Function):
@@ -92,20 +91,12 @@ def main():
     batches = sample_batches(graph, args.batch_size, [10, 5], 8, 0)
     pair = build_pair("gat", graph.x.size(1), 4, 64, "fused", torch.device("cpu"), torch.float32, 0)
     straight = straight_gat(pair["gatlib"])
-    xs = [x.clone().requires_grad_() for x, _ in batches]
-    torch.testing.assert_close(straight(xs[0], batches[0][1]), pair["gatlib"](xs[0], batches[0][1]),
+    x0, ei0 = batches[0]
+    torch.testing.assert_close(straight(x0, ei0), pair["gatlib"](x0, ei0),
                                rtol=0, atol=0)
 
-    def call(fn):
-        it = itertools.cycle(range(len(batches)))
-
-        def f():
-            i = next(it)
-            out = fn(xs[i], batches[i][1].clone())
-            out.backward(torch.ones_like(out))
-        return f
-
-    fns = {"pyg": call(pair["pyg"]), "gatlib": call(pair["gatlib"]), "straight": call(straight)}
+    fns = {k: _layer_call(f, batches)
+           for k, f in (("pyg", pair["pyg"]), ("gatlib", pair["gatlib"]), ("straight", straight))}
     for f in fns.values():
         for _ in range(30):
             f()
@@ -123,7 +114,7 @@ def main():
     print(f"batch {args.batch_size}, {edges:.0f} edges; ms per forward+backward (median of "
           f"{args.rounds} rounds) and PyG / x (median of the per-round ratios):")
     for k, v in res.items():
-        ratio = statistics.median(p / q for p, q in zip(res["pyg"], v))
+        ratio = statistics.median(p / q for p, q in zip(res["pyg"], v, strict=True))
         print(f"  {k:9s} {statistics.median(v):7.3f} ms  {ratio:5.2f}x")
 
 

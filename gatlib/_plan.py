@@ -263,9 +263,8 @@ class GraphPlan:
             # needs a sort anyway) and merging took 2.5-3.5x as long (0.49-0.64 vs
             # 0.14-0.21 ms at 60 edges, 272-364 vs 96-99 ms at 2.4M; random
             # destination-sorted graphs, 2 threads).
-            if base_layout is None and not compressed:  # (with its loops last, it is unsorted)
-                return build_layout(looped_ei[0], looped_ei[1], num_src, num_dst,
-                                    check_sorted=n == 0)
+            if base_layout is None and not compressed:
+                return _sorted_looped_layout(looped_ei, num_src, num_dst, n)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
 
         looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout)
@@ -391,8 +390,8 @@ def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.devi
             return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(n, keep, looped_ei)
         # a plain edge list: its looped twin is sorted directly (see GraphPlan._looped),
         # and nothing else reads the plan without loops: it is not made
-        looped = GraphPlan._owned(looped_ei, num_src, num_dst, lambda: build_layout(
-            looped_ei[0], looped_ei[1], num_src, num_dst, check_sorted=n == 0))
+        looped = GraphPlan._owned(looped_ei, num_src, num_dst,
+                                  lambda: _sorted_looped_layout(looped_ei, num_src, num_dst, n))
         looped._base_ei = ei
         return looped
     plan = _check_plan(edge_index, num_src, num_dst, device)
@@ -486,6 +485,12 @@ def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
         src_csr = src.index_select(0, perm)
         src_csr = src_csr if src_csr.dtype == idt else src_csr.to(idt)
     return _with_csc(_ptr(dst_csr, num_dst), src_csr, dst_csr, perm, num_src, num_dst)
+
+
+def _sorted_looped_layout(looped_ei: Tensor, num_src: int, num_dst: int, n: int) -> Layout:
+    """The layout of a plain edge list with ``n`` loops appended (by
+    :func:`_drop_and_add_loops`), sorted directly: with its loops last it is unsorted."""
+    return build_layout(looped_ei[0], looped_ei[1], num_src, num_dst, check_sorted=n == 0)
 
 
 def _with_csc(ptr, src_csr, dst_csr, perm, num_src, num_dst) -> Layout:
