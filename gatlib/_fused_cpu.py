@@ -418,15 +418,15 @@ def _scatter_rows(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None
 # ---------------------------------------------------------------------------
 # Stages 2 and 3: softmax and aggregation (shared by every score kind).
 # ---------------------------------------------------------------------------
-def _row_softmax(e: Tensor, lay: Layout) -> Tuple[Tensor, Tensor]:
+def _row_softmax(e: Tensor, lay: Layout, need_lse: bool = True) -> Tuple[Tensor, Tensor]:
     """Softmax of ``e`` ``[E, H]`` (CSR order) over each destination's in-edges,
     in place (``e`` becomes the weights), and its log-normaliser ``lse [N_dst, H]``
-    (``alpha_ij = exp(e_ij - lse_i)``)."""
+    (``alpha_ij = exp(e_ij - lse_i)``), or an empty tensor without ``need_lse``."""
     m = torch.segment_reduce(e, "max", offsets=lay.ptr, axis=0)  # [N_dst, H]
     _per_edge_(e, m, lay, lambda eb, mb: eb.sub_(mb).exp_())  # every entry <= 1
     den = torch.segment_reduce(e, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H], >= 1 where used
     _per_edge_(e, den, lay, Tensor.div_)
-    return e, den.log_().add_(m)
+    return e, (den.log_().add_(m) if need_lse else den.new_empty(0))
 
 
 def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
@@ -450,7 +450,8 @@ def _per_edge_(x: Tensor, node: Tensor, lay: Layout, fn: Callable[[Tensor, Tenso
 
 
 def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayout,
-                       drop: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+                       drop: Optional[Tensor], need_lse: bool = True
+                       ) -> Tuple[Tensor, Tensor, Tensor]:
     r"""Forward of stages 2 and 3, all heads at once (``e`` is consumed)::
 
         m_i      = max_j e_ij                                     # segment max  [N_dst, H]
@@ -464,8 +465,8 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
     """
     lay = hl.lay
     if u is None and _is_small(hl, v):
-        return _softmax_aggregate_small(e, v, lay, drop)
-    alpha, lse = _row_softmax(e, lay)  # [E, H], [N_dst, H]
+        return _softmax_aggregate_small(e, v, lay, drop, need_lse)
+    alpha, lse = _row_softmax(e, lay, need_lse)  # [E, H], [N_dst, H] (or empty)
     a = alpha if drop is None else alpha * drop
     out = _spmm(hl, a, v)  # [N_dst, H, C]
     if u is not None:
@@ -487,15 +488,15 @@ def _is_small(hl: _HeadLayout, v: Tensor) -> bool:
             and hl.lay.num_edges * v.size(1) * v.size(2) * v.element_size() <= _SMALL_BYTES)
 
 
-def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor]
-                             ) -> Tuple[Tensor, Tensor, Tensor]:
+def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor],
+                             need_lse: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_softmax_aggregate` (without ``u``) of a small graph
     (:func:`_is_small`): the same steps on whole tensors (:func:`_row_softmax`
     runs as one block), with one gather of ``[E, H, C]`` values instead of the
     edge-block SpMM and none of its machinery. On NeighborLoader's smallest subgraphs
     (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv call, forward and
     backward (benchmarks/NOTES.md)."""
-    alpha, lse = _row_softmax(e, lay)  # [E, H], [N_dst, H]
+    alpha, lse = _row_softmax(e, lay, need_lse)  # [E, H], [N_dst, H] (or empty)
     a = alpha if drop is None else alpha * drop
     x = v.index_select(0, lay.src).mul_(a.unsqueeze(-1))  # [E, H, C], <= _SMALL_BYTES
     out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, lay.dst, x)
@@ -860,7 +861,8 @@ class _FusedAttention(torch.autograd.Function):
     ``None``, and ``drop [E, H]`` (CSR order: ``keep / (1 - p)``, the dropout
     mask, times the edge weights if any — then it needs a gradient) or ``None``.
     Outputs ``out [N_dst, H, C]``, ``alpha [E, H]`` in CSR order and the
-    softmax's log-normaliser ``lse [N_dst, H]`` (not differentiable), in the
+    softmax's log-normaliser ``lse [N_dst, H]`` (not differentiable; empty
+    where backward does not read it, outside ``torch.jit.trace``), in the
     compute dtype.
 
     Forward: stage 1 of the score's kind (``_gat_forward``, ``_gatv2_forward``,
@@ -881,7 +883,9 @@ class _FusedAttention(torch.autograd.Function):
         tracing = torch.jit.is_tracing()
         if not tracing and not torch.is_autocast_enabled("cpu"):  # (the contexts: ~3 us)
             e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
-            return _softmax_aggregate(e, value, value_edge, spec.hl, drop)
+            # (lse only where backward recomputes alpha from it: its log_ is an MKL
+            # call that opens an OpenMP region however small the tensor; see NOTES)
+            return _softmax_aggregate(e, value, value_edge, spec.hl, drop, _recomputes_alpha(spec))
         with _no_autocast(), (_untraced() if tracing else contextlib.nullcontext()):
             e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
             out, alpha, lse = _softmax_aggregate(e, value, value_edge, spec.hl, drop)
