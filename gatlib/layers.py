@@ -58,7 +58,7 @@ from torch_geometric.utils import remove_self_loops as _remove_self_loops
 from . import _adjacency as A
 from . import _validate as V
 from ._core import EdgeScore, combine_heads, segment_softmax
-from ._dispatch import _log, check_backend_name, graph_attention
+from ._dispatch import _log, attend_planned, check_backend_name
 from ._plan import GraphPlan, as_plan, checked_edge_list
 
 PairTensor = Tuple[Tensor, Optional[Tensor]]
@@ -207,19 +207,21 @@ class _AttentionConv(MessagePassing):
             edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return plan, edge_attr
 
-    def _attend(self, score, value, plan, num_dst, want_alpha, value_edge=None):
-        """Run the attention core with this layer's dropout, head mode and backend.
+    def _attend(self, score, value, plan, want_alpha, value_edge=None):
+        """Run the attention core over ``plan`` (built by :meth:`_graph` for
+        ``value``'s sources) with this layer's dropout, head mode and backend.
 
         ``alpha`` is only asked for when the caller wants it: a fused backend
         then skips the extra ``[E, H]`` pass.
         """
         if self.value_dropout > 0.0:  # scores above came from the undropped features
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
-        res = graph_attention(score, value, plan, num_dst, value_edge=value_edge,
-                              dropout=self.dropout, training=self.training, concat=self.concat,
-                              backend=self.backend, return_attention=bool(want_alpha),
-                              edge_weight=self._explain_weight(plan))
-        return res if want_alpha else (res, None)
+        weight = self._explain_weight(plan)
+        if weight is not None:
+            V.check_edge_weight(weight, plan.num_edges, value)
+        p = float(self.dropout) if self.training and self.dropout > 0 else 0.0
+        return attend_planned(score, value, plan, value_edge, p, self.concat, self.backend,
+                              bool(want_alpha), weight)
 
     def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
         if not return_attention_weights:
@@ -477,7 +479,7 @@ class GATConv(_AttentionConv):
             if self.lin_edge is not None:
                 a_edge = _projected_scores(edge_attr, self.lin_edge, self.att_edge)  # [E, H]
             out, alpha = self._attend(EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope),
-                                      h_src, plan, num_dst, return_attention_weights)
+                                      h_src, plan, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
@@ -644,7 +646,7 @@ class GATv2Conv(_AttentionConv):
                 h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
             out, alpha = self._attend(
                 EdgeScore.gatv2(h_src, h_dst, self.att.view(H, C), h_edge, self.negative_slope),
-                h_src, plan, num_dst, return_attention_weights)
+                h_src, plan, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
@@ -794,8 +796,7 @@ class TransformerConv(_AttentionConv):
             if self.lin_edge is not None:
                 h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
             out, alpha = self._attend(EdgeScore.dot(query, key, h_edge, 1.0 / math.sqrt(C)),
-                                      value, plan, x_dst.size(0), return_attention_weights,
-                                      value_edge=h_edge)
+                                      value, plan, return_attention_weights, value_edge=h_edge)
         if self.root_weight:
             x_r = self.lin_skip(x_dst)
             if self.lin_beta is not None:
