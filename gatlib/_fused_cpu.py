@@ -877,7 +877,7 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop, *layout):
-        spec = _with_layout(spec, layout)
+        spec = _with_layout(spec, layout) if layout else spec
         _log(spec.log, "fused")
         fwd = _SCORES[spec.kind][0]
         tracing = torch.jit.is_tracing()
@@ -896,7 +896,7 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         spec, *tensors = inputs
-        ctx.spec = _with_layout(spec, tensors[7:])
+        ctx.spec = _with_layout(spec, tensors[7:]) if len(tensors) > 7 else spec
         ctx.num_layout = len(tensors) - 7
         ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
         ctx.mark_non_differentiable(output[2])
@@ -1023,8 +1023,9 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         ``(out [N_dst, H, C] in value.dtype, alpha [E, H] in edge-list order
         and the score's dtype, or None)``.
     """
-    score_dtype = score.src.dtype
-    for t in score.tensors()[1:]:
+    s_src, s_dst, s_edge, s_att = score_tensors = score.tensors()
+    score_dtype = s_src.dtype
+    for t in score_tensors[1:]:
         if t is not None and t.dtype != score_dtype:
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(score_dtype if value.dtype == score_dtype
@@ -1039,17 +1040,15 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         w = edge_weight.to(acc).index_select(0, lay.perm).unsqueeze(1)  # [E, 1]
         drop = w.expand(lay.num_edges, H) if drop is None else drop * w
 
-    def node(t: Optional[Tensor]) -> Optional[Tensor]:  # node-sized: upcast is cheap
-        if t is None or (t.dtype == acc and t.is_contiguous()):
-            return t
-        return t.to(acc).contiguous()
-
-    s_src, s_dst, s_edge, s_att = score.tensors()
-    # GAT's per-edge term is [E, H]: upcast; [E, H, C] edge tensors are cast per block
-    s_edge = node(s_edge) if score.kind == "gat" else s_edge
+    # Node-sized inputs in the compute dtype, contiguous (an upcast of them is cheap),
+    # and GAT's [E, H] edge term too; [E, H, C] edge tensors are cast per block.
+    cast = [t if t is None or (t.dtype == acc and t.is_contiguous()) else t.to(acc).contiguous()
+            for t in (s_src, s_dst, s_att, value, s_edge if score.kind == "gat" else None)]
+    s_src, s_dst, s_att, v = cast[:4]
+    s_edge = cast[4] if score.kind == "gat" else s_edge
     spec = _Spec(score.kind, hl, float(score.scale), float(score.negative_slope), acc, log)
-    out, alpha, _ = _apply(spec, node(s_src), node(s_dst), s_edge, node(s_att),
-                                       node(value), value_edge, drop, *_layout_tensors(hl))
+    out, alpha, _ = _apply(spec, s_src, s_dst, s_edge, s_att, v, value_edge, drop,
+                           *_layout_tensors(hl))
     out = out if out.dtype == value.dtype else out.to(value.dtype)
     if not need_alpha:
         return out, None

@@ -13,7 +13,6 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 from torch_geometric.typing import SparseTensor  # PyG's stand-in class when torch_sparse is absent
-from torch_geometric.utils import is_torch_sparse_tensor
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -82,7 +81,9 @@ def check_features(name: str, x, expected: int, weight: Optional[Tensor]) -> Ten
     if expected != -1 and x.size(1) != expected:
         raise ValueError(f"{name} must have {expected} features (the layer's in_channels); "
                          f"got shape {tuple(x.shape)}")
-    if weight is not None and not isinstance(weight, torch.nn.parameter.UninitializedParameter):
+    # (the mixin, not UninitializedParameter: Parameter's metaclass makes isinstance
+    # a Python call)
+    if weight is not None and not isinstance(weight, torch.nn.parameter.UninitializedTensorMixin):
         if x.dtype != weight.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but the layer's parameters are "
                             f"{weight.dtype}: cast one to the other (e.g. layer.to({x.dtype}))")
@@ -129,10 +130,16 @@ def check_edge_index_sizes(edge_index, num_src: Optional[int], num_dst: Optional
                              f"but the inputs have {actual} {name} nodes")
 
 
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
+
+
 def is_adjacency(edge_index) -> bool:
     """Whether ``edge_index`` is a sparse adjacency: a ``torch.sparse`` tensor in COO, CSR
-    or CSC layout, or a ``torch_sparse.SparseTensor``."""
-    return is_torch_sparse_tensor(edge_index) or isinstance(edge_index, SparseTensor)
+    or CSC layout (PyG's ``is_torch_sparse_tensor``, asked twice per layer call and
+    here without its Python call), or a ``torch_sparse.SparseTensor``."""
+    if isinstance(edge_index, Tensor):
+        return edge_index.layout in _SPARSE_LAYOUTS
+    return isinstance(edge_index, SparseTensor)
 
 
 def check_adjacency(adj, num_src: Optional[int], num_dst: Optional[int],

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Parameter
-from torch.nn.parameter import UninitializedParameter
+from torch.nn.parameter import UninitializedTensorMixin
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
@@ -451,7 +451,7 @@ class GATConv(_AttentionConv):
 
         res = self.res(x_dst) if self.res is not None and x_dst is not None else None
         h_src = lin_src(x_src).view(-1, H, C)  # [N_s, H, C], the values
-        if x_dst is not None and isinstance(lin_dst.weight, UninitializedParameter):
+        if x_dst is not None and isinstance(lin_dst.weight, UninitializedTensorMixin):
             lin_dst(x_dst)  # lazy in_channels: let the layer take its shape
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
