@@ -386,26 +386,26 @@ def graph_attention(
         ``out`` or ``(out, alpha)``.
     """
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
-    p = float(dropout) if training and dropout > 0 else 0.0
-    if edge_weight is not None:
-        V.check_edge_weight(edge_weight, plan.num_edges, value)
-    out, alpha = attend_planned(score, value, plan, value_edge, p, concat, backend,
-                                bool(return_attention), edge_weight)
+    out, alpha = attend_planned(score, value, plan, value_edge, dropout, training, concat,
+                                backend, bool(return_attention), edge_weight)
     return (out, alpha) if return_attention else out
 
 
 def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
-                   p: float, concat: bool, backend: str, need_alpha: bool,
+                   dropout: float, training: bool, concat: bool, backend: str, need_alpha: bool,
                    edge_weight: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`graph_attention` on a plan of ``value``'s ``N_src`` sources that the
-    caller built and checked, with dropout probability ``p`` in effect and a
-    checked ``edge_weight``: what the layers call, having checked their inputs
-    once (repeating the public function's checks and keyword handling cost ~1.5%
-    of a GATConv call on a 59-edge subgraph, benchmarks/NOTES.md).
+    caller built and checked: what the layers call, having checked their inputs
+    once (going through the public function again, its plan check and keyword
+    handling, cost ~1.5% of a GATConv call on a 59-edge subgraph,
+    benchmarks/NOTES.md).
 
     Returns:
         ``(out, alpha or None)``.
     """
+    p = float(dropout) if training and dropout > 0 else 0.0
+    if edge_weight is not None:
+        V.check_edge_weight(edge_weight, plan.num_edges, value)
     call = AttentionCall(score, value, plan, value_edge, p, need_alpha, edge_weight)
     out, alpha = select_kernel(backend, call).run(call)
     return _core.combine_heads(out, concat), alpha

@@ -216,12 +216,9 @@ class _AttentionConv(MessagePassing):
         """
         if self.value_dropout > 0.0:  # scores above came from the undropped features
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
-        weight = self._explain_weight(plan)
-        if weight is not None:
-            V.check_edge_weight(weight, plan.num_edges, value)
-        p = float(self.dropout) if self.training and self.dropout > 0 else 0.0
-        return attend_planned(score, value, plan, value_edge, p, self.concat, self.backend,
-                              bool(want_alpha), weight)
+        return attend_planned(score, value, plan, value_edge, self.dropout, self.training,
+                              self.concat, self.backend, bool(want_alpha),
+                              self._explain_weight(plan))
 
     def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
         if not return_attention_weights:
