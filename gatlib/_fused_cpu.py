@@ -568,7 +568,7 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
         del dot
         if need_v:
             dv = _spmm(hl, a, g, transpose=True)  # [N_src, H, C]
-    del a
+    a = None  # an [E, H] less during the softmax gradient (a cell of block(): not del'd)
     return _softmax_grad(d_alpha, alpha, lay), dv, du, d_drop
 
 
