@@ -4,7 +4,6 @@ layers, and the point of it: no [E, H, C] tensor saved for backward.
 (Agreement with the reference over graphs, dtypes and heads is in test_core.py.)"""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import gatlib
 from gatlib import _fused_cpu as fc
@@ -12,7 +11,7 @@ from gatlib import _plan
 from gatlib import graph_attention
 from gatlib._plan import GraphPlan
 
-from testing import KINDS, LAYERS, hub_graph, leaves, make_score, random_graph
+from testing import KINDS, LAYERS, AtenOps, hub_graph, leaves, make_score, random_graph
 
 
 @pytest.fixture(params=["one_block", "tiny_blocks", "edge_products", "small"])
@@ -249,18 +248,6 @@ def test_layers_fused_equal_torch(blocks, layer, edge_dim, concat):
 # ---------------------------------------------------------------------------
 # The point of the kernel: no [E, H, C] tensor saved for backward
 # ---------------------------------------------------------------------------
-class _AtenOps(TorchDispatchMode):
-    """The names of the aten ops run inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def saved_tensors_during(fn):
     """Every tensor autograd saves for backward while ``fn()`` runs."""
     saved = []
@@ -358,7 +345,7 @@ def test_gat_keeps_lse_not_alpha_from_recompute_min_entries_on():
         assert bool(edge_sized) == keeps_alpha, [tuple(t.shape) for t in saved]
         assert any(t.shape == (n, H) for t in saved)  # lse or the scores
         # the log-normaliser is computed only where backward reads it
-        with _AtenOps() as ops:
+        with AtenOps() as ops:
             fused(x, ei)
         assert ("aten.log_.default" in ops.names) != keeps_alpha, ops.names
         want = ref(x, ei)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from gatlib import GraphPlan, graph_attention
 from gatlib import _triton
 
-from testing import hub_graph, make_score
+from testing import AtenOps, hub_graph, make_score
 
 pytest.importorskip("triton")
 KINDS = ("gat", "gatv2", "dot")
@@ -161,16 +161,6 @@ def test_allocations_follow_the_memory_model(kind, alpha, att_floor, recorder, m
     assert not [a for a in fwd + bwd if a[0] == (n, H, C) and a[1] == torch.float32]
 
 
-class Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 # ATen ops that make a CUDA stream wait for the host: reading a value
 # (.item(), bool(), int()), or output sizes that depend on values
 HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
@@ -194,7 +184,7 @@ def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
         return out.sum() + att.sum()
 
     call().backward()  # derives the plan's layout and the kernels' schedule
-    with Ops() as ops:
+    with AtenOps() as ops:
         loss = call()
         loss.backward()
     assert not [op for op in ops.names if op.startswith(HOST_SYNCS)]

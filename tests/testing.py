@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gatlib
 from gatlib import EdgeScore, graph_attention
@@ -232,3 +233,15 @@ def count_sorts(monkeypatch):
 
     monkeypatch.setattr(torch, "sort", sort)
     return calls
+
+
+class AtenOps(TorchDispatchMode):
+    """The names of the aten ops run inside the block (``with AtenOps() as ops``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
