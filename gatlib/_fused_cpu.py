@@ -464,8 +464,6 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
     Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])``.
     """
     lay = hl.lay
-    if u is None and _is_small(hl, v):
-        return _softmax_aggregate_small(e, v, lay, drop, need_lse)
     alpha, lse = _row_softmax(e, lay, need_lse)  # [E, H], [N_dst, H] (or empty)
     a = alpha if drop is None else alpha * drop
     out = _spmm(hl, a, v)  # [N_dst, H, C]
@@ -491,21 +489,28 @@ def _is_small(hl: _HeadLayout, v: Tensor) -> bool:
 def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor],
                              need_lse: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """:func:`_softmax_aggregate` (without ``u``) of a small graph
-    (:func:`_is_small`): the same steps on whole tensors (:func:`_row_softmax`
-    runs as one block), with one gather of ``[E, H, C]`` values instead of the
-    edge-block SpMM and none of its machinery. On NeighborLoader's smallest subgraphs
-    (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv call, forward and
-    backward (benchmarks/NOTES.md)."""
-    alpha, lse = _row_softmax(e, lay, need_lse)  # [E, H], [N_dst, H] (or empty)
+    (:func:`_is_small`): the steps of :func:`_row_softmax` and the aggregation
+    written out on whole tensors, with one gather of ``[E, H, C]`` values instead
+    of the edge-block SpMM and none of the block machinery. On NeighborLoader's
+    smallest subgraphs (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv
+    call, forward and backward; going through the edge-block helpers at all
+    (per-edge lambdas, block checks) cost another ~1% (benchmarks/NOTES.md)."""
+    src, dst, ptr = lay.src, lay.dst, lay.ptr
+    m = torch.segment_reduce(e, "max", offsets=ptr, axis=0)  # [N_dst, H]
+    alpha = e.sub_(m.index_select(0, dst)).exp_()  # [E, H], every entry <= 1
+    den = torch.segment_reduce(alpha, "sum", offsets=ptr, axis=0)  # [N_dst, H], >= 1 where used
+    alpha.div_(den.index_select(0, dst))
+    lse = den.log_().add_(m) if need_lse else den.new_empty(0)
     a = alpha if drop is None else alpha * drop
-    x = v.index_select(0, lay.src).mul_(a.unsqueeze(-1))  # [E, H, C], <= _SMALL_BYTES
-    out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, lay.dst, x)
+    x = v.index_select(0, src).mul_(a.unsqueeze(-1))  # [E, H, C], <= _SMALL_BYTES
+    out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, dst, x)
     return out, alpha, lse
 
 
 def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_v, need_drop):
-    """:func:`_softmax_aggregate_backward` of :func:`_softmax_aggregate_small`."""
-    dst, src = lay.dst, lay.src
+    """:func:`_softmax_aggregate_backward` of :func:`_softmax_aggregate_small`, the
+    softmax gradient (:func:`_softmax_grad`) written out on whole tensors too."""
+    src, dst = lay.src, lay.dst
     dv = d_drop = None
     ad = None if g_alpha is None else g_alpha.clone()  # [E, H]: dL/dalpha, then de
     if g_out is not None:
@@ -519,7 +524,11 @@ def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_
         if drop is not None:
             dot.mul_(drop)
         ad = dot if ad is None else ad.add_(dot)
-    return _softmax_grad(ad, alpha, lay), dv, None, d_drop
+    if ad is None:
+        return torch.zeros_like(alpha), dv, None, d_drop
+    ad.mul_(alpha)
+    delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
+    return ad.sub_(delta.index_select(0, dst).mul_(alpha)), dv, None, d_drop
 
 
 def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
@@ -537,9 +546,6 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
     Returns ``(de [E, H] CSR order, dv or None, du or None, ddrop or None)``.
     """
     lay = hl.lay
-    if u is None and _is_small(hl, v):
-        return _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_v,
-                                                 need_drop)
     a = alpha if drop is None else alpha * drop  # [E, H]
     # [E, H] temporaries are few: at ogbn-products' scale each is 2 GB (H=4, float32)
     d_alpha = None if g_alpha is None else g_alpha.clone()  # [E, H]
@@ -879,16 +885,15 @@ class _FusedAttention(torch.autograd.Function):
     def forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop, *layout):
         spec = _with_layout(spec, layout) if layout else spec
         _log(spec.log, "fused")
-        fwd = _SCORES[spec.kind][0]
         tracing = torch.jit.is_tracing()
         if not tracing and not torch.is_autocast_enabled("cpu"):  # (the contexts: ~3 us)
-            e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
             # (lse only where backward recomputes alpha from it: its log_ is an MKL
             # call that opens an OpenMP region however small the tensor; see NOTES)
-            return _softmax_aggregate(e, value, value_edge, spec.hl, drop, _recomputes_alpha(spec))
+            return _forward(spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
+                            _recomputes_alpha(spec))
         with _no_autocast(), (_untraced() if tracing else contextlib.nullcontext()):
-            e = fwd(s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
-            out, alpha, lse = _softmax_aggregate(e, value, value_edge, spec.hl, drop)
+            out, alpha, lse = _forward(spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
+                                       True)
         if tracing:  # values the tracer knows, for the op's outputs
             out, alpha, lse = out.clone(), alpha.clone(), lse.clone()
         return out, alpha, lse
@@ -896,12 +901,13 @@ class _FusedAttention(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         spec, *tensors = inputs
-        ctx.spec = _with_layout(spec, tensors[7:]) if len(tensors) > 7 else spec
-        ctx.num_layout = len(tensors) - 7
+        if len(tensors) > 7:  # under torch.jit.trace: the layout's tensors follow
+            spec = _with_layout(spec, tensors[7:])
+        ctx.spec, ctx.num_layout = spec, len(tensors) - 7
         ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
         ctx.mark_non_differentiable(output[2])
-        ctx.recompute = _recomputes_alpha(ctx.spec)
-        ctx.save_for_backward(*tensors[:7], output[2] if ctx.recompute else output[1])
+        ctx.recompute = recompute = _recomputes_alpha(spec)
+        ctx.save_for_backward(*tensors[:7], output[2] if recompute else output[1])
 
     @staticmethod
     def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor], g_lse: None):
@@ -913,18 +919,45 @@ class _FusedAttention(torch.autograd.Function):
             _log(spec.log, "fused.backward:reference")
             return (None, *_reference_backward(spec, ins, need, g_out, g_alpha), *layout)
         _log(spec.log, "fused.backward")
-        s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
+        if not torch.is_autocast_enabled("cpu"):  # (the context: ~1 us)
+            return (None, *_backward(spec, ins, alpha, ctx.recompute, need, g_out, g_alpha),
+                    *layout)
         with _no_autocast():
-            if ctx.recompute:  # saved: lse
-                alpha = _recomputed_alpha(_gat_forward(s_src, s_dst, s_edge, s_att, spec.hl,
-                                                       spec.scale, spec.slope), alpha, spec.hl.lay)
-            de, dv, du, d_drop = _softmax_aggregate_backward(
-                g_out, g_alpha, alpha, value, value_edge, spec.hl, drop, need[4], need[5], need[6])
-            score_grads = (None,) * 4
-            if any(need[:4]):
-                score_grads = _SCORES[spec.kind][1](de, s_src, s_dst, s_edge, s_att, spec.hl,
-                                                    spec.scale, spec.slope, need[:4])
-        return (None, *score_grads, dv, du, d_drop, *layout)
+            grads = _backward(spec, ins, alpha, ctx.recompute, need, g_out, g_alpha)
+        return (None, *grads, *layout)
+
+
+def _forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
+             need_lse: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """:class:`_FusedAttention`'s forward: stage 1 of the score's kind, then stages 2
+    and 3 (:func:`_softmax_aggregate_small` on a small graph, :func:`_is_small`)."""
+    e = _SCORES[spec.kind][0](s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
+    if value_edge is None and _is_small(spec.hl, value):
+        return _softmax_aggregate_small(e, value, spec.hl.lay, drop, need_lse)
+    return _softmax_aggregate(e, value, value_edge, spec.hl, drop, need_lse)
+
+
+def _backward(spec: _Spec, ins: Sequence[Optional[Tensor]], alpha: Tensor, recompute: bool,
+              need: Sequence[bool], g_out: Optional[Tensor], g_alpha: Optional[Tensor]
+              ) -> Tuple[Optional[Tensor], ...]:
+    """:class:`_FusedAttention`'s fused backward (``alpha``: the saved weights, or
+    ``lse`` where ``recompute``): the gradients of its seven tensor inputs."""
+    s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
+    hl = spec.hl
+    if recompute:  # saved: lse
+        alpha = _recomputed_alpha(_gat_forward(s_src, s_dst, s_edge, s_att, hl, spec.scale,
+                                               spec.slope), alpha, hl.lay)
+    if value_edge is None and _is_small(hl, value):
+        de, dv, du, d_drop = _softmax_aggregate_small_backward(g_out, g_alpha, alpha, value,
+                                                               hl.lay, drop, need[4], need[6])
+    else:
+        de, dv, du, d_drop = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
+                                                         hl, drop, need[4], need[5], need[6])
+    score_grads = (None,) * 4
+    if need[0] or need[1] or need[2] or need[3]:
+        score_grads = _SCORES[spec.kind][1](de, s_src, s_dst, s_edge, s_att, hl, spec.scale,
+                                            spec.slope, need[:4])
+    return (*score_grads, dv, du, d_drop)
 
 
 def _recomputes_alpha(spec: _Spec) -> bool:
