@@ -40,6 +40,7 @@ ops (:func:`_for_blocks`); the kernel never changes a process-wide setting.
 """
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import contextlib
@@ -480,10 +481,29 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
 
 def _is_small(hl: _HeadLayout, v: Tensor) -> bool:
     """Whether stages 2 and 3 run as :func:`_softmax_aggregate_small` and its
-    backward: no block CSR, and the gathered values ``[E, H, C]`` within
-    :data:`_SMALL_BYTES`."""
-    return (not hl.blocked
-            and hl.lay.num_edges * v.size(1) * v.size(2) * v.element_size() <= _SMALL_BYTES)
+    backward: no block CSR, and the graph whole (:func:`_whole`)."""
+    return not hl.blocked and _whole(hl.lay.num_edges, v.size(1), v.size(2), v.element_size())
+
+
+def _whole(num_edges: int, heads: int, channels: int, itemsize: int) -> bool:
+    """Whether a graph's gathered values ``[E, H, C]`` fit :data:`_SMALL_BYTES` and
+    its per-edge statistics ``[E, H]`` one edge block of :data:`_CHUNK_BYTES`."""
+    return (num_edges * heads * channels * itemsize <= _SMALL_BYTES
+            and num_edges * heads * itemsize <= _CHUNK_BYTES)
+
+
+def _edge_list_layout(plan: GraphPlan) -> Layout:
+    """The plan's edges as a :class:`Layout` in edge-list order, unsorted: no ``ptr``
+    (``None``), ``perm`` the identity. What a small GAT call runs on
+    (:func:`attention`): its stages reduce with scatter ops, which need no sort, and
+    the destination sort (with the rest of the plan's layout) was ~8% of a GATConv
+    call on a 60-edge subgraph (benchmarks/NOTES.md)."""
+    def build() -> Layout:
+        src, dst = plan.coo()
+        return Layout(ptr=None, src=src, dst=dst, perm=torch.arange(src.numel()),
+                      num_src=plan.num_src, num_dst=plan.num_dst)
+
+    return plan.derived("fused_cpu.edge_list", build)
 
 
 def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor],
@@ -495,10 +515,12 @@ def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[T
     smallest subgraphs (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv
     call, forward and backward; going through the edge-block helpers at all
     (per-edge lambdas, block checks) cost another ~1% (benchmarks/NOTES.md)."""
-    src, dst, ptr = lay.src, lay.dst, lay.ptr
-    m = torch.segment_reduce(e, "max", offsets=ptr, axis=0)  # [N_dst, H]
+    src, dst = lay.src, lay.dst
+    # scatter reductions: the edges may be in any order (:func:`_edge_list_layout`)
+    shape = (lay.num_dst, e.size(1))
+    m = e.new_full(shape, -math.inf).scatter_reduce_(0, dst[:, None].expand_as(e), e, "amax")
     alpha = e.sub_(m.index_select(0, dst)).exp_()  # [E, H], every entry <= 1
-    den = torch.segment_reduce(alpha, "sum", offsets=ptr, axis=0)  # [N_dst, H], >= 1 where used
+    den = e.new_zeros(shape).index_add_(0, dst, alpha)  # [N_dst, H], >= 1 where used
     alpha.div_(den.index_select(0, dst))
     lse = den.log_().add_(m) if need_lse else den.new_empty(0)
     a = alpha if drop is None else alpha * drop
@@ -527,7 +549,7 @@ def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_
     if ad is None:
         return torch.zeros_like(alpha), dv, None, d_drop
     ad.mul_(alpha)
-    delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
+    delta = ad.new_zeros(lay.num_dst, ad.size(1)).index_add_(0, dst, ad)  # [N_dst, H]
     return ad.sub_(delta.index_select(0, dst).mul_(alpha)), dv, None, d_drop
 
 
@@ -662,7 +684,9 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
             ds[i0:int(r[-1]) + 1].index_add_(0, (r - i0).long(), dz.index_select(0, edges))
 
         _for_blocks(lay, row_bytes, block, lay.csc_ptr)
-    if need[1]:
+    if need[1] and lay.ptr is None:  # an edge-list layout (a small graph): unsorted
+        dt = t.new_zeros(lay.num_dst, dz.size(1)).index_add_(0, lay.dst, dz)
+    elif need[1]:
         dt = torch.segment_reduce(dz, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
     if need[2]:
         dw = torch.empty_like(dz).index_copy_(0, lay.perm, dz)
@@ -1064,7 +1088,11 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     acc = _acc_dtype(score_dtype if value.dtype == score_dtype
                      else torch.promote_types(score_dtype, value.dtype))
     H, C = int(value.shape[1]), int(value.shape[2])  # ints under torch.jit.trace too
-    hl = kernel_layout(plan, H, C)
+    if (score.kind == "gat" and value_edge is None and plan.num_edges * H * C < BLOCK_CSR_MIN_ENTRIES
+            and _whole(plan.num_edges, H, C, acc.itemsize)):
+        hl = _HeadLayout(_edge_list_layout(plan), H)  # no sort (see _edge_list_layout)
+    else:
+        hl = kernel_layout(plan, H, C)
     lay = hl.lay
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
