@@ -492,32 +492,17 @@ def _whole(num_edges: int, heads: int, channels: int, itemsize: int) -> bool:
             and num_edges * heads * itemsize <= _CHUNK_BYTES)
 
 
-def _edge_list_layout(plan: GraphPlan) -> Layout:
-    """The plan's edges as a :class:`Layout` in edge-list order, unsorted: no ``ptr``
-    (``None``), ``perm`` the identity. What a small GAT call runs on
-    (:func:`attention`): its stages reduce with scatter ops, which need no sort, and
-    the destination sort (with the rest of the plan's layout) was ~8% of a GATConv
-    call on a 60-edge subgraph (benchmarks/NOTES.md)."""
-    def build() -> Layout:
-        src, dst = plan.coo()
-        return Layout(ptr=None, src=src, dst=dst, perm=torch.arange(src.numel()),
-                      num_src=plan.num_src, num_dst=plan.num_dst)
-
-    return plan.derived("fused_cpu.edge_list", build)
-
-
-def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[Tensor],
-                             need_lse: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_softmax_aggregate` (without ``u``) of a small graph
-    (:func:`_is_small`): the steps of :func:`_row_softmax` and the aggregation
-    written out on whole tensors, with one gather of ``[E, H, C]`` values instead
-    of the edge-block SpMM and none of the block machinery. On NeighborLoader's
-    smallest subgraphs (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv
-    call, forward and backward; going through the edge-block helpers at all
-    (per-edge lambdas, block checks) cost another ~1% (benchmarks/NOTES.md)."""
-    src, dst = lay.src, lay.dst
-    # scatter reductions: the edges may be in any order (:func:`_edge_list_layout`)
-    shape = (lay.num_dst, e.size(1))
+def _softmax_aggregate_small(e: Tensor, v: Tensor, src: Tensor, dst: Tensor, num_dst: int,
+                             drop: Optional[Tensor], need_lse: bool = True
+                             ) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`_softmax_aggregate` (without ``u``) of a small graph (:func:`_whole`)
+    given as its edges ``(src, dst)`` in any order: the steps of :func:`_row_softmax`
+    and the aggregation written out on whole tensors, with scatter reductions
+    (which need no sort) and one gather of ``[E, H, C]`` values instead of the
+    edge-block SpMM, none of the block machinery. On NeighborLoader's smallest
+    subgraphs (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv call,
+    forward and backward (benchmarks/NOTES.md)."""
+    shape = (num_dst, e.size(1))
     m = e.new_full(shape, -math.inf).scatter_reduce_(0, dst[:, None].expand_as(e), e, "amax")
     alpha = e.sub_(m.index_select(0, dst)).exp_()  # [E, H], every entry <= 1
     den = e.new_zeros(shape).index_add_(0, dst, alpha)  # [N_dst, H], >= 1 where used
@@ -525,14 +510,15 @@ def _softmax_aggregate_small(e: Tensor, v: Tensor, lay: Layout, drop: Optional[T
     lse = den.log_().add_(m) if need_lse else den.new_empty(0)
     a = alpha if drop is None else alpha * drop
     x = v.index_select(0, src).mul_(a.unsqueeze(-1))  # [E, H, C], <= _SMALL_BYTES
-    out = v.new_zeros(lay.num_dst, *v.shape[1:]).index_add_(0, dst, x)
+    out = v.new_zeros(num_dst, *v.shape[1:]).index_add_(0, dst, x)
     return out, alpha, lse
 
 
-def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_v, need_drop):
+def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, src, dst, num_dst, drop,
+                                      need_v, need_drop):
     """:func:`_softmax_aggregate_backward` of :func:`_softmax_aggregate_small`, the
-    softmax gradient (:func:`_softmax_grad`) written out on whole tensors too."""
-    src, dst = lay.src, lay.dst
+    softmax gradient (:func:`_softmax_grad`) written out on whole tensors too.
+    Returns ``(de, dv, d_drop)``."""
     dv = d_drop = None
     ad = None if g_alpha is None else g_alpha.clone()  # [E, H]: dL/dalpha, then de
     if g_out is not None:
@@ -547,10 +533,10 @@ def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, lay, drop, need_
             dot.mul_(drop)
         ad = dot if ad is None else ad.add_(dot)
     if ad is None:
-        return torch.zeros_like(alpha), dv, None, d_drop
+        return torch.zeros_like(alpha), dv, d_drop
     ad.mul_(alpha)
-    delta = ad.new_zeros(lay.num_dst, ad.size(1)).index_add_(0, dst, ad)  # [N_dst, H]
-    return ad.sub_(delta.index_select(0, dst).mul_(alpha)), dv, None, d_drop
+    delta = ad.new_zeros(num_dst, ad.size(1)).index_add_(0, dst, ad)  # [N_dst, H]
+    return ad.sub_(delta.index_select(0, dst).mul_(alpha)), dv, d_drop
 
 
 def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
@@ -684,9 +670,7 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
             ds[i0:int(r[-1]) + 1].index_add_(0, (r - i0).long(), dz.index_select(0, edges))
 
         _for_blocks(lay, row_bytes, block, lay.csc_ptr)
-    if need[1] and lay.ptr is None:  # an edge-list layout (a small graph): unsorted
-        dt = t.new_zeros(lay.num_dst, dz.size(1)).index_add_(0, lay.dst, dz)
-    elif need[1]:
+    if need[1]:
         dt = torch.segment_reduce(dz, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
     if need[2]:
         dw = torch.empty_like(dz).index_copy_(0, lay.perm, dz)
@@ -957,7 +941,8 @@ def _forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
     and 3 (:func:`_softmax_aggregate_small` on a small graph, :func:`_is_small`)."""
     e = _SCORES[spec.kind][0](s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
     if value_edge is None and _is_small(spec.hl, value):
-        return _softmax_aggregate_small(e, value, spec.hl.lay, drop, need_lse)
+        lay = spec.hl.lay
+        return _softmax_aggregate_small(e, value, lay.src, lay.dst, lay.num_dst, drop, need_lse)
     return _softmax_aggregate(e, value, value_edge, spec.hl, drop, need_lse)
 
 
@@ -972,8 +957,10 @@ def _backward(spec: _Spec, ins: Sequence[Optional[Tensor]], alpha: Tensor, recom
         alpha = _recomputed_alpha(_gat_forward(s_src, s_dst, s_edge, s_att, hl, spec.scale,
                                                spec.slope), alpha, hl.lay)
     if value_edge is None and _is_small(hl, value):
-        de, dv, du, d_drop = _softmax_aggregate_small_backward(g_out, g_alpha, alpha, value,
-                                                               hl.lay, drop, need[4], need[6])
+        lay, du = hl.lay, None
+        de, dv, d_drop = _softmax_aggregate_small_backward(g_out, g_alpha, alpha, value, lay.src,
+                                                           lay.dst, lay.num_dst, drop, need[4],
+                                                           need[6])
     else:
         de, dv, du, d_drop = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
                                                          hl, drop, need[4], need[5], need[6])
@@ -997,25 +984,122 @@ def _recomputes_alpha(spec: _Spec) -> bool:
 RECOMPUTE_MIN_ENTRIES = 1 << 16
 
 
+class _SmallGAT(torch.autograd.Function):
+    r""":class:`_FusedAttention` for GAT on a small graph (:func:`_small_gat`): the
+    whole call on the edge list ``(src, dst)`` as given, in two straight functions.
+
+    Inputs: the score's ``s [N_src, H]``, ``t [N_dst, H]`` or ``None``, ``w [E, H]``
+    or ``None``, ``value [N_src, H, C]``, ``drop [E, H]`` or ``None`` (as for
+    :class:`_FusedAttention`, in edge-list order), the edges ``src, dst [E]`` and
+    ``num_dst``, ``slope``, ``log``. Outputs ``out [N_dst, H, C]`` and ``alpha
+    [E, H]`` in edge-list order. Saved: the tensor inputs and ``alpha``; the
+    scores ``z = s_j + t_i + w_ij`` are recomputed in backward.
+
+    Nothing is sorted: the softmax reduces with scatter ops
+    (:func:`_softmax_aggregate_small`). A NeighborLoader subgraph is new on
+    every call, so each call would pay for its own sort, and the general
+    function's layout objects and helpers cost ~2.5 us a Python call on such a
+    graph: together ~10% of a GATConv call on 59 edges (benchmarks/NOTES.md).
+    A differentiable backward (``create_graph=True``) is the reference's, as in
+    :class:`_FusedAttention`.
+    """
+
+    @staticmethod
+    def forward(s, t, w, value, drop, src, dst, num_dst, slope, log):
+        if torch.is_autocast_enabled("cpu"):  # the kernel picks its own precision
+            with torch.autocast("cpu", enabled=False):
+                return _SmallGAT.forward(s, t, w, value, drop, src, dst, num_dst, slope, log)
+        _log(log, "fused")
+        z = s.index_select(0, src)  # [E, H]
+        if t is not None:
+            z += t.index_select(0, dst)
+        if w is not None:
+            z += w
+        out, alpha, _ = _softmax_aggregate_small(F.leaky_relu_(z, slope), value, src, dst, num_dst,
+                                                 drop, False)
+        return out, alpha
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        s, t, w, value, drop, src, dst, ctx.num_dst, ctx.slope, ctx.log = inputs
+        ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
+        ctx.save_for_backward(s, t, w, value, drop, src, dst, output[1])
+
+    @staticmethod
+    def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor]):
+        s, t, w, value, drop, src, dst, alpha = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+            _log(ctx.log, "fused.backward:reference")
+            ins, mask = [s, t, w, None, value, None], drop
+            if need[4]:  # edge weights in drop: an input like the others
+                ins, mask = [*ins, drop], None
+            with torch.autocast("cpu", enabled=False):
+                g = reference_grads("gat", 1.0, ctx.slope, ins, src, dst, ctx.num_dst, mask,
+                                    (g_out, g_alpha), [*need[:3], False, need[3], False, need[4]])
+            return g[0], g[1], g[2], g[4], g[6] if need[4] else None, None, None, None, None, None
+        if torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                return _SmallGAT.backward(ctx, g_out, g_alpha)
+        _log(ctx.log, "fused.backward")
+        de, dv, d_drop = _softmax_aggregate_small_backward(g_out, g_alpha, alpha, value, src, dst,
+                                                           ctx.num_dst, drop, need[3], need[4])
+        ds = dt = dw = None
+        if need[0] or need[1] or need[2]:
+            z = s.index_select(0, src)
+            if t is not None:
+                z += t.index_select(0, dst)
+            if w is not None:
+                z += w
+            dz = torch.ops.aten.leaky_relu_backward(de, z, ctx.slope, False)
+            if need[0]:
+                ds = torch.zeros_like(s).index_add_(0, src, dz)
+            if need[1]:
+                dt = torch.zeros_like(t).index_add_(0, dst, dz)
+            dw = dz if need[2] else None
+        return ds, dt, dw, dv, d_drop, None, None, None, None, None
+
+
+def _small_gat(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
+               acc: torch.dtype) -> bool:
+    """Whether :func:`attention` runs ``_SmallGAT``: GAT without ``value_edge`` on a
+    graph too small for the block CSR (:data:`BLOCK_CSR_MIN_ENTRIES`) and whole
+    (:func:`_whole`), outside ``torch.jit.trace`` (whose replay needs the general
+    function's opaque op, :func:`_untraced`)."""
+    E, H, C = plan.num_edges, int(value.shape[1]), int(value.shape[2])
+    return (score.kind == "gat" and value_edge is None and E * H * C < BLOCK_CSR_MIN_ENTRIES
+            and _whole(E, H, C, acc.itemsize) and not torch.jit.is_tracing())
+
+
 # Function.apply binds its arguments to forward's signature on every call (it
 # has a setup_context); inspect.signature returns a function's __signature__
 # when it has one instead of rebuilding it (~40 us of a ~1 ms small-graph call).
-_FusedAttention.forward.__signature__ = inspect.signature(_FusedAttention.forward)
 # Outside torch.func transforms, Function.apply only binds the arguments (all
 # positional here, no defaults: a no-op) and then calls the C++ apply; calling
 # that directly saves the bind, ~30 us of a ~1 ms small-graph call. Inside a
 # transform (or should torch move these) the public apply runs.
 _unwrap_dead = getattr(getattr(torch, "_functorch", None), "utils", None)
 _unwrap_dead = getattr(_unwrap_dead, "unwrap_dead_wrappers", None)
-_C_APPLY = getattr(super(torch.autograd.Function, _FusedAttention), "apply", None)
 
 
-def _apply(*args):
-    """``_FusedAttention.apply(*args)``."""
-    if (_C_APPLY is None or _unwrap_dead is None
-            or torch._C._are_functorch_transforms_active()):
-        return _FusedAttention.apply(*args)
-    return _C_APPLY(*_unwrap_dead(args))
+def _applier(fn: type) -> Callable:
+    """``fn.apply`` for an autograd function ``fn``, without its argument binding
+    where it can (see above)."""
+    fn.forward.__signature__ = inspect.signature(fn.forward)
+    c_apply = getattr(super(torch.autograd.Function, fn), "apply", None)
+    if c_apply is None or _unwrap_dead is None:
+        return fn.apply
+
+    def apply(*args):
+        if torch._C._are_functorch_transforms_active():
+            return fn.apply(*args)
+        return c_apply(*_unwrap_dead(args))
+
+    return apply
+
+
+_apply = _applier(_FusedAttention)
+_apply_small = _applier(_SmallGAT)
 
 
 def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequence[bool],
@@ -1087,19 +1171,17 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(score_dtype if value.dtype == score_dtype
                      else torch.promote_types(score_dtype, value.dtype))
-    H, C = int(value.shape[1]), int(value.shape[2])  # ints under torch.jit.trace too
-    if (score.kind == "gat" and value_edge is None and plan.num_edges * H * C < BLOCK_CSR_MIN_ENTRIES
-            and _whole(plan.num_edges, H, C, acc.itemsize)):
-        hl = _HeadLayout(_edge_list_layout(plan), H)  # no sort (see _edge_list_layout)
-    else:
-        hl = kernel_layout(plan, H, C)
-    lay = hl.lay
+    H = int(value.shape[1])  # an int under torch.jit.trace too
+    small = _small_gat(score, value, plan, value_edge, acc)
+    hl = None if small else kernel_layout(plan, H, int(value.shape[2]))
+    E = plan.num_edges
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
-        drop = (torch.rand(lay.num_edges, H, dtype=acc) >= p) * (1.0 / (1.0 - p) if p < 1 else 0.0)
-    if edge_weight is not None:  # one multiplier per edge and head, CSR order
-        w = edge_weight.to(acc).index_select(0, lay.perm).unsqueeze(1)  # [E, 1]
-        drop = w.expand(lay.num_edges, H) if drop is None else drop * w
+        drop = (torch.rand(E, H, dtype=acc) >= p) * (1.0 / (1.0 - p) if p < 1 else 0.0)
+    if edge_weight is not None:  # one multiplier per edge and head, in the kernel's edge order
+        w = edge_weight.to(acc)
+        w = (w if small else w.index_select(0, hl.lay.perm)).unsqueeze(1)  # [E, 1]
+        drop = w.expand(E, H) if drop is None else drop * w
 
     # Node-sized inputs in the compute dtype, contiguous (an upcast of them is cheap),
     # and GAT's [E, H] edge term too; [E, H, C] edge tensors are cast per block.
@@ -1107,11 +1189,17 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             for t in (s_src, s_dst, s_att, value, s_edge if score.kind == "gat" else None)]
     s_src, s_dst, s_att, v = cast[:4]
     s_edge = cast[4] if score.kind == "gat" else s_edge
-    spec = _Spec(score.kind, hl, float(score.scale), float(score.negative_slope), acc, log)
-    out, alpha, _ = _apply(spec, s_src, s_dst, s_edge, s_att, v, value_edge, drop,
-                           *_layout_tensors(hl))
+    if small:  # the edge list as it is: alpha in its order already
+        src, dst = plan.coo()
+        out, alpha = _apply_small(s_src, s_dst, s_edge, v, drop, src, dst, plan.num_dst,
+                                  float(score.negative_slope), log)
+    else:
+        spec = _Spec(score.kind, hl, float(score.scale), float(score.negative_slope), acc, log)
+        out, alpha, _ = _apply(spec, s_src, s_dst, s_edge, s_att, v, value_edge, drop,
+                               *_layout_tensors(hl))
+        if need_alpha:  # back to the edge-list order
+            alpha = torch.empty_like(alpha).index_copy(0, hl.lay.perm, alpha)
     out = out if out.dtype == value.dtype else out.to(value.dtype)
     if not need_alpha:
         return out, None
-    alpha = torch.empty_like(alpha).index_copy(0, lay.perm, alpha)  # edge-list order
     return out, alpha.to(score_dtype)

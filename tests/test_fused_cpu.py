@@ -8,10 +8,11 @@ import torch
 import gatlib
 from gatlib import _fused_cpu as fc
 from gatlib import _plan
-from gatlib import graph_attention
+from gatlib import EdgeScore, graph_attention
 from gatlib._plan import GraphPlan
 
-from testing import KINDS, LAYERS, AtenOps, hub_graph, leaves, make_score, random_graph
+from testing import (KINDS, LAYERS, AtenOps, count_sorts, hub_graph, leaves, make_score,
+                     random_graph)
 
 
 @pytest.fixture(params=["one_block", "tiny_blocks", "edge_products", "small"])
@@ -133,6 +134,83 @@ def test_gradgradcheck(kind, edge, weighted):
 
     assert torch.autograd.gradgradcheck(f, [ins[i] for i in diff])
     assert "fused.backward:reference" in log
+
+
+def small_gat_inputs(dst, edge, p, weighted, n_src=6, n_dst=5, H=2, C=3, seed=4):
+    """The tensor inputs of one fc._SmallGAT call in float64 on the unsorted edge
+    list of :func:`small_graph` (a duplicate edge, an isolated destination)."""
+    ei = small_graph(n_src, n_dst)
+    E = ei.size(1)
+    s, t, w, _ = make_score("gat", n_src, n_dst, E, H, C, edge=edge, seed=seed).tensors()
+    g = torch.Generator().manual_seed(seed)
+    v = torch.randn(n_src, H, C, dtype=torch.float64, generator=g, requires_grad=True)
+    drop = None
+    if p > 0:
+        drop = (torch.rand(E, H, generator=g, dtype=torch.float64) >= p) / (1 - p)
+    if weighted:
+        ew = torch.rand(E, 1, generator=g, dtype=torch.float64) + 0.1
+        drop = (ew if drop is None else drop * ew).expand(E, H).contiguous().requires_grad_()
+    return [s, t if dst else None, w, v, drop], ei
+
+
+@pytest.mark.parametrize("dst", [True, False], ids=["dst", "no_dst"])
+@pytest.mark.parametrize("edge", [False, True], ids=["no_edge", "edge"])
+@pytest.mark.parametrize("p", [0.0, 0.4], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "edge_weights"])
+def test_small_gat_gradcheck_and_reference(dst, edge, p, weighted):
+    """fc._SmallGAT (small GAT calls, on the edge list unsorted): both outputs
+    differentiated, every input, its own backward; its outputs are the
+    reference's, alpha in edge-list order; and gradgradcheck through its
+    differentiable (reference) backward."""
+    ins, ei = small_gat_inputs(dst, edge, p, weighted)
+    assert not bool((ei[1].diff() >= 0).all())  # not sorted by destination
+    diff = [i for i, t in enumerate(ins) if t is not None and t.requires_grad]
+    log = []
+
+    def f(*ts):
+        args = list(ins)
+        for i, t in zip(diff, ts, strict=True):
+            args[i] = t
+        return fc._SmallGAT.apply(*args, ei[0], ei[1], 5, 0.2, log)
+
+    assert torch.autograd.gradcheck(f, [ins[i] for i in diff])
+    assert "fused" in log and "fused.backward" in log
+    s, t, w, v, drop = ins
+    want = gatlib.reference_attention(EdgeScore.gat(s, t, w, 0.2), v, ei[0], ei[1], 5, drop=drop)
+    for got, ref in zip(f(*(ins[i] for i in diff)), want, strict=True):
+        torch.testing.assert_close(got, ref)
+    log.clear()
+    assert torch.autograd.gradgradcheck(f, [ins[i] for i in diff])
+    assert "fused.backward:reference" in log
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_small_gat_calls_run_small_gat_and_traced_ones_the_general_function(monkeypatch):
+    """A GAT call on a small graph runs fc._SmallGAT, without the plan's layout
+    (no sort); under torch.jit.trace (whose replay needs the general function's
+    opaque op) and on graphs past BLOCK_CSR_MIN_ENTRIES the general function runs."""
+    ran = []
+    for name in ("_SmallGAT", "_FusedAttention"):
+        fn = getattr(fc, name)
+        real = fn.forward
+        monkeypatch.setattr(fn, "forward", staticmethod(
+            lambda *a, _real=real, _name=name: ran.append(_name) or _real(*a)))
+    sorts = count_sorts(monkeypatch)
+    n = 30
+    ei = random_graph(n, 90, seed=6)
+    x = torch.randn(n, 8)
+    conv = gatlib.GATConv(8, 4, heads=2, backend="fused")
+    want = gatlib.GATConv(8, 4, heads=2, backend="torch")
+    want.load_state_dict(conv.state_dict())
+    torch.testing.assert_close(conv(x, ei), want(x, ei))
+    assert ran == ["_SmallGAT"] and sorts == []
+    ran.clear()
+    torch.jit.trace(conv, (x, ei), check_trace=False)
+    assert ran == ["_FusedAttention"]
+    ran.clear()
+    monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES", 0)
+    torch.testing.assert_close(conv(x, ei), want(x, ei))
+    assert ran == ["_FusedAttention"]
 
 
 def test_second_order_through_a_layer_matches_the_reference():
@@ -328,15 +406,16 @@ def test_block_csr_is_built_only_between_its_bounds(monkeypatch):
 def test_gat_keeps_lse_not_alpha_from_recompute_min_entries_on():
     """GAT saves its [N, H] log-normaliser instead of the [E, H] weights on graphs of
     RECOMPUTE_MIN_ENTRIES edges times heads or more (and saves the weights below),
-    with the same result and gradients as the reference either way."""
-    H, n = 4, 300
-    assert fc.RECOMPUTE_MIN_ENTRIES == 2**16
+    with the same result and gradients as the reference either way. (C = 8: the
+    larger graph is no small graph, which always saves its weights, _SmallGAT.)"""
+    H, C, n = 4, 8, 300
+    assert fc.RECOMPUTE_MIN_ENTRIES == 2**16 and fc.BLOCK_CSR_MIN_ENTRIES == 2**19
     for E, keeps_alpha in ((100, True), (17000, False)):  # (E + n loops) * H vs 2**16
         ei = random_graph(n, E, seed=5)
         x = torch.randn(n, 8, requires_grad=True)
         torch.manual_seed(0)
-        fused = gatlib.GATConv(8, 3, heads=H, backend="fused")
-        ref = gatlib.GATConv(8, 3, heads=H, backend="torch")
+        fused = gatlib.GATConv(8, C, heads=H, backend="fused")
+        ref = gatlib.GATConv(8, C, heads=H, backend="torch")
         ref.load_state_dict(fused.state_dict())
         outs = []
         saved = saved_tensors_during(lambda: outs.append(fused(x, ei)))
@@ -366,16 +445,20 @@ def test_blocks_fixture_layouts_are_those_of_large_and_small_graphs(blocks):
     assert (lay.csc is not None) == large
 
 
-def test_apply_skips_the_public_bind_only_outside_transforms(monkeypatch):
-    """An ordinary call reaches the C++ apply directly (fc._apply); under a
-    torch.func transform it goes through Function.apply, which transforms need."""
-    assert fc._C_APPLY is not None and fc._unwrap_dead is not None  # the bypass exists here
+@pytest.mark.parametrize("layer, function", [("GATConv", "_SmallGAT"),
+                                             ("GATv2Conv", "_FusedAttention")])
+def test_apply_skips_the_public_bind_only_outside_transforms(monkeypatch, layer, function):
+    """An ordinary call reaches the C++ apply directly (fc._applier); under a
+    torch.func transform it goes through Function.apply, which transforms need.
+    (A small GAT call runs fc._SmallGAT, the other kinds fc._FusedAttention.)"""
+    assert fc._unwrap_dead is not None  # the bypass exists here
+    fn = getattr(fc, function)
     public = []
-    real = fc._FusedAttention.apply
-    monkeypatch.setattr(fc._FusedAttention, "apply", lambda *a: public.append(1) or real(*a))
+    real = fn.apply
+    monkeypatch.setattr(fn, "apply", lambda *a: public.append(1) or real(*a))
     n = 6
     ei = random_graph(n, 15, seed=2)
-    conv = gatlib.GATConv(4, 3, heads=2, backend="fused")
+    conv = getattr(gatlib, layer)(4, 3, heads=2, backend="fused")
     x = torch.randn(n, 4)
     with gatlib.record_kernels() as log:
         conv(x, ei).sum().backward()
