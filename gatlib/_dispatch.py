@@ -30,8 +30,7 @@ import contextlib
 import contextvars
 import importlib.util
 import os
-from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -73,9 +72,9 @@ def _log(entry: str) -> None:
         log.append(entry)
 
 
-@dataclass(frozen=True, eq=False)
-class AttentionCall:
-    """One call of the attention core, as every kernel sees it.
+class AttentionCall(NamedTuple):
+    """One call of the attention core, as every kernel sees it (a named tuple:
+    immutable, and built on every layer call at the cost of one tuple).
 
     Attributes:
         score: how each edge is scored.
@@ -116,6 +115,8 @@ def _traced() -> Optional[str]:
     if torch.compiler.is_compiling():
         return ("torch.compile traces the call (fused kernels run sparse CSR ops that "
                 "inductor does not compile)")
+    if not torch._C._are_functorch_transforms_active():  # (the usual case, without a Python call)
+        return None
     other = [t for t in _transforms() if t != "Grad"]
     if other:
         return f"a torch.func transform is active ({', '.join(other)}); fused kernels support grad/vjp only"
