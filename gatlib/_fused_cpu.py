@@ -27,7 +27,11 @@ entries per edge and head; where that would exceed :data:`BLOCK_CSR_MAX_BYTES`
 the plan's own CSR/CSC instead, ~1.5x slower and with no index of their own.
 
 The whole call is one autograd function, :class:`_FusedAttention`, with a
-``setup_context`` (so ``torch.func`` transforms can use it). Its backward is
+``setup_context`` (so ``torch.func`` transforms can use it). GAT on a small
+graph (:func:`small_gat`: a NeighborLoader subgraph, new on every call) runs
+:class:`_SmallGAT` instead: the same stages on the edge list as given, with no
+layout derived and none of the general function's machinery, whose Python
+calls are what such a call spends its time on. Its backward is
 the fused one for an ordinary backward; when a differentiable backward is
 asked for (``create_graph=True``: gradient penalties, ``torch.func.grad``),
 it differentiates the reference implementation of the same call instead, so
@@ -985,7 +989,7 @@ RECOMPUTE_MIN_ENTRIES = 1 << 16
 
 
 class _SmallGAT(torch.autograd.Function):
-    r""":class:`_FusedAttention` for GAT on a small graph (:func:`_small_gat`): the
+    r""":class:`_FusedAttention` for GAT on a small graph (:func:`small_gat`): the
     whole call on the edge list ``(src, dst)`` as given, in two straight functions.
 
     Inputs: the score's ``s [N_src, H]``, ``t [N_dst, H]`` or ``None``, ``w [E, H]``
@@ -1060,15 +1064,13 @@ class _SmallGAT(torch.autograd.Function):
         return ds, dt, dw, dv, d_drop, None, None, None, None, None
 
 
-def _small_gat(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
-               acc: torch.dtype) -> bool:
-    """Whether :func:`attention` runs ``_SmallGAT``: GAT without ``value_edge`` on a
-    graph too small for the block CSR (:data:`BLOCK_CSR_MIN_ENTRIES`) and whole
-    (:func:`_whole`), outside ``torch.jit.trace`` (whose replay needs the general
-    function's opaque op, :func:`_untraced`)."""
-    E, H, C = plan.num_edges, int(value.shape[1]), int(value.shape[2])
-    return (score.kind == "gat" and value_edge is None and E * H * C < BLOCK_CSR_MIN_ENTRIES
-            and _whole(E, H, C, acc.itemsize) and not torch.jit.is_tracing())
+def small_gat(num_edges: int, heads: int, channels: int, itemsize: int) -> bool:
+    """Whether a GAT call without ``value_edge`` on a graph of ``num_edges`` edges runs
+    :class:`_SmallGAT` (outside ``torch.jit.trace``, whose replay needs the general
+    function's opaque op, :func:`_untraced`): below :data:`BLOCK_CSR_MIN_ENTRIES`
+    and whole (:func:`_whole`). Such a call derives nothing from its graph."""
+    return (num_edges * heads * channels < BLOCK_CSR_MIN_ENTRIES
+            and _whole(num_edges, heads, channels, itemsize))
 
 
 # Function.apply binds its arguments to forward's signature on every call (it
@@ -1171,10 +1173,11 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(score_dtype if value.dtype == score_dtype
                      else torch.promote_types(score_dtype, value.dtype))
-    H = int(value.shape[1])  # an int under torch.jit.trace too
-    small = _small_gat(score, value, plan, value_edge, acc)
-    hl = None if small else kernel_layout(plan, H, int(value.shape[2]))
+    H, C = int(value.shape[1]), int(value.shape[2])  # ints under torch.jit.trace too
     E = plan.num_edges
+    small = (score.kind == "gat" and value_edge is None and small_gat(E, H, C, acc.itemsize)
+             and not torch.jit.is_tracing())
+    hl = None if small else kernel_layout(plan, H, C)
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
         drop = (torch.rand(E, H, dtype=acc) >= p) * (1.0 / (1.0 - p) if p < 1 else 0.0)
