@@ -1,9 +1,10 @@
 """How fast the small-graph GATConv call could be without gatlib's structure.
 
 The same ATen ops as gatlib's fused CPU path on a new ``edge_index`` (checks,
-self-loops, CSR sort, projections, scores, softmax, aggregation, and a
-hand-written backward), written as one straight function with a minimal
-autograd function: no plan object, no dispatch, no layer checks. Its output
+self-loops, projections, scores, the softmax's scatter reductions on the
+unsorted edge list, aggregation, and a hand-written backward: what
+``_fused_cpu._SmallGAT`` runs), written as one straight function with a
+minimal autograd function: no plan object, no dispatch, no layer checks. Its output
 equals gatlib's GATConv exactly (asserted), and it is timed against gatlib's
 and PyG's layers, alternated in short rounds in one process (the machine's
 speed drifts between runs). The gap between "straight" and "gatlib" is what
@@ -13,6 +14,7 @@ library: GAT only, no dropout, no edge features.
     python benchmarks/straight_line.py --batch-size 1
 """
 import argparse
+import math
 import statistics
 import time
 
@@ -26,32 +28,33 @@ from per_batch import _layer_call, sample_batches
 
 class _Straight(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, s, t, v, src, dst, ptr, num_dst, slope):
+    def forward(ctx, s, t, v, src, dst, num_dst, slope):
         e = F.leaky_relu_(s.index_select(0, src).add_(t.index_select(0, dst)), slope)
-        m = torch.segment_reduce(e, "max", offsets=ptr, axis=0)
+        shape = (num_dst, e.size(1))
+        m = e.new_full(shape, -math.inf).scatter_reduce_(0, dst[:, None].expand_as(e), e, "amax")
         e.sub_(m.index_select(0, dst)).exp_()
-        den = torch.segment_reduce(e, "sum", offsets=ptr, axis=0)
+        den = e.new_zeros(shape).index_add_(0, dst, e)
         alpha = e.div_(den.index_select(0, dst))
         x = v.index_select(0, src).mul_(alpha.unsqueeze(-1))
         out = v.new_zeros(num_dst, *v.shape[1:]).index_add_(0, dst, x)
-        ctx.slope = slope
-        ctx.save_for_backward(s, t, v, alpha, src, dst, ptr)
+        ctx.slope, ctx.num_dst = slope, num_dst
+        ctx.save_for_backward(s, t, v, alpha, src, dst)
         return out
 
     @staticmethod
     def backward(ctx, g_out):
-        s, t, v, alpha, src, dst, ptr = ctx.saved_tensors
+        s, t, v, alpha, src, dst = ctx.saved_tensors
         g_e = g_out.contiguous().index_select(0, dst)
         ad = (g_e * v.index_select(0, src)).sum(-1)
         dv = torch.zeros_like(v).index_add_(0, src, g_e.mul_(alpha.unsqueeze(-1)))
         ad.mul_(alpha)
-        delta = torch.segment_reduce(ad, "sum", offsets=ptr, axis=0)
+        delta = ad.new_zeros(ctx.num_dst, ad.size(1)).index_add_(0, dst, ad)
         de = ad.sub_(delta.index_select(0, dst).mul_(alpha))
         z = s.index_select(0, src).add_(t.index_select(0, dst))
         dz = torch.ops.aten.leaky_relu_backward(de, z, ctx.slope, False)
         ds = torch.zeros_like(s).index_add_(0, src, dz)
-        dt = torch.segment_reduce(dz, "sum", offsets=ptr, axis=0)
-        return ds, dt, dv, None, None, None, None, None
+        dt = torch.zeros_like(t).index_add_(0, dst, dz)
+        return ds, dt, dv, None, None, None, None
 
 
 def straight_gat(conv):
@@ -69,12 +72,9 @@ def straight_gat(conv):
         if not bool(keep.all()):
             ei = ei[:, keep]
         looped = torch.cat([ei, torch.arange(n).expand(2, n)], 1)
-        dst, perm = torch.sort(looped[1], stable=True)
-        src = looped[0].index_select(0, perm)
-        ptr = torch._convert_indices_from_coo_to_csr(dst, n)
         h = conv.lin(x).view(n, H, C)
         s, t = (h * conv.att_src).sum(-1), (h * conv.att_dst).sum(-1)
-        out = _Straight.apply(s, t, h, src, dst, ptr, n, conv.negative_slope)
+        out = _Straight.apply(s, t, h, looped[0], looped[1], n, conv.negative_slope)
         return out.view(n, H * C) + conv.bias
 
     return fn

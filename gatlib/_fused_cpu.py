@@ -31,7 +31,7 @@ The whole call is one autograd function, :class:`_FusedAttention`, with a
 graph (:func:`small_gat`: a NeighborLoader subgraph, new on every call) runs
 :class:`_SmallGAT` instead: the same stages on the edge list as given, with no
 layout derived and none of the general function's machinery, whose Python
-calls are what such a call spends its time on. Its backward is
+calls are what such a call spends its time on. Either function's backward is
 the fused one for an ordinary backward; when a differentiable backward is
 asked for (``create_graph=True``: gradient penalties, ``torch.func.grad``),
 it differentiates the reference implementation of the same call instead, so
@@ -1001,9 +1001,9 @@ class _SmallGAT(torch.autograd.Function):
 
     Nothing is sorted: the softmax reduces with scatter ops
     (:func:`_softmax_aggregate_small`). A NeighborLoader subgraph is new on
-    every call, so each call would pay for its own sort, and the general
-    function's layout objects and helpers cost ~2.5 us a Python call on such a
-    graph: together ~10% of a GATConv call on 59 edges (benchmarks/NOTES.md).
+    every call, so each call would pay for its own sort (~3% of a GATConv call
+    on 59 edges), and the general function's layout objects and helpers cost
+    ~2-3 us a Python call on such a graph (~5% more; benchmarks/NOTES.md).
     A differentiable backward (``create_graph=True``) is the reference's, as in
     :class:`_FusedAttention`.
     """

@@ -78,14 +78,21 @@ def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4, weighted
     g = torch.Generator().manual_seed(seed)
     v = torch.randn(n_src, H, C, dtype=torch.float64, generator=g, requires_grad=True)
     ve = torch.randn(E, H, C, dtype=torch.float64, generator=g, requires_grad=True) if edge else None
+    spec = fc._Spec(kind, hl, s.scale, s.negative_slope, torch.float64, None)
+    return spec, [*s.tensors(), v, ve, drop_input(E, H, p, weighted, g)]
+
+
+def drop_input(E, H, p, weighted, g):
+    """The ``drop [E, H]`` input of a fused call, or None: a dropout mask
+    (``keep / (1 - p)``) for ``p > 0``, times edge weights if ``weighted``
+    (explainer masks; then it needs a gradient)."""
     drop = None
     if p > 0:
         drop = (torch.rand(E, H, generator=g, dtype=torch.float64) >= p) / (1 - p)
     if weighted:
         w = torch.rand(E, 1, generator=g, dtype=torch.float64) + 0.1
         drop = (w if drop is None else drop * w).expand(E, H).contiguous().requires_grad_()
-    spec = fc._Spec(kind, hl, s.scale, s.negative_slope, torch.float64, None)
-    return spec, [*s.tensors(), v, ve, drop]
+    return drop
 
 
 # ---------------------------------------------------------------------------
@@ -144,13 +151,7 @@ def small_gat_inputs(dst, edge, p, weighted, n_src=6, n_dst=5, H=2, C=3, seed=4)
     s, t, w, _ = make_score("gat", n_src, n_dst, E, H, C, edge=edge, seed=seed).tensors()
     g = torch.Generator().manual_seed(seed)
     v = torch.randn(n_src, H, C, dtype=torch.float64, generator=g, requires_grad=True)
-    drop = None
-    if p > 0:
-        drop = (torch.rand(E, H, generator=g, dtype=torch.float64) >= p) / (1 - p)
-    if weighted:
-        ew = torch.rand(E, 1, generator=g, dtype=torch.float64) + 0.1
-        drop = (ew if drop is None else drop * ew).expand(E, H).contiguous().requires_grad_()
-    return [s, t if dst else None, w, v, drop], ei
+    return [s, t if dst else None, w, v, drop_input(E, H, p, weighted, g)], ei
 
 
 @pytest.mark.parametrize("dst", [True, False], ids=["dst", "no_dst"])
