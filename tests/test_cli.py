@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import gatlib.bench.train
 from gatlib.bench import cli

@@ -48,15 +48,18 @@ def blocks(request, monkeypatch):
             raise AssertionError("the block CSR was built")
 
         monkeypatch.setattr(fc, "_build_head_layout", no_block_csr)
-    for name, what in (("_softmax_aggregate_small", "forward"),
-                       ("_softmax_aggregate_small_backward", "backward")):
-        def run(*args, _real=getattr(fc, name), _what=what):
+    def recorded(real, what):
+        def run(*args):
             if mode != "small":
                 raise AssertionError("the small-graph path ran")
-            small.append(_what)
-            return _real(*args)
+            small.append(what)
+            return real(*args)
 
-        monkeypatch.setattr(fc, name, run)
+        return run
+
+    for name, what in (("_softmax_aggregate_small", "forward"),
+                       ("_softmax_aggregate_small_backward", "backward")):
+        monkeypatch.setattr(fc, name, recorded(getattr(fc, name), what))
     return mode, small
 
 
@@ -419,7 +422,7 @@ def test_gat_keeps_lse_not_alpha_from_recompute_min_entries_on():
         ref = gatlib.GATConv(8, C, heads=H, backend="torch")
         ref.load_state_dict(fused.state_dict())
         outs = []
-        saved = saved_tensors_during(lambda: outs.append(fused(x, ei)))
+        saved = saved_tensors_during(lambda f=fused, x=x, ei=ei, outs=outs: outs.append(f(x, ei)))
         E_att = GraphPlan(ei, num_nodes=n).with_self_loops().num_edges
         edge_sized = [t for t in saved if t.dim() == 2 and t.shape == (E_att, H) and t.is_floating_point()]
         assert bool(edge_sized) == keeps_alpha, [tuple(t.shape) for t in saved]

@@ -92,13 +92,13 @@ def test_sorted_input_is_not_sorted_again(monkeypatch):
     plan = GraphPlan(ei, num_nodes=n)
     lay = plan.layout()
     assert len(calls) == 0 and lay.perm.tolist() == list(range(ei.size(1)))
-    lay.csc_edge  # the CSC view, derived now
+    _ = lay.csc_edge  # the CSC view, derived now
     assert len(calls) == 1
     plan.with_self_loops().layout()
     assert len(calls) == 1
     lay = GraphPlan(ei.flip(1), num_nodes=n).layout()  # unsorted: by destination
     assert len(calls) == 2
-    lay.csc_ptr, lay.csc_dst  # then by source, once
+    _ = lay.csc_ptr, lay.csc_dst  # then by source, once
     assert len(calls) == 3
 
 
@@ -114,7 +114,7 @@ def test_sorted_edge_index_supplies_its_own_csc(monkeypatch, order):
     calls = count_sorts(monkeypatch)
     lay = GraphPlan(e, num_nodes=n).layout()
     assert len(calls) == 0
-    lay.csc_ptr
+    _ = lay.csc_ptr
     assert len(calls) == 1  # the CSC (by source) view only, when it is read
     plain = e.as_tensor()
     want = build_layout(plain[0], plain[1], n, n)
@@ -217,7 +217,7 @@ def test_nbytes_counts_what_the_plan_derived(monkeypatch):
     assert plan.nbytes == 2 * E * 8  # the int64 edge list
     lay = plan.layout()  # a small graph: int64 ptr [N+1], src/dst/perm [E]
     assert plan.nbytes == 2 * E * 8 + 8 * ((n + 1) + 3 * E)
-    lay.csc_ptr  # + int64 csc_ptr [N+1], csc_edge/csc_dst [E], derived when first read
+    _ = lay.csc_ptr  # + int64 csc_ptr [N+1], csc_edge/csc_dst [E], derived when first read
     assert plan.nbytes == 2 * E * 8 + 8 * (2 * (n + 1) + 5 * E)
     monkeypatch.setattr(_plan, "SMALL_EDGES", E)  # as a large graph: int32, CSC with the CSR
     plan = GraphPlan(random_graph(n, E, seed=7), num_nodes=n)
