@@ -114,11 +114,14 @@ def _holding(adj: Tensor, alpha: Tensor) -> Tensor:
     if adj.dense_dim() == 0 and (adj.layout != torch.sparse_coo or adj.is_coalesced()):
         return set_sparse_value(adj, alpha)
     size = adj.shape[:2] + alpha.shape[1:]
+    # (the input's own indices, which the layer has checked: torch's checks off, explicitly)
     if adj.layout == torch.sparse_coo:  # coalesced afterwards, as set_sparse_value does
-        return torch.sparse_coo_tensor(adj._indices(), alpha, size).coalesce()
+        return torch.sparse_coo_tensor(adj._indices(), alpha, size, check_invariants=False).coalesce()
     if adj.layout == torch.sparse_csr:
-        return torch.sparse_csr_tensor(adj.crow_indices(), adj.col_indices(), alpha, size)
-    return torch.sparse_csc_tensor(adj.ccol_indices(), adj.row_indices(), alpha, size)
+        return torch.sparse_csr_tensor(adj.crow_indices(), adj.col_indices(), alpha, size,
+                                       check_invariants=False)
+    return torch.sparse_csc_tensor(adj.ccol_indices(), adj.row_indices(), alpha, size,
+                                   check_invariants=False)
 
 
 def attention_weights(adj, plan: GraphPlan, alpha: Tensor, looped: bool, alpha_values: bool = True):

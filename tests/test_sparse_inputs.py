@@ -423,28 +423,31 @@ def csr(crow, col, size):
     return torch.sparse_csr_tensor(torch.tensor(crow), torch.tensor(col), torch.ones(len(col)), size)
 
 
-BAD = [
-    (torch.sparse_coo_tensor(torch.zeros(3, 2, dtype=torch.long), torch.ones(2), (6, 6, 6)),
-     ValueError, r"edge_index must be a 2-D sparse adjacency.*3 sparse"),
-    (torch.eye(6).expand(2, 6, 6).to_sparse_csr(), ValueError, r"edge_index must be a 2-D sparse adjacency"),
-    (torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1), (5, 6)),
-     ValueError, r"edge_index is a sparse adjacency of shape \[5, 6\].*6 destination nodes"),
-    (torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1), (6, 7)),
-     ValueError, r"edge_index is a sparse adjacency of shape \[6, 7\].*6 source nodes"),
-    (csr([0, 1, 1, 1, 1, 1, 2], [0, 7], (6, 6)), IndexError,
-     r"edge_index's column \(source\) indices contains index 7, out of range for 6 source"),
-    (torch.sparse_csc_tensor(torch.tensor([0, 1, 1, 1, 1, 1, 1]), torch.tensor([6]), torch.ones(1), (6, 6)),
-     IndexError, r"edge_index's row \(destination\) indices contains index 6"),
-    (torch.sparse_coo_tensor(torch.tensor([[0], [9]]), torch.ones(1), (6, 6), check_invariants=False),
-     IndexError, r"edge_index's column \(source\) indices contains index 9"),
-    (torch.sparse_coo_tensor(torch.tensor([[-1], [0]]), torch.ones(1), (6, 6), check_invariants=False),
-     IndexError, r"edge_index contains a negative index"),
-    (csr([0, 2, 1, 1, 1, 1, 2], [0, 1], (6, 6)), ValueError,
-     r"edge_index's crow_indices must run from 0 to the number of entries \(2\) without decreasing"),
-    (csr([0, 1, 1, 1, 1, 1, 3], [0, 1], (6, 6)), ValueError, r"edge_index's crow_indices must run from 0"),
-    (torch.eye(6), TypeError, r"edge_index must have dtype torch.int64"),  # a dense float adjacency
-    (torch.eye(6).to_sparse_bsr((2, 2)), TypeError, r"edge_index must be a dense .* COO, CSR or CSC"),
-]
+# Some of these break torch's sparse invariants on purpose (gatlib's own checks are
+# under test): built with torch's checks explicitly off, as they are by default.
+with torch.sparse.check_sparse_tensor_invariants(enable=False):
+    BAD = [
+        (torch.sparse_coo_tensor(torch.zeros(3, 2, dtype=torch.long), torch.ones(2), (6, 6, 6)),
+         ValueError, r"edge_index must be a 2-D sparse adjacency.*3 sparse"),
+        (torch.eye(6).expand(2, 6, 6).to_sparse_csr(), ValueError, r"edge_index must be a 2-D sparse adjacency"),
+        (torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1), (5, 6)),
+         ValueError, r"edge_index is a sparse adjacency of shape \[5, 6\].*6 destination nodes"),
+        (torch.sparse_coo_tensor(torch.tensor([[0], [1]]), torch.ones(1), (6, 7)),
+         ValueError, r"edge_index is a sparse adjacency of shape \[6, 7\].*6 source nodes"),
+        (csr([0, 1, 1, 1, 1, 1, 2], [0, 7], (6, 6)), IndexError,
+         r"edge_index's column \(source\) indices contains index 7, out of range for 6 source"),
+        (torch.sparse_csc_tensor(torch.tensor([0, 1, 1, 1, 1, 1, 1]), torch.tensor([6]), torch.ones(1), (6, 6)),
+         IndexError, r"edge_index's row \(destination\) indices contains index 6"),
+        (torch.sparse_coo_tensor(torch.tensor([[0], [9]]), torch.ones(1), (6, 6), check_invariants=False),
+         IndexError, r"edge_index's column \(source\) indices contains index 9"),
+        (torch.sparse_coo_tensor(torch.tensor([[-1], [0]]), torch.ones(1), (6, 6), check_invariants=False),
+         IndexError, r"edge_index contains a negative index"),
+        (csr([0, 2, 1, 1, 1, 1, 2], [0, 1], (6, 6)), ValueError,
+         r"edge_index's crow_indices must run from 0 to the number of entries \(2\) without decreasing"),
+        (csr([0, 1, 1, 1, 1, 1, 3], [0, 1], (6, 6)), ValueError, r"edge_index's crow_indices must run from 0"),
+        (torch.eye(6), TypeError, r"edge_index must have dtype torch.int64"),  # a dense float adjacency
+        (torch.eye(6).to_sparse_bsr((2, 2)), TypeError, r"edge_index must be a dense .* COO, CSR or CSC"),
+    ]
 
 
 @pytest.mark.parametrize("layer", LAYERS)
