@@ -628,14 +628,21 @@ def _gat_forward(s, t, w, att, hl, scale, slope) -> Tensor:
 
 
 def _gat_z(s, t, w, lay, e0, e1) -> Tensor:
+    """:func:`_gat_edge_z` of CSR edges ``[e0, e1)`` of ``lay`` (``w`` in edge-list order)."""
     src, dst, perm = lay.src, lay.dst, lay.perm
     if e0 != 0 or e1 != src.numel():  # a block of the edges
         src, dst, perm = src[e0:e1], dst[e0:e1], perm[e0:e1]
+    return _gat_edge_z(s, t, None if w is None else w.index_select(0, perm), src, dst)
+
+
+def _gat_edge_z(s, t, w, src, dst) -> Tensor:
+    """GAT's scores before the LeakyReLU, ``z_ij = s_j + t_i + w_ij`` ``[n, H]``, of the
+    edges ``(src, dst)`` (``t``, ``w`` optional; ``w`` in the edges' order)."""
     z = s.index_select(0, src)  # [n, H]
     if t is not None:
         z += t.index_select(0, dst)
     if w is not None:
-        z += w.index_select(0, perm)
+        z += w
     return z
 
 
@@ -1014,13 +1021,8 @@ class _SmallGAT(torch.autograd.Function):
             with torch.autocast("cpu", enabled=False):
                 return _SmallGAT.forward(s, t, w, value, drop, src, dst, num_dst, slope, log)
         _log(log, "fused")
-        z = s.index_select(0, src)  # [E, H]
-        if t is not None:
-            z += t.index_select(0, dst)
-        if w is not None:
-            z += w
-        out, alpha, _ = _softmax_aggregate_small(F.leaky_relu_(z, slope), value, src, dst, num_dst,
-                                                 drop, False)
+        e = F.leaky_relu_(_gat_edge_z(s, t, w, src, dst), slope)  # [E, H]
+        out, alpha, _ = _softmax_aggregate_small(e, value, src, dst, num_dst, drop, False)
         return out, alpha
 
     @staticmethod
@@ -1050,12 +1052,8 @@ class _SmallGAT(torch.autograd.Function):
                                                            ctx.num_dst, drop, need[3], need[4])
         ds = dt = dw = None
         if need[0] or need[1] or need[2]:
-            z = s.index_select(0, src)
-            if t is not None:
-                z += t.index_select(0, dst)
-            if w is not None:
-                z += w
-            dz = torch.ops.aten.leaky_relu_backward(de, z, ctx.slope, False)
+            dz = torch.ops.aten.leaky_relu_backward(de, _gat_edge_z(s, t, w, src, dst), ctx.slope,
+                                                    False)
             if need[0]:
                 ds = torch.zeros_like(s).index_add_(0, src, dz)
             if need[1]:
