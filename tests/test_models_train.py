@@ -215,6 +215,16 @@ class _Terminal(io.StringIO):
 def test_progress_shows_epochs_only_on_a_terminal(cora, monkeypatch, tty, progress):
     """Long runs show the epochs of the current run (training loss, validation
     metric, ETA), not only finished runs — on a terminal, unless turned off."""
+    import tqdm.auto
+
+    class EveryUpdate(tqdm.auto.tqdm):
+        # tqdm redraws at most every `mininterval` seconds: on a fast machine a
+        # 6-epoch run ends before its bar is redrawn with the loss. Drawing every
+        # update makes what is shown independent of the machine's speed.
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{"mininterval": 0, **kwargs})
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", EveryUpdate)
     err = _Terminal() if tty else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     report = benchmark(cora, "gat", runs=2, epochs=6, patience=100, progress=progress)
