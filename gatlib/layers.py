@@ -16,6 +16,9 @@ Differences from PyG, on purpose:
   kernel). That includes ``edge_attr`` passed to a layer built with
   ``edge_dim=None`` (PyG ignores it, or in ``TransformerConv`` adds the raw
   features to the values) and a missing ``edge_attr`` when ``edge_dim`` is set.
+  Where PyG raises ``NotImplementedError`` (a ``SparseTensor`` adjacency with
+  ``edge_dim`` and self-loops) the error is :class:`gatlib.UnsupportedInputError`,
+  both a ``ValueError`` and a ``NotImplementedError``.
 * ``return_attention_weights`` returns ``(out, (edge_index, alpha))`` exactly
   when it is truthy, for all three layers (PyG's ``TransformerConv`` also does
   so for ``False``). ``alpha`` is the softmax *before* attention dropout in all
