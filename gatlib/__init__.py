@@ -10,6 +10,7 @@ the library imports it.
 from ._core import EdgeScore, reference_attention, segment_aggregate, segment_softmax
 from ._dispatch import BACKENDS, available_backends, graph_attention, record_kernels
 from ._plan import GraphPlan
+from ._validate import UnsupportedInputError
 from .layers import GATConv, GATv2Conv, TransformerConv
 
 __version__ = "0.1.0"
@@ -27,4 +28,5 @@ __all__ = [
     "available_backends",
     "record_kernels",
     "BACKENDS",
+    "UnsupportedInputError",
 ]

@@ -10,7 +10,8 @@ for its layers does — and the form of the returned attention weights
 (``set_sparse_value``, ``SparseTensor.set_value``; with self-loops, of the
 adjacency PyG rebuilds with them, whose entries are sorted). Where PyG's layers
 raise, or quietly drop an edge term, gatlib raises a ``ValueError`` that names
-``edge_index``.
+``edge_index`` — where PyG raises ``NotImplementedError``, a
+:class:`gatlib.UnsupportedInputError`, which is both.
 """
 from __future__ import annotations
 
@@ -52,12 +53,11 @@ def edge_features(adj, edge_attr: Optional[Tensor], edge_dim: Optional[int], sel
                 f"edge_dim={values.size(1)} to use them, or an adjacency without them")
         return edge_attr  # None, or an error for the caller's check to raise
     if self_loops:
-        if isinstance(adj, SparseTensor):
-            raise ValueError(
+        if isinstance(adj, SparseTensor):  # PyG: NotImplementedError
+            raise V.UnsupportedInputError(
                 "edge_index is a SparseTensor, and edge features (edge_dim) with "
-                "add_self_loops=True are not supported for it (PyG raises "
-                "NotImplementedError): pass a [2, E] edge_index with edge_attr, or "
-                "add_self_loops=False")
+                "add_self_loops=True are not supported for it (nor in PyG): pass a "
+                "[2, E] edge_index with edge_attr, or add_self_loops=False")
         if edge_attr is not None:
             raise ValueError(
                 "edge_attr cannot be combined with a torch.sparse edge_index and "

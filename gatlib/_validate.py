@@ -18,6 +18,16 @@ from torch_geometric.typing import SparseTensor  # PyG's stand-in class when tor
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
+class UnsupportedInputError(ValueError, NotImplementedError):
+    """An input gatlib's layer refuses where PyG's layer raises
+    ``NotImplementedError`` for the same input (a ``torch_sparse.SparseTensor``
+    adjacency with edge features and ``add_self_loops=True``).
+
+    Like gatlib's other refusals of bad input it is a ``ValueError``; it is also a
+    ``NotImplementedError``, so code written for PyG's layer catches it too.
+    """
+
+
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__}")

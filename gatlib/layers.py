@@ -16,6 +16,9 @@ Differences from PyG, on purpose:
   kernel). That includes ``edge_attr`` passed to a layer built with
   ``edge_dim=None`` (PyG ignores it, or in ``TransformerConv`` adds the raw
   features to the values) and a missing ``edge_attr`` when ``edge_dim`` is set.
+  Where PyG raises ``NotImplementedError`` (a ``SparseTensor`` adjacency with
+  ``edge_dim`` and self-loops) the error is :class:`gatlib.UnsupportedInputError`,
+  both a ``ValueError`` and a ``NotImplementedError``.
 * ``return_attention_weights`` returns ``(out, (edge_index, alpha))`` exactly
   when it is truthy, for all three layers (PyG's ``TransformerConv`` also does
   so for ``False``). ``alpha`` is the softmax *before* attention dropout in all
@@ -52,6 +55,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
+from torch_geometric.typing import OptPairTensor, OptTensor, PairTensor
 from torch_geometric.utils import add_self_loops as _add_self_loops
 from torch_geometric.utils import remove_self_loops as _remove_self_loops
 
@@ -60,8 +64,6 @@ from . import _validate as V
 from ._core import EdgeScore, combine_heads, segment_softmax
 from ._dispatch import _log, attend_planned, check_backend_name
 from ._plan import GraphPlan, as_plan, checked_edge_list
-
-PairTensor = Tuple[Tensor, Optional[Tensor]]
 
 # MessagePassing's extension points: a subclass (or an instance) that replaces one
 # of these asks for PyG's message-passing flow, which the attention core cannot run.
@@ -89,6 +91,11 @@ class _AttentionConv(MessagePassing):
     ``"auto"``/``"torch"`` raises instead, since that kernel cannot honour it.
     Explain mode (PyG's explainers' edge masks) needs no such detour: the mask
     becomes a per-edge weight of the attention core (:meth:`_explain_weight`).
+
+    A ``*_type`` comment above each ``propagate``/``edge_updater`` call names the
+    types passed, as in PyG's layers: PyG's ``Inspector`` reads it (for the
+    ``propagate`` that ``MessagePassing`` generates, and for code that inspects a
+    layer) and would otherwise take every argument for a ``Tensor``.
     """
 
     def __init__(self):
@@ -164,7 +171,7 @@ class _AttentionConv(MessagePassing):
             V.check_positive_int("edge_dim", edge_dim)
         check_backend_name(backend)
 
-    def _split(self, x, weight: Tensor, allow_missing_dst: bool = False) -> PairTensor:
+    def _split(self, x, weight: Tensor, allow_missing_dst: bool = False) -> OptPairTensor:
         """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels``."""
         in_src, in_dst = ((self.in_channels, self.in_channels)
                           if isinstance(self.in_channels, int) else self.in_channels)
@@ -405,9 +412,9 @@ class GATConv(_AttentionConv):
 
     def forward(
         self,
-        x: Union[Tensor, PairTensor],
+        x: Union[Tensor, OptPairTensor],
         edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
+        edge_attr: OptTensor = None,
         size: Optional[Tuple[int, int]] = None,
         return_attention_weights: Optional[bool] = None,
     ):
@@ -468,7 +475,9 @@ class GATConv(_AttentionConv):
                 same = x_dst is x_src and lin_dst is lin_src
                 h_dst = h_src if same else lin_dst(x_dst).view(-1, H, C)
             ei, size = plan.edge_index.long(), (num_src, num_dst)
+            # edge_updater_type: (alpha: OptPairTensor, edge_attr: OptTensor)
             alpha = self.edge_updater(ei, alpha=(a_src, a_dst), edge_attr=edge_attr, size=size)
+            # propagate_type: (x: OptPairTensor, alpha: Tensor)
             out = self.propagate(ei, x=(h_src, h_dst), alpha=alpha, size=size)
             out = combine_heads(out, self.concat)
         else:
@@ -613,9 +622,9 @@ class GATv2Conv(_AttentionConv):
 
     def forward(
         self,
-        x: Union[Tensor, Tuple[Tensor, Tensor]],
+        x: Union[Tensor, PairTensor],
         edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
+        edge_attr: OptTensor = None,
         return_attention_weights: Optional[bool] = None,
     ):
         H, C = self.heads, self.out_channels
@@ -631,10 +640,12 @@ class GATv2Conv(_AttentionConv):
             h_dst = self.lin_r(x_dst).view(-1, H, C)  # [N_t, H, C]
         if self._use_propagate():  # PyG's flow: edge_update, then message per edge
             ei = plan.edge_index.long()
+            # edge_updater_type: (x: PairTensor, edge_attr: OptTensor)
             alpha = self.edge_updater(ei, x=(h_src, h_dst), edge_attr=edge_attr,
                                       size=(num_src, num_dst))
             if self.value_dropout > 0.0:  # the scores above saw the undropped features
                 h_src = F.dropout(h_src, self.value_dropout, self.training)
+            # propagate_type: (x: PairTensor, alpha: Tensor)
             out = self.propagate(ei, x=(h_src, h_dst), alpha=alpha, size=(num_src, num_dst))
             out = combine_heads(out, self.concat)
         else:
@@ -769,9 +780,9 @@ class TransformerConv(_AttentionConv):
 
     def forward(
         self,
-        x: Union[Tensor, Tuple[Tensor, Tensor]],
+        x: Union[Tensor, PairTensor],
         edge_index: Tensor,
-        edge_attr: Optional[Tensor] = None,
+        edge_attr: OptTensor = None,
         return_attention_weights: Optional[bool] = None,
     ):
         H, C = self.heads, self.out_channels
@@ -784,6 +795,7 @@ class TransformerConv(_AttentionConv):
         if self._use_propagate():  # PyG's flow: score, softmax and weigh in message
             if self.value_dropout > 0.0:
                 value = F.dropout(value, self.value_dropout, self.training)
+            # propagate_type: (query: Tensor, key: Tensor, value: Tensor, edge_attr: OptTensor)
             out = self.propagate(plan.edge_index.long(), query=query, key=key, value=value,
                                  edge_attr=edge_attr, size=(x_src.size(0), x_dst.size(0)))
             out = combine_heads(out, self.concat)

@@ -332,16 +332,26 @@ def test_edge_weights_are_ignored(layer, fmt):
 
 # --- what PyG refuses, or does differently from its other inputs --------------------------
 @requires_torch_sparse
-@pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv"])
-def test_sparse_tensor_edge_features_with_self_loops_raise(layer):
-    x, in_ch, n_src, n_dst = inputs("none")
+@pytest.mark.parametrize("given", ["features", "weights", "nothing", "edge_attr"])
+@pytest.mark.parametrize("layer,bipartite", [("GATConv", "none"), ("GATConv", "pair"),
+                                             ("GATConv", "src-only"), ("GATv2Conv", "none"),
+                                             ("GATv2Conv", "pair")])
+def test_sparse_tensor_edge_features_with_self_loops_raise(layer, bipartite, given):
+    """PyG raises NotImplementedError on a SparseTensor with edge_dim and self-loops,
+    whatever the edge features; gatlib's refusal is caught as that and as the
+    ValueError of its other refusals."""
+    x, in_ch, n_src, n_dst = inputs(bipartite)
     ei = graph(n_src, n_dst)
-    adj = adjacency("sparse_tensor", ei, n_src, n_dst, torch.randn(ei.size(1), EDGE_DIM))
+    value = {"features": torch.randn(ei.size(1), EDGE_DIM),
+             "weights": torch.rand(ei.size(1))}.get(given)
+    ea = torch.randn(ei.size(1), EDGE_DIM) if given == "edge_attr" else None
     ours, theirs = layer_pair(layer, in_ch, edge_dim=EDGE_DIM)
     with pytest.raises(NotImplementedError):
-        theirs(x, adj)
-    with pytest.raises(ValueError, match="edge_index is a SparseTensor.*add_self_loops=True"):
-        ours(x, adj)
+        theirs(x, adjacency("sparse_tensor", ei, n_src, n_dst, value), ea)
+    match = r"edge_index is a SparseTensor.*edge_dim.*add_self_loops=True"
+    for caught in (NotImplementedError, ValueError, gatlib.UnsupportedInputError):
+        with pytest.raises(caught, match=match):
+            ours(x, adjacency("sparse_tensor", ei, n_src, n_dst, value), ea)
 
 
 @pytest.mark.parametrize("fmt", TORCH_FORMATS)
