@@ -8,9 +8,10 @@ One section per JSON file (graph, device, configuration, environment, the
 agreement check, a table of times and peak extra memory), preceded by a
 summary of the training passes (a layer's forward+backward, a model's
 train_step) across all files. Rows of a run in the project's CPU target setting
-(arxiv-like, H=4, C=64, float32, CPU, the graph given as a plan) are marked against the target of issue 12:
-a layer's forward+backward at least 4.5x faster than PyG's with at most a tenth
-of its peak extra memory, a 2-layer model's training step at least 3.5x faster.
+(arxiv-like, H=4, C=64, float32, CPU, the graph given as a plan) are marked against
+its targets (TARGET_BY_PASS): a layer's forward+backward at least 4.5x faster than
+PyG's with at most a tenth of its peak extra memory, a 2-layer model's training
+step at least 3.5x faster.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _check(layer: str, ch: Dict) -> str:
 
 
 def _verdict(row: Dict) -> str:
-    """Against issue 12's target for this pass ("" for a pass without one)."""
+    """Against the CPU target for this pass (TARGET_BY_PASS; "" for a pass without one)."""
     if row["pass"] not in TARGET_BY_PASS:
         return ""
     speed, mem = TARGET_BY_PASS[row["pass"]]

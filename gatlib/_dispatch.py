@@ -301,16 +301,19 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
     dev = call.device.type
     if backend == "auto":
         # The rule (measurements in benchmarks/NOTES.md and the README):
-        #   CPU:  "fused" — 4.5-6x PyG's forward+backward on the arxiv-like graph at
-        #         under 1/10 of its memory; where it cannot run (torch.compile,
-        #         torch.func vmap/jvp, forward-mode AD, non-float dtypes): "torch".
+        #   CPU:  "fused" — several times faster than PyG's forward+backward on the
+        #         arxiv-like graph at a small fraction of its memory (NOTES, "CPU
+        #         fused path"); where it cannot run (torch.compile, torch.func
+        #         vmap/jvp, forward-mode AD, non-float dtypes): "torch".
         #         Under torch.jit.trace: "torch", whose trace is aten ops that
         #         torch.jit.save can write (a fused kernel records as one Python
         #         op, which replays in this process only).
         #   CUDA: "triton" — on an H100 (benchmarks/results/selftest_h100.md,
         #         benchmarks/NOTES.md) 96/96 kernel checks against the reference,
-        #         a 2-layer training step 2.2-3.3x PyG's on the arxiv-like graph
-        #         at under 1/10 of its memory, 0.9-1.0x on Cora at 1/4-1/3 of it;
+        #         a 2-layer training step faster than PyG's on the arxiv-like graph
+        #         at a small fraction of its memory, and about as fast on Cora,
+        #         where both are launch-bound, at a fraction of it (NOTES, "GPU
+        #         path"; the README's GPU results);
         #         where it cannot run (no triton, torch.compile, torch.func
         #         vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
         #         over 1024 channels, non-float dtypes): "torch".
@@ -398,8 +401,8 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     """:func:`graph_attention` on a plan of ``value``'s ``N_src`` sources that the
     caller built and checked: what the layers call, having checked their inputs
     once (going through the public function again, its plan check and keyword
-    handling, cost ~1.5% of a GATConv call on a 59-edge subgraph,
-    benchmarks/NOTES.md).
+    handling, measurably slowed a GATConv call on a NeighborLoader subgraph;
+    benchmarks/NOTES.md, "Fourth round").
 
     Returns:
         ``(out, alpha or None)``.

@@ -24,7 +24,8 @@ the sparse kernels. The head layout is derived once per plan and head count
 and lives on the plan (:meth:`gatlib.GraphPlan.derived`). It costs five index
 entries per edge and head; where that would exceed :data:`BLOCK_CSR_MAX_BYTES`
 (ogbn-products: ~9.4 GiB at H = 4) the same products run over edge blocks of
-the plan's own CSR/CSC instead, ~1.5x slower and with no index of their own.
+the plan's own CSR/CSC instead: slower (benchmarks/NOTES.md, "The training step
+itself"), but with no index of their own.
 
 The whole call is one autograd function, :class:`_FusedAttention`, with a
 ``setup_context`` (so ``torch.func`` transforms can use it). GAT on a small
@@ -162,15 +163,15 @@ def _use_block_csr(lay: Layout, heads: int, channels: int) -> bool:
 
 
 # The block CSR costs 5 index entries per edge and head (arxiv-like, H=4: 196 MiB;
-# ogbn-products: ~9.4 GiB) and makes the sparse products ~1.5x faster than the
-# edge blocks (SpMM 330 vs 492 ms, SDDMM 304 vs 506 ms on the arxiv-like graph,
-# 2 threads, benchmarks/NOTES.md). Above this size the edge blocks run instead.
+# ogbn-products: ~9.4 GiB) and makes the sparse products faster than the edge
+# blocks (measured on the arxiv-like graph: benchmarks/NOTES.md, "The training
+# step itself"). Above this size the edge blocks run instead.
 BLOCK_CSR_MAX_BYTES = 1 << 30
 # Below this many [E, H, C] entries building the block CSR costs more than it
 # saves: such a graph runs whole (_softmax_aggregate_small, up to _SMALL_BYTES).
-# GATConv forward+backward through a new plan (H=4, C=64, 2 threads,
-# NeighborLoader subgraphs, interleaved rounds): PyG/fused 0.99x whole vs 0.89x
-# block CSR at 1,818 edges, 1.05x vs 1.09x at 3,600 (benchmarks/NOTES.md).
+# Measured on GATConv forward+backward through a new plan (H=4, C=64,
+# NeighborLoader subgraphs): whole was faster at 1,818 edges, the block CSR at
+# 3,600 (benchmarks/NOTES.md, "Second round").
 BLOCK_CSR_MIN_ENTRIES = 1 << 19
 # A graph without block CSR whose gathered [E, H, C] values take at most this
 # many bytes runs stages 2 and 3 whole (_softmax_aggregate_small): one transient
@@ -219,8 +220,9 @@ def _spmm(hl: _HeadLayout, weight: Tensor, dense: Tensor, transpose: bool = Fals
     else:
         a = _csr(hl.ptr, hl.col, weight.view(-1).index_select(0, hl.bh2eh), (rows * H, cols * H))
     # beta=0 into an uninitialised result (beta=0 ignores its contents, NaN included):
-    # `a @ dense` zero-fills a result and copies the product into it, ~160 ms of a
-    # ~520 ms product on the arxiv-like graph (benchmarks/NOTES.md)
+    # `a @ dense` zero-fills a result and copies the product into it, two extra
+    # passes over it (a large share of the product on the arxiv-like graph:
+    # benchmarks/NOTES.md, v3)
     out = torch.empty(rows * H, C, dtype=dense.dtype)
     torch.addmm(out, a, dense.reshape(cols * H, C), beta=0, out=out)
     return out.view(rows, H, C)
@@ -348,10 +350,10 @@ def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]
     runtime, which touches no other thread and no process-wide setting. One
     OpenMP region per op and block instead would be thousands of regions a pass,
     each waiting for every thread: GATv2 forward+backward on the arxiv-like graph
-    took 5.3-6.4 s this way against 5.9-8.4 s with multi-threaded ops (three runs
-    each, benchmarks/NOTES.md). Parts never share a destination row, so ``fn`` may
-    update rows of ``[N_dst, ...]`` outputs in place; anything indexed by source
-    needs one accumulator per ``part``. Without a known OpenMP runtime, one part
+    measured faster this way than with multi-threaded ops (benchmarks/NOTES.md,
+    v3). Parts never share a destination row, so ``fn`` may update rows of
+    ``[N_dst, ...]`` outputs in place; anything indexed by source needs one
+    accumulator per ``part``. Without a known OpenMP runtime, one part
     runs on the calling thread.
     """
     E = lay.num_edges
@@ -408,10 +410,9 @@ def _add_row_sums(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None
         return
     i0 = int(lay.dst[e0])
     # the block's rows are few and adjacent: index_add_ into them stays in cache
-    # (measured 2-4x faster than segment_reduce on [1024, 4, 64] blocks); with
-    # int64 indices: with int32 ones (a large layout's) index_add_ ran 2.5-8x
-    # slower (83 vs 37 us for [1024, 4, 64] blocks, 3.9 vs 0.47 ms for [65536, 4]
-    # ones, conversion included; benchmarks/NOTES.md)
+    # (measured faster than segment_reduce on edge blocks); with int64 indices:
+    # with int32 ones (a large layout's) index_add_ ran several times slower,
+    # conversion included (benchmarks/NOTES.md, "int32 indices in the edge blocks")
     out[i0:int(lay.dst[e1 - 1]) + 1].index_add_(0, (lay.dst[e0:e1] - i0).long(), x)
 
 
@@ -504,8 +505,8 @@ def _softmax_aggregate_small(e: Tensor, v: Tensor, src: Tensor, dst: Tensor, num
     and the aggregation written out on whole tensors, with scatter reductions
     (which need no sort) and one gather of ``[E, H, C]`` values instead of the
     edge-block SpMM, none of the block machinery. On NeighborLoader's smallest
-    subgraphs (60 edges) that machinery was ~0.1 ms of a ~0.9 ms GATConv call,
-    forward and backward (benchmarks/NOTES.md)."""
+    subgraphs that machinery was a sizeable share of a GATConv call, forward and
+    backward (benchmarks/NOTES.md, "Second round")."""
     shape = (num_dst, e.size(1))
     m = e.new_full(shape, -math.inf).scatter_reduce_(0, dst[:, None].expand_as(e), e, "amax")
     alpha = e.sub_(m.index_select(0, dst)).exp_()  # [E, H], every entry <= 1
@@ -527,7 +528,7 @@ def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, src, dst, num_ds
     ad = None if g_alpha is None else g_alpha.clone()  # [E, H]: dL/dalpha, then de
     if g_out is not None:
         g_e = g_out.contiguous().index_select(0, dst)  # [E, H, C], <= _SMALL_BYTES
-        dot = (g_e * v.index_select(0, src)).sum(-1)  # <g_i, v_j> (vecdot: ~3 us slower here)
+        dot = (g_e * v.index_select(0, src)).sum(-1)  # <g_i, v_j> (vecdot measured slower here)
         a = alpha if drop is None else alpha * drop
         if need_v:
             dv = v.new_zeros(v.shape).index_add_(0, src, g_e.mul_(a.unsqueeze(-1)))
@@ -741,7 +742,8 @@ def _gatv2_backward(de, x, y, w, att, hl, scale, slope, need):
         g = de[e0:e1, :, None] * att  # [n, H, C]  dL/d leaky_relu(z)
         if datt is not None:
             datt[part] += torch.einsum("nh,nhc->hc", de[e0:e1], F.leaky_relu(z, slope))
-        # g * (1 if z > 0 else slope) in one pass (where() with broadcasting is 10x slower)
+        # g * (1 if z > 0 else slope) in one pass (measured much faster than where()
+        # with broadcasting; benchmarks/NOTES.md)
         dz = torch.ops.aten.leaky_relu_backward(g, z, slope, False)  # [n, H, C]
         if dy is not None:
             _add_row_sums(dy, dz, lay, e0, e1)
@@ -838,7 +840,8 @@ def _layout_tensors(hl: _HeadLayout) -> Tuple[Tensor, ...]:
                  if isinstance(t, Tensor))
 
 
-# field names, in declaration order (dataclasses.fields() per call cost ~10 us);
+# field names, in declaration order, read once (dataclasses.fields() on every call
+# showed in a small graph's call time);
 # those that hold tensors are the inputs (under torch.jit.trace the node counts
 # are tensors too)
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (Layout, _HeadLayout)}
@@ -859,7 +862,8 @@ def _with_layout(spec: _Spec, tensors: Sequence[Tensor]) -> _Spec:
 
 def _no_autocast():
     """Autocast off for the block (the kernel picks its own precision); a no-op
-    context where it is off already (~10 us of a small-graph call less)."""
+    context where it is off already (entering autocast's context is not free on a
+    small graph's call)."""
     if torch.is_autocast_enabled("cpu"):
         return torch.autocast("cpu", enabled=False)
     return contextlib.nullcontext()
@@ -905,7 +909,7 @@ class _FusedAttention(torch.autograd.Function):
         spec = _with_layout(spec, layout) if layout else spec
         _log(spec.log, "fused")
         tracing = torch.jit.is_tracing()
-        if not tracing and not torch.is_autocast_enabled("cpu"):  # (the contexts: ~3 us)
+        if not tracing and not torch.is_autocast_enabled("cpu"):  # (the usual case: no context to enter)
             # (lse only where backward recomputes alpha from it: its log_ is an MKL
             # call that opens an OpenMP region however small the tensor; see NOTES)
             return _forward(spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
@@ -938,7 +942,7 @@ class _FusedAttention(torch.autograd.Function):
             _log(spec.log, "fused.backward:reference")
             return (None, *_reference_backward(spec, ins, need, g_out, g_alpha), *layout)
         _log(spec.log, "fused.backward")
-        if not torch.is_autocast_enabled("cpu"):  # (the context: ~1 us)
+        if not torch.is_autocast_enabled("cpu"):  # (the usual case: no context to enter)
             return (None, *_backward(spec, ins, alpha, ctx.recompute, need, g_out, g_alpha),
                     *layout)
         with _no_autocast():
@@ -990,8 +994,8 @@ def _recomputes_alpha(spec: _Spec) -> bool:
 
 
 # On small graphs the recomputation's few extra ops cost more than the memory saves
-# (GATConv forward+backward at 908 edges, H=4: PyG/fused 0.85x recomputing, 0.89x
-# not, interleaved rounds); below 2^16 entries the weights are at most 256 KiB.
+# (measured on GATConv forward+backward: benchmarks/NOTES.md, "Second round");
+# below 2^16 entries the weights are at most 256 KiB.
 RECOMPUTE_MIN_ENTRIES = 1 << 16
 
 
@@ -1008,9 +1012,9 @@ class _SmallGAT(torch.autograd.Function):
 
     Nothing is sorted: the softmax reduces with scatter ops
     (:func:`_softmax_aggregate_small`). A NeighborLoader subgraph is new on
-    every call, so each call would pay for its own sort (~3% of a GATConv call
-    on 59 edges), and the general function's layout objects and helpers cost
-    ~2-3 us a Python call on such a graph (~5% more; benchmarks/NOTES.md).
+    every call, so each call would pay for its own sort, and on such a graph the
+    general function's layout objects and helper calls are a measurable part of
+    the call (benchmarks/NOTES.md, "Fifth round" and "Sixth round").
     A differentiable backward (``create_graph=True``) is the reference's, as in
     :class:`_FusedAttention`.
     """
@@ -1073,11 +1077,11 @@ def small_gat(num_edges: int, heads: int, channels: int, itemsize: int) -> bool:
 
 # Function.apply binds its arguments to forward's signature on every call (it
 # has a setup_context); inspect.signature returns a function's __signature__
-# when it has one instead of rebuilding it (~40 us of a ~1 ms small-graph call).
-# Outside torch.func transforms, Function.apply only binds the arguments (all
-# positional here, no defaults: a no-op) and then calls the C++ apply; calling
-# that directly saves the bind, ~30 us of a ~1 ms small-graph call. Inside a
-# transform (or should torch move these) the public apply runs.
+# when it has one instead of rebuilding it on every call. Outside torch.func
+# transforms, Function.apply only binds the arguments (all positional here, no
+# defaults: a no-op) and then calls the C++ apply; calling that directly saves the
+# bind. Both showed in a small graph's call time (benchmarks/NOTES.md, "Second
+# round"). Inside a transform (or should torch move these) the public apply runs.
 _unwrap_dead = getattr(getattr(torch, "_functorch", None), "utils", None)
 _unwrap_dead = getattr(_unwrap_dead, "unwrap_dead_wrappers", None)
 

@@ -65,8 +65,9 @@ class Layout:
 
     On a small graph the CSC view is derived from the CSR when it is first read
     (``csc_ptr``, ``csc_edge``, ``csc_dst``); otherwise it comes with the layout
-    (``csc``). A small graph's fused kernel never reads it, and sorting it cost
-    ~15% of the per-call plan of a NeighborLoader subgraph.
+    (``csc``). A small graph's fused kernel never reads it, and sorting it was a
+    sizeable part of the plan a NeighborLoader subgraph builds on every call
+    (benchmarks/NOTES.md).
     """
 
     ptr: Tensor  # [N_dst + 1]
@@ -120,11 +121,11 @@ def layout_dtype(num_edges: int, num_src: int, num_dst: int) -> torch.dtype:
 
 # Below this many edges a graph is small: its layout's indices are int64 and its
 # CSC view is derived only when first read. int32 halves a large layout, but
-# index_add_ with int32 indices ran 1.5-5x slower than with int64 (2 threads,
-# torch 2.13: 137 vs 93 us for [908, 4, 64] rows, 54 vs 10 us for [908, 4]), and
-# converting costs more ops per call than a small graph's memory is worth. A large
-# graph's CSC view is built with its CSR, while little else is in memory, not in
-# the first backward pass (at ogbn-products' scale its sort needs ~2.5 GB).
+# index_add_ with int32 indices measured several times slower than with int64
+# (benchmarks/NOTES.md, "Second round"), and converting costs more ops per call
+# than a small graph's memory is worth. A large graph's CSC view is built with its
+# CSR, while little else is in memory, not in the first backward pass (at
+# ogbn-products' scale its sort needs ~2.5 GB).
 SMALL_EDGES = 1 << 16
 
 
@@ -260,9 +261,9 @@ class GraphPlan:
             # nothing: the way when that layout exists already or comes from the
             # input's own compressed structure. A plain edge list is sorted directly,
             # even when it is destination-sorted: building its base layout (whose CSC
-            # needs a sort anyway) and merging took 2.5-3.5x as long (0.49-0.64 vs
-            # 0.14-0.21 ms at 60 edges, 272-364 vs 96-99 ms at 2.4M; random
-            # destination-sorted graphs, 2 threads).
+            # needs a sort anyway) and then merging measured slower at every size
+            # tried, 60 edges to 2.4M (benchmarks/NOTES.md, "Small graphs: the
+            # per-call cost").
             if base_layout is None and not compressed:
                 return _sorted_looped_layout(looped_ei, num_src, num_dst, n)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
@@ -476,7 +477,7 @@ def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
     already non-decreasing, which ``check_sorted=False`` does not look for)."""
     E = src.numel()
     idt = layout_dtype(E, num_src, num_dst)
-    dst_i = dst if dst.dtype == idt else dst.to(idt)  # (a no-op .to costs ~2 us)
+    dst_i = dst if dst.dtype == idt else dst.to(idt)  # (not even a no-op .to(): runs per call)
     if check_sorted and _nondecreasing(dst_i):  # already destination-sorted
         perm = torch.arange(E, device=src.device)
         dst_csr, src_csr = dst_i.clone(), src.to(idt, copy=True)

@@ -66,8 +66,9 @@ _MAX_C = 1024
 # GATv2's att gradient keeps one [C] partial per lane of a launch; the backward
 # cuts its launches so that they hold at most max(E·H, _ATT_PARTIALS) values. At
 # E·H alone a small graph with wide heads got tiny launches (Cora, H=3, C=256:
-# 54 launches of the dst kernel per backward, 2.2x slower than PyG's GATv2Conv
-# on an H100); 2^20 values (4 MiB in float32) launches such graphs once per bucket.
+# 54 launches of the dst kernel per backward, which made GATv2Conv's forward+
+# backward slower than PyG's on an H100; benchmarks/NOTES.md, "GPU path"); 2^20 values
+# (4 MiB in float32) launches such graphs once per bucket.
 _ATT_PARTIALS = 1 << 20
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))

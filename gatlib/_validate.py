@@ -212,8 +212,9 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
             torch._assert_async(edge_index[1].max() < num_dst,
                                 f"{names[1]} out of range for {num_dst} destination nodes")
         return
-    # First over all indices (a 60-edge subgraph's check took 6.4 us per row, 1.9 us
-    # whole); per row only where the whole range exceeds the smaller bound.
+    # First over all indices (one reduction: cheaper than one per row on a small
+    # subgraph, benchmarks/NOTES.md, "Third round"); per row only where the whole
+    # range exceeds the smaller bound.
     lo, hi = torch.aminmax(edge_index)
     lo, hi = (lo.item(), hi.item()) if edge_index.device.type == "cpu" else \
         torch.stack([lo, hi]).tolist()  # one host sync for both

@@ -246,10 +246,11 @@ def _projected_scores(x: Tensor, lin: Linear, att: Tensor, h: Optional[Tensor] =
 
     Computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
     (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
-    an ``[N, H, C]`` projection reduced over ``C`` — which, with its backward, cost
-    GATConv forward+backward ~20% of its time on the arxiv-like graph — and edge
-    features never become ``[E, H, C]``. Where the projection ``h = W x`` exists
-    anyway and is narrower than ``x`` (``H*C < F``: Cora's 1,433 features), reducing
+    an ``[N, H, C]`` projection reduced over ``C`` — whole passes over an
+    ``[N, H, C]`` tensor forward and backward, a large part of GATConv's time on
+    the arxiv-like graph (benchmarks/NOTES.md, v3) — and edge features never
+    become ``[E, H, C]``. Where the projection ``h = W x`` exists anyway and is
+    narrower than ``x`` (``H*C < F``: Cora's 1,433 features), reducing
     ``h`` is the cheaper side: the fold's backward would write another ``[N, F]``
     input gradient. On small inputs (:data:`FOLD_MIN_ENTRIES`) reducing ``h`` is
     also cheaper: the fold's few extra ops cost more than they save there."""
@@ -268,10 +269,9 @@ def _folds(x: Tensor, heads: int, channels: int) -> bool:
 
 
 # Below this many projected entries (N*H*C) GATConv reduces the projection
-# instead of folding: forward+backward of one GATConv (H=4, C=64, 128 features,
-# 2 threads) on NeighborLoader subgraphs took 1.18 vs 1.50 ms at 55 nodes and
-# 2.37 vs 2.53 ms at 221 (reduced vs folded), 4.51 vs 4.59 ms at 858, then
-# 21.6 vs 18.2 ms at 6,098 and 721 vs 448 ms at 94K (benchmarks/NOTES.md).
+# instead of folding: on forward+backward of one GATConv (H=4, C=64, 128 features)
+# over NeighborLoader subgraphs, reducing measured faster up to 858 nodes and
+# folding from 6,098 nodes on (benchmarks/NOTES.md, "Second round").
 FOLD_MIN_ENTRIES = 1 << 18
 
 

@@ -1,8 +1,25 @@
-"""One regression test per defect of issue 12 (each failed on the main of the
-day: a per-tensor cache keyed by id(), a fused path that fell back silently, ...).
-Defect 8 (low-precision tests that did not protect the reference) is
-tests/test_core.py::test_low_precision_bound and ::test_reference_bound_catches_a_low_precision_reference;
-defect 10's structure rules are tests/test_structure.py."""
+"""Regression tests: behaviours the library once got wrong, each named by what it protects.
+
+Graph inputs stay the caller's
+    no edge_index outlives its call; an index buffer rewritten in place is read
+    (and range-checked) again; editing a returned edge_index changes nothing.
+Grad modes, transforms and autocast
+    a graph first used under inference_mode trains afterwards; double backward,
+    torch.func.grad and bfloat16 autocast through the default (fused) kernel
+    agree with the reference.
+Empty graphs
+    a graph without nodes or without edges gives what PyG's layer gives.
+Kernel selection
+    a requested kernel that cannot run a call raises instead of handing it to
+    another; "auto" records the kernel that ran.
+Compilation and threads
+    torch.compile splits a training step no more often than PyG's model does;
+    the kernels never change the process-wide thread count.
+
+Related tests elsewhere: the low-precision bounds that also hold the reference
+to float64 are tests/test_core.py::test_low_precision_bound and
+::test_reference_bound_catches_a_low_precision_reference; the rules that keep
+the library apart from its benchmark harness are tests/test_structure.py."""
 import gc
 import weakref
 
@@ -21,11 +38,14 @@ def conv(layer="GATConv", **kw):
     return getattr(gatlib, layer)(6, 4, heads=2, **kw)
 
 
-# 1. ---------------------------------------------------------------------------
+# ---------------------------------------------------------------------------
+# Graph inputs stay the caller's
+# ---------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", kernels())
-def test_1_edge_index_is_not_kept_alive(backend):
+def test_layer_keeps_no_edge_index_alive(backend):
     """A mini-batch loop passes a new edge_index each time: none may outlive its
-    batch (an int64 edge_index used to be its own cache key's value)."""
+    batch. Each is freed by reference counting the moment the caller drops it,
+    whichever kernel ran (nothing caches derived state keyed by the tensor)."""
     m = conv(backend=backend)
     refs = []
     gc.disable()  # freed by reference counting, the moment the batch is done
@@ -40,11 +60,11 @@ def test_1_edge_index_is_not_kept_alive(backend):
         gc.enable()
 
 
-# 2. ---------------------------------------------------------------------------
 @pytest.mark.parametrize("layer", LAYERS)
-def test_2_rewritten_buffer_gives_the_new_graph(layer):
+def test_edge_index_rewritten_in_place_is_read_and_checked_again(layer):
     """A torch.from_numpy buffer refilled in place for the next batch (no version
-    bump): the layer computes on the new graph, and checks its range."""
+    bump), or written through another view or .data: the layer computes on the
+    new graph, and checks its index range again."""
     m = conv(layer)
     x = torch.randn(20, 6)
     buf = np.zeros((2, 60), dtype=np.int64)
@@ -65,10 +85,27 @@ def test_2_rewritten_buffer_gives_the_new_graph(layer):
         m(x, ei)
 
 
-# 3. ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layer", LAYERS)
+def test_editing_the_returned_edge_index_changes_no_later_call(layer):
+    """The edge_index returned with the attention weights is a copy: writing to
+    it reaches neither the caller's edge_index nor anything the layer keeps."""
+    m = conv(layer)
+    x = torch.randn(15, 6)
+    ei = random_graph(15, 50, seed=4)
+    out, (returned, _) = m(x, ei, return_attention_weights=True)
+    returned.fill_(0)
+    torch.testing.assert_close(m(x, ei), out)
+
+
+# ---------------------------------------------------------------------------
+# Grad modes, transforms and autocast
+# ---------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", kernels())
 @pytest.mark.parametrize("layer", LAYERS)
-def test_3_inference_mode_then_training(layer, backend):
+def test_graph_first_used_under_inference_mode_then_trains(layer, backend):
+    """A graph (a plain edge_index or a GraphPlan) first used under
+    inference_mode gives the same output there and trains afterwards: nothing
+    derived from it is kept as an inference tensor."""
     m = conv(layer, backend=backend)
     x = torch.randn(15, 6)
     ei = random_graph(15, 50, seed=3)
@@ -83,40 +120,8 @@ def test_3_inference_mode_then_training(layer, backend):
     torch.testing.assert_close(a, b)
 
 
-# 4. ---------------------------------------------------------------------------
 @pytest.mark.parametrize("layer", LAYERS)
-def test_4_returned_edge_index_is_the_callers(layer):
-    m = conv(layer)
-    x = torch.randn(15, 6)
-    ei = random_graph(15, 50, seed=4)
-    out, (returned, _) = m(x, ei, return_attention_weights=True)
-    returned.fill_(0)
-    torch.testing.assert_close(m(x, ei), out)
-
-
-# 5. ---------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", kernels())
-@pytest.mark.parametrize("concat", [True, False], ids=["concat", "mean"])
-@pytest.mark.parametrize("layer", LAYERS)
-def test_5_zero_nodes_and_zero_edges(layer, concat, backend):
-    """Like PyG: a graph without nodes gives [0, H*C] (or [0, C]); without edges,
-    the layer's output for isolated nodes."""
-    m = conv(layer, concat=concat, backend=backend)
-    theirs = getattr(pyg, layer)(6, 4, heads=2, concat=concat)
-    theirs.load_state_dict(m.state_dict())
-    for n in (0, 5):
-        x = torch.randn(n, 6, requires_grad=True)
-        ei = torch.zeros(2, 0, dtype=torch.long)
-        with gatlib.record_kernels() as log:
-            out = m(x, ei)
-            out.sum().backward()
-        assert log[0] == backend
-        torch.testing.assert_close(out, theirs(x, ei))
-
-
-# 6. ---------------------------------------------------------------------------
-@pytest.mark.parametrize("layer", LAYERS)
-def test_6_double_backward_on_the_default_path(layer):
+def test_double_backward_on_the_default_path_matches_the_reference(layer):
     """A gradient penalty through the default (fused) path equals the reference's."""
     x = torch.randn(20, 6, dtype=torch.float64)
     ei = random_graph(20, 70, seed=6)
@@ -134,7 +139,9 @@ def test_6_double_backward_on_the_default_path(layer):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_6_torch_func_grad(layer):
+def test_torch_func_grad_on_the_default_path_matches_the_reference(layer):
+    """torch.func.grad of a layer's parameters runs the default (fused) kernel
+    and gives the reference's gradients."""
     from torch.func import functional_call, grad
 
     x = torch.randn(20, 6)
@@ -151,7 +158,9 @@ def test_6_torch_func_grad(layer):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_6_autocast_bfloat16(layer):
+def test_bfloat16_autocast_on_the_default_path_matches_the_reference(layer):
+    """Under CPU autocast to bfloat16 the default (fused) kernel runs, forward and
+    backward, and gives the reference's output dtype and values."""
     x = torch.randn(20, 6)
     ei = random_graph(20, 70, seed=8)
     outs = {}
@@ -165,8 +174,32 @@ def test_6_autocast_bfloat16(layer):
     torch.testing.assert_close(outs["auto"], outs["torch"], rtol=2e-2, atol=2e-2)
 
 
-# 7. ---------------------------------------------------------------------------
-def test_7_explicit_backend_that_cannot_run_raises():
+# ---------------------------------------------------------------------------
+# Empty graphs
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("concat", [True, False], ids=["concat", "mean"])
+@pytest.mark.parametrize("layer", LAYERS)
+def test_graph_without_nodes_or_edges_matches_pyg(layer, concat, backend):
+    """Like PyG: a graph without nodes gives [0, H*C] (or [0, C]); without edges,
+    the layer's output for isolated nodes. The requested kernel runs it."""
+    m = conv(layer, concat=concat, backend=backend)
+    theirs = getattr(pyg, layer)(6, 4, heads=2, concat=concat)
+    theirs.load_state_dict(m.state_dict())
+    for n in (0, 5):
+        x = torch.randn(n, 6, requires_grad=True)
+        ei = torch.zeros(2, 0, dtype=torch.long)
+        with gatlib.record_kernels() as log:
+            out = m(x, ei)
+            out.sum().backward()
+        assert log[0] == backend
+        torch.testing.assert_close(out, theirs(x, ei))
+
+
+# ---------------------------------------------------------------------------
+# Kernel selection
+# ---------------------------------------------------------------------------
+def test_requested_kernel_that_cannot_run_raises_instead_of_falling_back():
     """A kernel that cannot run a call is never replaced by another one."""
     pytest.importorskip("triton")
     from gatlib import _triton
@@ -178,7 +211,7 @@ def test_7_explicit_backend_that_cannot_run_raises():
         m(x, ei)
 
 
-def test_7_auto_says_what_ran():
+def test_auto_records_which_kernel_ran():
     """auto picks the reference where fused cannot run — and says so."""
     m = conv()
     x = torch.randn(10, 6)
@@ -189,7 +222,9 @@ def test_7_auto_says_what_ran():
     assert log == ["fused", "torch"]
 
 
-# 9. ---------------------------------------------------------------------------
+# ---------------------------------------------------------------------------
+# Compilation and threads
+# ---------------------------------------------------------------------------
 def _two_layer(module, layer):
     class Net(torch.nn.Module):
         def __init__(self):
@@ -206,7 +241,7 @@ def _two_layer(module, layer):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
-def test_9_compile_breaks_no_more_than_pyg(layer):
+def test_compiled_training_step_breaks_no_more_than_pyg(layer):
     """torch.compile of a full-batch training step splits the graph no more often
     than PyG's same model does, and computes the same loss."""
     import torch._dynamo as dynamo
@@ -229,13 +264,13 @@ def test_9_compile_breaks_no_more_than_pyg(layer):
         counts[name] = dynamo.explain(step)(x, ei).graph_break_count
     dynamo.reset()
     assert counts["gatlib"] <= counts["pyg"], counts
-    if layer == "GATConv":  # inductor's compile takes ~30 s a model: one is enough
+    if layer == "GATConv":  # inductor's compile is slow: one model is enough
         eager = step(x, ei)
         torch.testing.assert_close(torch.compile(step)(x, ei), eager)
         dynamo.reset()
 
 
-def test_9_no_process_wide_thread_changes(monkeypatch):
+def test_kernels_never_change_the_process_wide_thread_count(monkeypatch):
     """The kernels never call torch.set_num_threads (a process-wide setting)."""
     def forbidden(n):
         raise AssertionError("library code called torch.set_num_threads")

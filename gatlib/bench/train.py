@@ -230,7 +230,8 @@ def prepare_graph(dataset: NodeDataset, rcp: Recipe, device: torch.device | str,
     if (sparse_features and data.x.layout == torch.strided
             and data.x.count_nonzero() < _SPARSE_FEATURES * data.x.numel()):
         # Bag-of-words features (Planetoid: ~1% nonzero) as CSR make the first
-        # layer's matmul and the input dropout O(nnz): 2-5x faster epochs on CPU.
+        # layer's matmul and the input dropout O(nnz): CPU epochs measured several
+        # times faster (benchmarks/NOTES.md).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
             data.x = data.x.to_sparse_csr()
