@@ -149,12 +149,18 @@ def render(paths: List[Path]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     here = Path(__file__).resolve().parent / "results"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=here, help="folder of compare_*.json")
     parser.add_argument("--out", type=Path, default=None,
                         help="Markdown file (default: <results>/compare.md)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     paths = sorted(args.results.glob("compare_*.json"))
     if not paths:
