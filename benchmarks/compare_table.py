@@ -23,7 +23,7 @@ from gatlib.bench.compare import LAYERS, TABLE_HEADERS, table_rows
 from gatlib.bench.report import format_table
 
 # The target setting; with a fresh edge_index per call (graph_input "tensor") every call
-# also derives its plan, which the README reports beside the target, not against it.
+# also derives its plan, which docs/benchmarks.md reports beside the target, not against it.
 TARGET = {"graph": "arxiv-like", "device": "cpu", "heads": 4, "channels": 64, "dtype": "float32",
           "graph_input": "plan"}
 # pass -> (least speedup, largest memory ratio or None)

@@ -300,7 +300,7 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
     check_backend_name(backend)
     dev = call.device.type
     if backend == "auto":
-        # The rule (measurements in benchmarks/NOTES.md and the README):
+        # The rule (measurements in benchmarks/NOTES.md and docs/benchmarks.md):
         #   CPU:  "fused" — 4.5-6x PyG's forward+backward on the arxiv-like graph at
         #         under 1/10 of its memory; where it cannot run (torch.compile,
         #         torch.func vmap/jvp, forward-mode AD, non-float dtypes): "torch".
