@@ -31,6 +31,7 @@ SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
 ENV_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 OPERATORS = {"&&", "||", ";", "|", "&"}
+PROGRAM_START = re.compile(r"\s*([A-Za-z_]\w*=\S*\s+)*(\S*/)?(gatlib|python3?|torchrun|bash|pip)\s")
 # A commit hash: 7 to 40 hex digits, at least one a decimal digit (so plain words such as
 # "defaced" do not count), not part of a longer word.
 COMMIT_HASH = re.compile(r"(?<![0-9A-Za-z_])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![0-9A-Za-z_])")
@@ -80,7 +81,7 @@ def invocation(words: List[str]) -> Optional[Tuple[str, List[str]]]:
     a shell script or pytest; else None."""
     while words and ENV_ASSIGNMENT.match(words[0]):
         words = words[1:]
-    if not words:
+    if not words or words[0].endswith("/"):  # a folder in a file tree, not a program
         return None
     head, args = Path(words[0]).name, words[1:]
     if head == "torchrun":
@@ -110,8 +111,8 @@ def doc_commands(path: Path) -> List[Command]:
         mention = not fenced and not re.search(r"(^|\s)--?\w", snippet)
         try:
             commands = split_commands(snippet)
-        except ValueError:  # unbalanced quotes: Python such as `PyG's` in a span, not shell
-            assert mention and not re.search(r"gatlib |benchmarks/|pytest", snippet), (doc, snippet)
+        except ValueError:  # unbalanced quotes: prose or Python such as `PyG's`, not a command
+            assert not PROGRAM_START.match(snippet), f"{doc}: cannot split {snippet!r}"
             continue
         for words in commands:
             inv = invocation(words)
