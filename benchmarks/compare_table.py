@@ -24,7 +24,7 @@ from gatlib.bench.compare import LAYERS, TABLE_HEADERS, table_rows
 from gatlib.bench.report import format_table
 
 # The target setting; with a fresh edge_index per call (graph_input "tensor") every call
-# also derives its plan, which the README reports beside the target, not against it.
+# also derives its plan, which docs/benchmarks.md reports beside the target, not against it.
 TARGET = {"graph": "arxiv-like", "device": "cpu", "heads": 4, "channels": 64, "dtype": "float32",
           "graph_input": "plan"}
 # pass -> (least speedup, largest memory ratio or None)
@@ -150,12 +150,18 @@ def render(paths: List[Path]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     here = Path(__file__).resolve().parent / "results"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=here, help="folder of compare_*.json")
     parser.add_argument("--out", type=Path, default=None,
                         help="Markdown file (default: <results>/compare.md)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     paths = sorted(args.results.glob("compare_*.json"))
     if not paths:

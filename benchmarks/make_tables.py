@@ -99,11 +99,16 @@ def render(reports: List[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=HERE / "results")
     parser.add_argument("--out", type=Path, default=None, help="default: <results>/accuracy.md")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     out = args.out or args.results / "accuracy.md"
     out.write_text(render(load_reports(args.results)))
     print(f"wrote {out}")

@@ -73,7 +73,8 @@ def _plan_ms(batches, heads: int, channels: int, layer: str) -> float:
     return 1e3 * (time.perf_counter() - t0) / len(batches)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--graph", default="arxiv-like", help="a gatlib.bench.synthetic preset or synthetic:N:E:F")
     p.add_argument("--layer", default="gat", choices=list(LAYERS))
@@ -87,7 +88,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     graph = synthetic.synthetic_graph(args.graph, seed=args.seed)

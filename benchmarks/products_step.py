@@ -63,7 +63,8 @@ def _gib(field: str) -> float:
     return round(proc_status()[field] / GiB, 3)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--graph", default="products-like")
     p.add_argument("--classes", type=int, default=47)
@@ -73,7 +74,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -18,7 +18,8 @@ from gatlib.bench import synthetic
 LAYERS = {"gat": gatlib.GATConv, "gatv2": gatlib.GATv2Conv, "transformer": gatlib.TransformerConv}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layer", choices=list(LAYERS), default="gat")
     p.add_argument("--graph", default="arxiv-like")
@@ -26,7 +27,11 @@ def main() -> None:
     p.add_argument("--channels", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rows", type=int, default=18, help="ops to list (default: 18)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     g = synthetic.synthetic_graph(args.graph)
     plan = gatlib.GraphPlan(to_undirected(g.edge_index), num_nodes=g.num_nodes)

@@ -72,7 +72,8 @@ def step_fn(model, batches, trimmed: bool, num_classes: int):
     return fn
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--graph", default="arxiv-like", help="synthetic preset or synthetic:N:E:F")
     p.add_argument("--fanouts", default="10,10,5")
@@ -83,7 +84,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cache-dir", default=None, help="keep the synthetic graph here")
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     fanouts = [int(f) for f in args.fanouts.split(",")]

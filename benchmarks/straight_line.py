@@ -80,12 +80,17 @@ def straight_gat(conv):
     return fn
 
 
-def main():
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--rounds", type=int, default=31)
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     graph = synthetic.synthetic_graph("arxiv-like", seed=0)
     batches = sample_batches(graph, args.batch_size, [10, 5], 8, 0)

@@ -34,7 +34,8 @@ KINDS = ("gat", "gatv2", "dot")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--graph", default="arxiv-like", choices=sorted(PRESETS))
     p.add_argument("--heads", type=int, default=4)
@@ -47,7 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--rep", type=int, default=200, help="do_bench measuring time (ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/triton_bench.json"))
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def make_graph(name: str, seed: int, device) -> tuple[torch.Tensor, int]:

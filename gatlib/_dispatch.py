@@ -300,7 +300,7 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
     check_backend_name(backend)
     dev = call.device.type
     if backend == "auto":
-        # The rule (measurements in benchmarks/NOTES.md and the README):
+        # The rule (measurements in benchmarks/NOTES.md and docs/benchmarks.md):
         #   CPU:  "fused" — several times faster than PyG's forward+backward on the
         #         arxiv-like graph at a small fraction of its memory (NOTES, "CPU
         #         fused path"); where it cannot run (torch.compile, torch.func
@@ -313,7 +313,7 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         a 2-layer training step faster than PyG's on the arxiv-like graph
         #         at a small fraction of its memory, and about as fast on Cora,
         #         where both are launch-bound, at a fraction of it (NOTES, "GPU
-        #         path"; the README's GPU results);
+        #         path"; docs/benchmarks.md);
         #         where it cannot run (no triton, torch.compile, torch.func
         #         vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
         #         over 1024 channels, non-float dtypes): "torch".

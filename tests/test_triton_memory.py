@@ -1,4 +1,4 @@
-"""The Triton path's memory model (README, "Memory of the Triton kernels"),
+"""The Triton path's memory model (docs/gpu.md, "Memory of the Triton kernels"),
 checked against the allocations a call makes.
 
 Every tensor that PyTorch allocates during a forward or a backward call is
@@ -78,7 +78,7 @@ def recorder(monkeypatch):
 
 
 def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_launches=0, att_floor=0):
-    """The README's formula: (forward bytes, backward bytes, largest temporary)
+    """docs/gpu.md's formula: (forward bytes, backward bytes, largest temporary)
     of one call, excluding its inputs and the graph's plan."""
     s = torch.empty((), dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4

@@ -453,9 +453,7 @@ def render(report: Dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    from .report import command_line, environment, write_json
-
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m gatlib.bench.triton_compile",
         description="Bind every specialisation of gatlib's Triton kernels with Triton's launch "
@@ -467,6 +465,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--table", default=None, metavar="PATH", help="write the markdown table here")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="only rewrite --table from a JSON this command wrote (no compiling)")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .report import command_line, environment, write_json
+
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.render:
         import json
