@@ -26,11 +26,9 @@ imports the kernels, never the other way round.
 from __future__ import annotations
 
 import abc
-import contextlib
-import contextvars
 import importlib.util
 import os
-from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -38,39 +36,13 @@ from torch import Tensor
 
 from . import _core
 from . import _fused_cpu
+from . import _record
 from . import _validate as V
 from ._core import EdgeScore
 from ._plan import GraphPlan, as_plan
+from ._record import record_kernels  # noqa: F401  (gatlib.record_kernels)
 
 BACKENDS = ("auto", "torch", "scatter", "fused", "triton")
-
-_LOG: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("gatlib_kernel_log",
-                                                                      default=None)
-
-
-@contextlib.contextmanager
-def record_kernels() -> Iterator[List[str]]:
-    """Record which kernel ran each attention call in this block.
-
-    Yields a list that collects, in order, the name of the kernel of every
-    call (``"torch"``, ``"scatter"``, ``"fused"``, ``"triton"``) and of every
-    fused backward pass (``"fused.backward"``, ``"fused.backward:reference"``).
-    """
-    log: List[str] = []
-    token = _LOG.set(log)
-    try:
-        yield log
-    finally:
-        _LOG.reset(token)
-
-
-def _log(entry: str) -> None:
-    if torch.compiler.is_compiling():  # nothing to record inside a traced graph
-        return
-    log = _LOG.get()
-    if log is not None:
-        log.append(entry)
-
 
 class AttentionCall(NamedTuple):
     """One call of the attention core, as every kernel sees it (a named tuple:
@@ -109,12 +81,9 @@ def _transforms() -> Tuple[str, ...]:
     return tuple(str(i.key()).rsplit(".", 1)[-1] for i in torch._C._functorch.get_interpreter_stack() or ())
 
 
-def _traced() -> Optional[str]:
-    """Why a fused kernel cannot run here, if torch.compile or a torch.func
-    transform other than grad/vjp is active; else ``None``."""
-    if torch.compiler.is_compiling():
-        return ("torch.compile traces the call (fused kernels run sparse CSR ops that "
-                "inductor does not compile)")
+def _transformed() -> Optional[str]:
+    """Why a fused kernel cannot run here, if a torch.func transform other than
+    grad/vjp is active; else ``None``."""
     if not torch._C._are_functorch_transforms_active():  # (the usual case, without a Python call)
         return None
     other = [t for t in _transforms() if t != "Grad"]
@@ -124,10 +93,10 @@ def _traced() -> Optional[str]:
 
 
 def _fused_context(call: AttentionCall) -> Optional[str]:
-    """Why no fused kernel runs ``call`` in this context (tracing, transforms other
-    than grad/vjp, forward-mode AD), or ``None``. Their autograd functions have a
-    backward (and a differentiable one for higher orders), no jvp or vmap rule."""
-    reason = _traced()
+    """Why no fused kernel runs ``call`` in this context (transforms other than
+    grad/vjp, forward-mode AD), or ``None``. Their operators have a backward (and a
+    differentiable one for higher orders), no jvp or vmap rule."""
+    reason = _transformed()
     # dual tensors exist only inside a dual_level() block (its level is >= 0 there)
     if (reason is None and getattr(fwAD, "_current_level", 0) >= 0
             and any(fwAD.unpack_dual(t).tangent is not None for t in call.tensors())):
@@ -166,9 +135,9 @@ class ReferenceKernel(Kernel):
 
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
         if self.name == "torch":  # (the scatter kernel logs from its own stage)
-            _log(self.name)
+            _record.log(self.name)
         src, index = call.plan.coo()
-        out, alpha = _core.reference_attention(call.score, call.value, src, index, call.plan.num_dst,
+        out, alpha = _core.reference_attention(call.score, call.value, src, index, call.plan.num_rows,
                                                call.value_edge, p=call.p,
                                                edge_weight=call.edge_weight, softmax=self.softmax,
                                                aggregate=self.aggregate)
@@ -189,7 +158,7 @@ def _scatter_softmax(score: Tensor, index: Tensor, num_segments: int) -> Tensor:
 def _scatter_aggregate(alpha, value, src, index, num_segments, value_edge=None):
     from torch_scatter import scatter
 
-    _log("scatter")
+    _record.log("scatter")
 
     acc = _core._acc_dtype(value.dtype)
     msg = value.to(acc).index_select(0, src)
@@ -238,7 +207,7 @@ class FusedCPUKernel(Kernel):
 
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
         return _fused_cpu.attention(call.score, call.value, call.plan, call.value_edge, call.p,
-                                    call.need_alpha, _LOG.get, call.edge_weight)
+                                    call.need_alpha, call.edge_weight)
 
 
 class TritonKernel(Kernel):
@@ -256,6 +225,9 @@ class TritonKernel(Kernel):
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         reason = self.available(call.device) or _fused_context(call)
+        if reason is None and torch.compiler.is_compiling():
+            reason = ("torch.compile traces the call, and the Triton kernels are not yet "
+                      "operators it can keep")
         if reason is None and torch.jit.is_tracing():
             reason = "torch.jit.trace of the Triton kernels has not been tried"
         if reason is None and call.edge_weight is not None:
@@ -270,7 +242,7 @@ class TritonKernel(Kernel):
         from . import _triton
 
         return _triton.attention(call.score, call.value, call.plan, call.value_edge, call.p,
-                                 call.need_alpha, _LOG.get())
+                                 call.need_alpha, _record._LOG.get())
 
 
 def _interpreting() -> bool:
@@ -295,6 +267,10 @@ def check_backend_name(backend) -> str:
     return backend
 
 
+# "auto" on CPU runs the reference below this many [E, H, C] entries (see select_kernel).
+FUSED_CPU_MIN_ENTRIES = 1 << 19
+
+
 def select_kernel(backend: str, call: AttentionCall) -> Kernel:
     """The kernel that runs ``call`` for ``backend=`` (see the module docstring)."""
     check_backend_name(backend)
@@ -303,8 +279,12 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         # The rule (measurements in benchmarks/NOTES.md and docs/benchmarks.md):
         #   CPU:  "fused" — several times faster than PyG's forward+backward on the
         #         arxiv-like graph at a small fraction of its memory (NOTES, "CPU
-        #         fused path"); where it cannot run (torch.compile, torch.func
-        #         vmap/jvp, forward-mode AD, non-float dtypes): "torch".
+        #         fused path") — from FUSED_CPU_MIN_ENTRIES [E, H, C] entries;
+        #         below, "torch": on NeighborLoader's small subgraphs the
+        #         reference is as fast, and the fused kernel's layouts and
+        #         operator calls cost more than its memory saving is worth
+        #         (NOTES, "Operators"). "torch" also where fused cannot run
+        #         (torch.func vmap/jvp, forward-mode AD, non-float dtypes).
         #         Under torch.jit.trace: "torch", whose trace is aten ops that
         #         torch.jit.save can write (a fused kernel records as one Python
         #         op, which replays in this process only).
@@ -319,7 +299,8 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         over 1024 channels, non-float dtypes): "torch".
         #   Other devices: "torch".
         if dev == "cpu":
-            order = ("torch",) if torch.jit.is_tracing() else ("fused", "torch")
+            small = call.plan.num_edges * call.value.shape[1] * call.value.shape[2] < FUSED_CPU_MIN_ENTRIES
+            order = ("torch",) if small or torch.jit.is_tracing() else ("fused", "torch")
         else:
             order = ("triton", "torch") if dev == "cuda" else ("torch",)
         for name in order:
@@ -410,6 +391,14 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
+    if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
+        dst = score.dst
+        score = score.with_tensors(score.src, torch.cat([dst, dst.new_zeros(1, *dst.shape[1:])]),
+                                   score.edge, score.att)
     call = AttentionCall(score, value, plan, value_edge, p, need_alpha, edge_weight)
     out, alpha = select_kernel(backend, call).run(call)
+    if plan.sink:  # the row that collected the edges attention ignores (GraphPlan.num_rows)
+        out = out[:plan.num_dst]
+        if alpha is not None:
+            alpha = alpha.masked_fill((plan.coo()[1] == plan.num_dst).unsqueeze(1), 0)
     return _core.combine_heads(out, concat), alpha

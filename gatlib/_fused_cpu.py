@@ -27,37 +27,35 @@ entries per edge and head; where that would exceed :data:`BLOCK_CSR_MAX_BYTES`
 the plan's own CSR/CSC instead: slower (benchmarks/NOTES.md, "The training step
 itself"), but with no index of their own.
 
-The whole call is one autograd function, :class:`_FusedAttention`, with a
-``setup_context`` (so ``torch.func`` transforms can use it). GAT on a small
-graph (:func:`small_gat`: a NeighborLoader subgraph, new on every call) runs
-:class:`_SmallGAT` instead: the same stages on the edge list as given, with no
-layout derived and none of the general function's machinery, whose Python
-calls are what such a call spends its time on. Either function's backward is
-the fused one for an ordinary backward; when a differentiable backward is
-asked for (``create_graph=True``: gradient penalties, ``torch.func.grad``),
-it differentiates the reference implementation of the same call instead, so
-second-order gradients are exact. Autocast is switched off inside: the kernel
-picks its own precision (float32 accumulation for float16/bfloat16, as the
-reference does; torch's CPU sparse kernels have no half-precision path).
+A call is two ``torch.library`` operators, ``gatlib::fused_cpu_attention`` and
+its backward ``gatlib::fused_cpu_attention_backward``, whose inputs are tensors
+(the plan's layout among them) and plain numbers, with fake implementations
+(shapes only) and the backward registered as the forward's autograd: so
+``torch.compile`` keeps them as two calls in its graph, and a compiled graph
+replays them on a new graph. An ordinary backward is the fused one; when a
+differentiable backward is asked for (``create_graph=True``: gradient
+penalties, ``torch.func.grad``), it differentiates the reference
+implementation of the same call instead, so second-order gradients are exact.
+Autocast is switched off inside: the kernel picks its own precision (float32
+accumulation for float16/bfloat16, as the reference does; torch's CPU sparse
+kernels have no half-precision path).
 
 Edge blocks run on one Python thread per intra-op thread with single-threaded
 ops (:func:`_for_blocks`); the kernel never changes a process-wide setting.
 """
 from __future__ import annotations
 
-import math
+import contextlib
 import threading
 import warnings
-import contextlib
-import dataclasses
-import inspect
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _record
 from ._core import EdgeScore, _acc_dtype, reference_grads
 from ._plan import GraphPlan, Layout, index_dtype
 
@@ -123,26 +121,49 @@ def _block_ptr(ptr: Tensor, heads: int) -> Tensor:
 
 
 def _build_head_layout(lay: Layout, heads: int) -> _HeadLayout:
-    H, E = heads, lay.num_edges
-    idt = index_dtype(E * H, (lay.num_src + 1) * H, (lay.num_dst + 1) * H)
+    tensors = torch.ops.gatlib.fused_cpu_head_layout.default(
+        lay.ptr, lay.src, lay.dst, lay.csc_ptr, lay.csc_edge, lay.csc_dst, lay.num_src, heads)
+    return _HeadLayout(lay, heads, *tensors)
+
+
+@torch.library.custom_op("gatlib::fused_cpu_head_layout", mutates_args=(), device_types="cpu")
+def _head_layout_op(ptr: Tensor, src: Tensor, dst: Tensor, csc_ptr: Tensor, csc_edge: Tensor,
+                    csc_dst: Tensor, num_src: int, heads: int) -> List[Tensor]:
+    """The seven index tensors of the :class:`_HeadLayout` (its fields after
+    ``heads``) of a :class:`Layout`'s CSR and CSC, for ``heads`` heads. An
+    operator, so that ``torch.compile`` keeps the construction as one call
+    instead of compiling its index arithmetic."""
+    H, E = heads, src.numel()
+    num_dst = ptr.numel() - 1
+    idt = index_dtype(E * H, (num_src + 1) * H, (num_dst + 1) * H)
     hs = torch.arange(H, dtype=idt)
 
     def scatter(pos: Tensor, values: Tensor) -> Tensor:  # out[pos] = values (pos int64)
         return torch.empty(E * H, dtype=idt).index_copy_(0, pos, values.reshape(-1).to(idt))
 
-    eh2bh = _block_positions(lay.ptr.long(), lay.dst.long(), H)  # [E*H]
-    src = lay.src.to(idt)
+    eh2bh = _block_positions(ptr.long(), dst.long(), H)  # [E*H]
+    src = src.to(idt)
     # Transpose: rows are sources, entries their out-edges in CSC order.
-    cedge = lay.csc_edge.to(idt)
-    tpos = _block_positions(lay.csc_ptr.long(), src.index_select(0, cedge).long(), H)
-    return _HeadLayout(
-        lay=lay, heads=H, ptr=_block_ptr(lay.ptr.to(idt), H),
-        col=scatter(eh2bh, src[:, None] * H + hs),
-        bh2eh=scatter(eh2bh, torch.arange(E * H, dtype=idt)), eh2bh=eh2bh.to(idt),
-        t_ptr=_block_ptr(lay.csc_ptr.to(idt), H),
-        t_col=scatter(tpos, lay.csc_dst.to(idt)[:, None] * H + hs),
-        t2eh=scatter(tpos, cedge[:, None] * H + hs),
-    )
+    cedge = csc_edge.to(idt)
+    tpos = _block_positions(csc_ptr.long(), src.index_select(0, cedge).long(), H)
+    return [_block_ptr(ptr.to(idt), H),                       # ptr
+            scatter(eh2bh, src[:, None] * H + hs),            # col
+            scatter(eh2bh, torch.arange(E * H, dtype=idt)),   # bh2eh
+            eh2bh.to(idt),                                    # eh2bh
+            _block_ptr(csc_ptr.to(idt), H),                   # t_ptr
+            scatter(tpos, csc_dst.to(idt)[:, None] * H + hs),  # t_col
+            scatter(tpos, cedge[:, None] * H + hs)]           # t2eh
+
+
+@_head_layout_op.register_fake
+def _(ptr, src, dst, csc_ptr, csc_edge, csc_dst, num_src, heads):
+    H, E = heads, src.numel()
+    num_dst = ptr.numel() - 1
+    idt = index_dtype(E * H, (num_src + 1) * H, (num_dst + 1) * H)
+    eh = src.new_empty(E * H, dtype=idt)
+    return [src.new_empty(num_dst * H + 1, dtype=idt), eh, torch.empty_like(eh),
+            torch.empty_like(eh), src.new_empty(num_src * H + 1, dtype=idt), torch.empty_like(eh),
+            torch.empty_like(eh)]
 
 
 def block_csr_bytes(lay: Layout, heads: int) -> int:
@@ -168,15 +189,11 @@ def _use_block_csr(lay: Layout, heads: int, channels: int) -> bool:
 # step itself"). Above this size the edge blocks run instead.
 BLOCK_CSR_MAX_BYTES = 1 << 30
 # Below this many [E, H, C] entries building the block CSR costs more than it
-# saves: such a graph runs whole (_softmax_aggregate_small, up to _SMALL_BYTES).
+# saves: such a graph's products run over edge blocks (one block, when small).
 # Measured on GATConv forward+backward through a new plan (H=4, C=64,
-# NeighborLoader subgraphs): whole was faster at 1,818 edges, the block CSR at
-# 3,600 (benchmarks/NOTES.md, "Second round").
+# NeighborLoader subgraphs): without the block CSR was faster at 1,818 edges,
+# with it at 3,600 (benchmarks/NOTES.md, "Second round").
 BLOCK_CSR_MIN_ENTRIES = 1 << 19
-# A graph without block CSR whose gathered [E, H, C] values take at most this
-# many bytes runs stages 2 and 3 whole (_softmax_aggregate_small): one transient
-# gather instead of edge blocks of _CHUNK_BYTES.
-_SMALL_BYTES = 1 << 21
 
 
 def kernel_layout(plan: GraphPlan, heads: int, channels: int) -> _HeadLayout:
@@ -484,66 +501,6 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
     return out, alpha, lse
 
 
-def _is_small(hl: _HeadLayout, v: Tensor) -> bool:
-    """Whether stages 2 and 3 run as :func:`_softmax_aggregate_small` and its
-    backward: no block CSR, and the graph whole (:func:`_whole`)."""
-    return not hl.blocked and _whole(hl.lay.num_edges, v.size(1), v.size(2), v.element_size())
-
-
-def _whole(num_edges: int, heads: int, channels: int, itemsize: int) -> bool:
-    """Whether a graph's gathered values ``[E, H, C]`` fit :data:`_SMALL_BYTES` and
-    its per-edge statistics ``[E, H]`` one edge block of :data:`_CHUNK_BYTES`."""
-    return (num_edges * heads * channels * itemsize <= _SMALL_BYTES
-            and num_edges * heads * itemsize <= _CHUNK_BYTES)
-
-
-def _softmax_aggregate_small(e: Tensor, v: Tensor, src: Tensor, dst: Tensor, num_dst: int,
-                             drop: Optional[Tensor], need_lse: bool = True
-                             ) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`_softmax_aggregate` (without ``u``) of a small graph (:func:`_whole`)
-    given as its edges ``(src, dst)`` in any order: the steps of :func:`_row_softmax`
-    and the aggregation written out on whole tensors, with scatter reductions
-    (which need no sort) and one gather of ``[E, H, C]`` values instead of the
-    edge-block SpMM, none of the block machinery. On NeighborLoader's smallest
-    subgraphs that machinery was a sizeable share of a GATConv call, forward and
-    backward (benchmarks/NOTES.md, "Second round")."""
-    shape = (num_dst, e.size(1))
-    m = e.new_full(shape, -math.inf).scatter_reduce_(0, dst[:, None].expand_as(e), e, "amax")
-    alpha = e.sub_(m.index_select(0, dst)).exp_()  # [E, H], every entry <= 1
-    den = e.new_zeros(shape).index_add_(0, dst, alpha)  # [N_dst, H], >= 1 where used
-    alpha.div_(den.index_select(0, dst))
-    lse = den.log_().add_(m) if need_lse else den.new_empty(0)
-    a = alpha if drop is None else alpha * drop
-    x = v.index_select(0, src).mul_(a.unsqueeze(-1))  # [E, H, C], <= _SMALL_BYTES
-    out = v.new_zeros(num_dst, *v.shape[1:]).index_add_(0, dst, x)
-    return out, alpha, lse
-
-
-def _softmax_aggregate_small_backward(g_out, g_alpha, alpha, v, src, dst, num_dst, drop,
-                                      need_v, need_drop):
-    """:func:`_softmax_aggregate_backward` of :func:`_softmax_aggregate_small`, the
-    softmax gradient (:func:`_softmax_grad`) written out on whole tensors too.
-    Returns ``(de, dv, d_drop)``."""
-    dv = d_drop = None
-    ad = None if g_alpha is None else g_alpha.clone()  # [E, H]: dL/dalpha, then de
-    if g_out is not None:
-        g_e = g_out.contiguous().index_select(0, dst)  # [E, H, C], <= _SMALL_BYTES
-        dot = (g_e * v.index_select(0, src)).sum(-1)  # <g_i, v_j> (vecdot measured slower here)
-        a = alpha if drop is None else alpha * drop
-        if need_v:
-            dv = v.new_zeros(v.shape).index_add_(0, src, g_e.mul_(a.unsqueeze(-1)))
-        if need_drop:
-            d_drop = alpha * dot
-        if drop is not None:
-            dot.mul_(drop)
-        ad = dot if ad is None else ad.add_(dot)
-    if ad is None:
-        return torch.zeros_like(alpha), dv, d_drop
-    ad.mul_(alpha)
-    delta = ad.new_zeros(num_dst, ad.size(1)).index_add_(0, dst, ad)  # [N_dst, H]
-    return ad.sub_(delta.index_select(0, dst).mul_(alpha)), dv, d_drop
-
-
 def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
                                 need_drop=False):
     r"""Backward of :func:`_softmax_aggregate`, with ``g_i = dL/dout_i`` and
@@ -629,21 +586,17 @@ def _gat_forward(s, t, w, att, hl, scale, slope) -> Tensor:
 
 
 def _gat_z(s, t, w, lay, e0, e1) -> Tensor:
-    """:func:`_gat_edge_z` of CSR edges ``[e0, e1)`` of ``lay`` (``w`` in edge-list order)."""
+    """GAT's scores before the LeakyReLU, ``z_ij = s_j + t_i + w_ij`` ``[n, H]``, of
+    the CSR edges ``[e0, e1)`` of ``lay`` (``t``, ``w`` optional; ``w`` in
+    edge-list order)."""
     src, dst, perm = lay.src, lay.dst, lay.perm
     if e0 != 0 or e1 != src.numel():  # a block of the edges
         src, dst, perm = src[e0:e1], dst[e0:e1], perm[e0:e1]
-    return _gat_edge_z(s, t, None if w is None else w.index_select(0, perm), src, dst)
-
-
-def _gat_edge_z(s, t, w, src, dst) -> Tensor:
-    """GAT's scores before the LeakyReLU, ``z_ij = s_j + t_i + w_ij`` ``[n, H]``, of the
-    edges ``(src, dst)`` (``t``, ``w`` optional; ``w`` in the edges' order)."""
     z = s.index_select(0, src)  # [n, H]
     if t is not None:
         z += t.index_select(0, dst)
     if w is not None:
-        z += w
+        z += w.index_select(0, perm)
     return z
 
 
@@ -813,323 +766,226 @@ _SCORES = {
 
 
 # ---------------------------------------------------------------------------
-# The autograd function.
+# The operators: forward and backward of one call, and their autograd.
 # ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Spec:
-    """The non-tensor arguments of one call."""
-
-    kind: str
-    hl: _HeadLayout
-    scale: float
-    slope: float
-    acc: torch.dtype  # compute dtype of node tensors and per-edge statistics
-    log: Union[None, list, Callable[[], Optional[list]]]  # the record_kernels() list (see _log)
-
-
-def _layout_tensors(hl: _HeadLayout) -> Tuple[Tensor, ...]:
-    """The index tensors of ``hl`` and its :class:`Layout`, flat: inputs of
-    :class:`_FusedAttention` of their own, so that ``torch.jit.trace`` records them
-    as values of the graph (derived from its ``edge_index``) instead of meeting
-    tensors it never saw inside a Python object. Outside a trace there are none:
-    the spec holds them (and ~10 inputs fewer cost the autograd function less)."""
-    if not torch.jit.is_tracing():
-        return ()
-    return tuple(t for t in [*(getattr(hl.lay, n) for n in _FIELDS[Layout]),
-                             *(getattr(hl, n) for n in _FIELDS[_HeadLayout])]
-                 if isinstance(t, Tensor))
+def layout_tensors(hl: _HeadLayout) -> List[Tensor]:
+    """The index tensors of ``hl`` as the operators take them, in one list: the
+    CSR ``(ptr, src, dst, perm)``, the CSC ``(csc_ptr, csc_edge, csc_dst)`` and,
+    where the products run on the block CSR, its seven tensors (the fields of
+    :class:`_HeadLayout` in order)."""
+    lay = hl.lay
+    tensors = [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_ptr, lay.csc_edge, lay.csc_dst]
+    if hl.blocked:
+        tensors += [hl.ptr, hl.col, hl.bh2eh, hl.eh2bh, hl.t_ptr, hl.t_col, hl.t2eh]
+    return tensors
 
 
-# field names, in declaration order, read once (dataclasses.fields() on every call
-# showed in a small graph's call time);
-# those that hold tensors are the inputs (under torch.jit.trace the node counts
-# are tensors too)
-_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in (Layout, _HeadLayout)}
-
-
-def _with_layout(spec: _Spec, tensors: Sequence[Tensor]) -> _Spec:
-    """``spec`` with its head layout made of ``tensors`` (see :func:`_layout_tensors`)."""
-    if not tensors or tensors[0] is spec.hl.lay.ptr:
-        return spec  # an ordinary call: they are the spec's own (ptr is the first of them)
-    fields = [[n for n in _FIELDS[type(obj)] if isinstance(getattr(obj, n), Tensor)]
-              for obj in (spec.hl.lay, spec.hl)]
-    n = len(fields[0])
-    # (csc=None: the CSC view, derived from the CSR, is derived again from these)
-    lay = dataclasses.replace(spec.hl.lay, csc=None, **dict(zip(fields[0], tensors[:n], strict=True)))
-    hl = dataclasses.replace(spec.hl, lay=lay, **dict(zip(fields[1], tensors[n:], strict=True)))
-    return dataclasses.replace(spec, hl=hl)
+def _head_layout_of(layout: Sequence[Tensor], num_src: int, heads: int) -> _HeadLayout:
+    """The :class:`_HeadLayout` that :func:`layout_tensors` flattened."""
+    ptr, src, dst, perm, csc_ptr, csc_edge, csc_dst = layout[:7]
+    lay = Layout(ptr=ptr, src=src, dst=dst, perm=perm, num_src=num_src, num_dst=ptr.numel() - 1,
+                 csc=(csc_ptr, csc_edge, csc_dst))
+    return _HeadLayout(lay, heads, *layout[7:])
 
 
 def _no_autocast():
-    """Autocast off for the block (the kernel picks its own precision); a no-op
-    context where it is off already (entering autocast's context is not free on a
-    small graph's call)."""
+    """Autocast off for the block (the kernel picks its own precision: float32
+    for float16/bfloat16 inputs, which the caller casts); a no-op context where
+    it is off already, the usual case."""
     if torch.is_autocast_enabled("cpu"):
         return torch.autocast("cpu", enabled=False)
     return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _untraced():
-    """Under ``torch.jit.trace`` the call is one opaque op of the trace, replayed
-    by calling the forward again; its inside (sparse CSR products, which the
-    tracer cannot follow) is not recorded."""
-    state = torch._C._get_tracing_state()
-    torch._C._set_tracing_state(None)
-    try:
-        yield
-    finally:
-        torch._C._set_tracing_state(state)
+@torch.library.custom_op("gatlib::fused_cpu_attention", mutates_args=(), device_types="cpu")
+def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: Optional[Tensor],
+                  s_edge: Optional[Tensor], s_att: Optional[Tensor], value: Tensor,
+                  value_edge: Optional[Tensor], drop: Optional[Tensor], layout: List[Tensor],
+                  num_src: int, keep_lse: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    r"""Scores, softmax and aggregation of one call, nothing ``[E, H, C]`` kept::
+
+        e_ij     = score of kind (s_src, s_dst, s_edge, s_att)     # stage 1, [E, H]
+        alpha_ij = exp(e_ij - lse_i),  lse_i = log sum_j exp(e_ij) # stage 2
+        out_i    = sum_j alpha_ij drop_ij (v_j + u_ij)             # stage 3
+
+    (the stages: ``_gat_forward``, ``_gatv2_forward``, ``_dot_forward``, then
+    :func:`_softmax_aggregate`). Inputs in the compute dtype: the score's
+    tensors (``s_edge`` in edge-list order), ``value [N_src, H, C]``,
+    ``value_edge [E, H, C]`` (edge-list order) and ``drop [E, H]`` (CSR order:
+    the dropout mask scaled by ``1 / (1 - p)``, times the edge weights if any),
+    the graph as :func:`layout_tensors`. Returns ``out [N_dst, H, C]``, ``alpha
+    [E, H]`` in CSR order and ``lse [N_dst, H]`` (``[0]`` unless ``keep_lse``).
+    """
+    _record.log("fused")
+    hl = _head_layout_of(layout, num_src, value.size(1))
+    with _no_autocast():
+        e = _SCORES[kind][0](s_src, s_dst, s_edge, s_att, hl, scale, slope)  # [E, H]
+        return _softmax_aggregate(e, value, value_edge, hl, drop, keep_lse)
+
+
+@_attention_op.register_fake
+def _(kind, scale, slope, s_src, s_dst, s_edge, s_att, value, value_edge, drop, layout, num_src,
+      keep_lse):
+    num_dst, E = layout[0].size(0) - 1, layout[1].size(0)
+    H, C = value.shape[1:]
+    lse = value.new_empty(num_dst, H) if keep_lse else value.new_empty(0)
+    return value.new_empty(num_dst, H, C), value.new_empty(E, H), lse
+
+
+@torch.library.custom_op("gatlib::fused_cpu_attention_backward", mutates_args=(), device_types="cpu")
+def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optional[Tensor],
+                           g_alpha: Optional[Tensor], s_src: Tensor, s_dst: Optional[Tensor],
+                           s_edge: Optional[Tensor], s_att: Optional[Tensor], value: Tensor,
+                           value_edge: Optional[Tensor], drop: Optional[Tensor], saved: Tensor,
+                           recompute: bool, layout: List[Tensor], num_src: int,
+                           need: List[bool]) -> List[Tensor]:
+    r"""Gradients of :func:`_attention_op`'s seven tensor inputs (``s_src``, ...,
+    ``drop``) from those of ``out`` and ``alpha`` (either may be ``None``)::
+
+        alpha_ij  = exp(e_ij - lse_i)   # recomputed where saved is lse (recompute)
+        dalpha_ij = drop_ij <g_i, v_j + u_ij> + ga_ij
+        de_ij     = alpha_ij (dalpha_ij - sum_k alpha_ik dalpha_ik)   # softmax gradient
+        dv_j = sum_i alpha_ij drop_ij g_i;  du_ij = alpha_ij drop_ij g_i
+        then de through the score's backward (``_gat_backward``, ...)
+
+    (:func:`_softmax_aggregate_backward` has each step). ``saved`` is ``alpha``,
+    or ``lse`` where ``recompute``. An empty tensor stands for each gradient
+    ``need`` does not ask for (and for an absent input).
+    """
+    _record.log("fused.backward")
+    hl = _head_layout_of(layout, num_src, value.size(1))
+    with _no_autocast():
+        alpha = saved
+        if recompute:
+            e = _gat_forward(s_src, s_dst, s_edge, s_att, hl, scale, slope)
+            alpha = _recomputed_alpha(e, saved, hl.lay)
+        de, dv, du, d_drop = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
+                                                         hl, drop, need[4], need[5], need[6])
+        score_grads = (None,) * 4
+        if any(need[:4]):
+            score_grads = _SCORES[kind][1](de, s_src, s_dst, s_edge, s_att, hl, scale, slope,
+                                           need[:4])
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, drop)
+    # what was asked for and is zero (no gradient flowed to it) as zeros, what was
+    # not asked for as an empty tensor: the operator returns tensors only
+    return [g if g is not None else torch.zeros_like(t) if n and t is not None else s_src.new_empty(0)
+            for g, t, n in zip((*score_grads, dv, du, d_drop), ins, need, strict=True)]
+
+
+@_attention_backward_op.register_fake
+def _(kind, scale, slope, g_out, g_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
+      saved, recompute, layout, num_src, need):
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, drop)
+    return [torch.empty_like(t) if n and t is not None else s_src.new_empty(0)
+            for t, n in zip(ins, need, strict=True)]
+
+
+def _save(ctx, args, tensors, layout, num_src, keep_lse, output) -> None:
+    """What backward needs of a forward call (``args``: kind, scale, slope; the
+    seven tensor inputs; the layout tensors)."""
+    ctx.args, ctx.num_src, ctx.recompute, ctx.num_layout = args, num_src, keep_lse, len(layout)
+    ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
+    ctx.mark_non_differentiable(output[2])
+    ctx.save_for_backward(*tensors, output[2] if keep_lse else output[1], *layout)
+
+
+def _grads(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor]) -> List[Optional[Tensor]]:
+    """The gradients of the seven tensor inputs (``None`` where not needed): the
+    backward operator's, or the reference's where they must be differentiable."""
+    kind, scale, slope = ctx.args
+    saved = ctx.saved_tensors
+    ins, layout = saved[:7], list(saved[8:])
+    need = ctx.needs_input_grad[3:10]
+    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+        _record.log("fused.backward:reference")
+        return _reference_backward(kind, scale, slope, ins, layout, need, g_out, g_alpha)
+    grads = torch.ops.gatlib.fused_cpu_attention_backward.default(
+        kind, scale, slope, g_out, g_alpha, *ins, saved[7], ctx.recompute, layout, ctx.num_src,
+        list(need))
+    return [g if n else None for g, n in zip(grads, need, strict=True)]
+
+
+def _op_setup_context(ctx, inputs, output):
+    kind, scale, slope, *tensors, layout, num_src, keep_lse = inputs
+    _save(ctx, (kind, scale, slope), tensors, layout, num_src, keep_lse, output)
+
+
+def _op_backward(ctx, g_out, g_alpha, g_lse):
+    return (None, None, None, *_grads(ctx, g_out, g_alpha), [None] * ctx.num_layout, None, None)
+
+
+_attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 class _FusedAttention(torch.autograd.Function):
-    r"""Scores, softmax and aggregation of one call, without ``[E, H, C]`` saved.
-
-    Inputs: the score's ``src, dst, edge, att`` (``edge`` in edge-list order),
-    ``value [N_src, H, C]``, ``value_edge [E, H, C]`` (edge-list order) or
-    ``None``, and ``drop [E, H]`` (CSR order: ``keep / (1 - p)``, the dropout
-    mask, times the edge weights if any — then it needs a gradient) or ``None``.
-    Outputs ``out [N_dst, H, C]``, ``alpha [E, H]`` in CSR order and the
-    softmax's log-normaliser ``lse [N_dst, H]`` (not differentiable; empty
-    where backward does not read it, outside ``torch.jit.trace``), in the
-    compute dtype.
-
-    Forward: stage 1 of the score's kind (``_gat_forward``, ``_gatv2_forward``,
-    ``_dot_forward``), then :func:`_softmax_aggregate`. Backward: their
-    backwards in reverse order (the softmax gradient is in
-    :func:`_softmax_aggregate_backward`). Saved: the inputs, and ``alpha`` —
-    except for GAT on all but small graphs (:func:`_recomputes_alpha`), whose
-    scores are two ``[E, H]`` gathers to recompute: it saves ``lse`` and rebuilds
-    ``alpha`` in backward (one ``[E, H]`` tensor less per layer between forward
-    and backward: 2 GB at ogbn-products' scale).
-    """
+    """:func:`_attention_op` with its registered backward, the layout tensors last
+    and one by one (``torch.jit.trace`` records an autograd function's tensor
+    arguments, not tensors in a list). In torch 2.13 the autograd function that
+    ``register_autograd`` generates has no ``setup_context``, so ``torch.func.grad``
+    cannot differentiate the bare operator; this function can, and
+    ``torch.compile`` traces it into the same two operators."""
 
     @staticmethod
-    def forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop, *layout):
-        spec = _with_layout(spec, layout) if layout else spec
-        _log(spec.log, "fused")
-        tracing = torch.jit.is_tracing()
-        if not tracing and not torch.is_autocast_enabled("cpu"):  # (the usual case: no context to enter)
-            # (lse only where backward recomputes alpha from it: its log_ is an MKL
-            # call that opens an OpenMP region however small the tensor; see NOTES)
-            return _forward(spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
-                            _recomputes_alpha(spec))
-        with _no_autocast(), (_untraced() if tracing else contextlib.nullcontext()):
-            out, alpha, lse = _forward(spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
-                                       True)
-        if tracing:  # values the tracer knows, for the op's outputs
-            out, alpha, lse = out.clone(), alpha.clone(), lse.clone()
-        return out, alpha, lse
+    def forward(kind, scale, slope, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
+                num_src, keep_lse, *layout):
+        return torch.ops.gatlib.fused_cpu_attention.default(
+            kind, scale, slope, s_src, s_dst, s_edge, s_att, value, value_edge, drop, list(layout),
+            num_src, keep_lse)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        spec, *tensors = inputs
-        if len(tensors) > 7:  # under torch.jit.trace: the layout's tensors follow
-            spec = _with_layout(spec, tensors[7:])
-        ctx.spec, ctx.num_layout = spec, len(tensors) - 7
-        ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
-        ctx.mark_non_differentiable(output[2])
-        ctx.recompute = recompute = _recomputes_alpha(spec)
-        ctx.save_for_backward(*tensors[:7], output[2] if recompute else output[1])
+        kind, scale, slope, *rest = inputs
+        _save(ctx, (kind, scale, slope), rest[:7], rest[9:], rest[7], rest[8], output)
 
     @staticmethod
-    def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor], g_lse: None):
-        spec = ctx.spec
-        *ins, alpha = ctx.saved_tensors
-        need = ctx.needs_input_grad[1:8]
-        layout = (None,) * ctx.num_layout
-        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
-            _log(spec.log, "fused.backward:reference")
-            return (None, *_reference_backward(spec, ins, need, g_out, g_alpha), *layout)
-        _log(spec.log, "fused.backward")
-        if not torch.is_autocast_enabled("cpu"):  # (the usual case: no context to enter)
-            return (None, *_backward(spec, ins, alpha, ctx.recompute, need, g_out, g_alpha),
-                    *layout)
-        with _no_autocast():
-            grads = _backward(spec, ins, alpha, ctx.recompute, need, g_out, g_alpha)
-        return (None, *grads, *layout)
+    def backward(ctx, g_out, g_alpha, g_lse):
+        return (None, None, None, *_grads(ctx, g_out, g_alpha), None, None,
+                *([None] * ctx.num_layout))
 
 
-def _forward(spec: _Spec, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
-             need_lse: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """:class:`_FusedAttention`'s forward: stage 1 of the score's kind, then stages 2
-    and 3 (:func:`_softmax_aggregate_small` on a small graph, :func:`_is_small`)."""
-    e = _SCORES[spec.kind][0](s_src, s_dst, s_edge, s_att, spec.hl, spec.scale, spec.slope)  # [E, H]
-    if value_edge is None and _is_small(spec.hl, value):
-        lay = spec.hl.lay
-        return _softmax_aggregate_small(e, value, lay.src, lay.dst, lay.num_dst, drop, need_lse)
-    return _softmax_aggregate(e, value, value_edge, spec.hl, drop, need_lse)
+def _reference_backward(kind: str, scale: float, slope: float, ins: Sequence[Optional[Tensor]],
+                        layout: Sequence[Tensor], need: Sequence[bool],
+                        g_out: Optional[Tensor], g_alpha: Optional[Tensor]) -> List[Optional[Tensor]]:
+    """Differentiable gradients of the same call: the reference's, on the edges in
+    CSR order (the order of ``alpha`` and ``drop``). Builds ``[E, H, C]`` tensors,
+    as the reference does."""
+    *tensors, drop = ins
+    ptr, src, dst, perm = layout[:4]
+    if need[6]:  # edge weights in drop: an input like the others (already in CSR order)
+        tensors, drop = [*tensors, drop], None
+    with torch.autocast("cpu", enabled=False):
+        grads = reference_grads(kind, scale, slope, tensors, src.long(), dst.long(),
+                                ptr.numel() - 1, drop, (g_out, g_alpha), need[:7],
+                                edge_order=perm)
+    return [*grads, None][:7]
 
 
-def _backward(spec: _Spec, ins: Sequence[Optional[Tensor]], alpha: Tensor, recompute: bool,
-              need: Sequence[bool], g_out: Optional[Tensor], g_alpha: Optional[Tensor]
-              ) -> Tuple[Optional[Tensor], ...]:
-    """:class:`_FusedAttention`'s fused backward (``alpha``: the saved weights, or
-    ``lse`` where ``recompute``): the gradients of its seven tensor inputs."""
-    s_src, s_dst, s_edge, s_att, value, value_edge, drop = ins
-    hl = spec.hl
-    if recompute:  # saved: lse
-        alpha = _recomputed_alpha(_gat_forward(s_src, s_dst, s_edge, s_att, hl, spec.scale,
-                                               spec.slope), alpha, hl.lay)
-    if value_edge is None and _is_small(hl, value):
-        lay, du = hl.lay, None
-        de, dv, d_drop = _softmax_aggregate_small_backward(g_out, g_alpha, alpha, value, lay.src,
-                                                           lay.dst, lay.num_dst, drop, need[4],
-                                                           need[6])
-    else:
-        de, dv, du, d_drop = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
-                                                         hl, drop, need[4], need[5], need[6])
-    score_grads = (None,) * 4
-    if need[0] or need[1] or need[2] or need[3]:
-        score_grads = _SCORES[spec.kind][1](de, s_src, s_dst, s_edge, s_att, hl, spec.scale,
-                                            spec.slope, need[:4])
-    return (*score_grads, dv, du, d_drop)
+def _distinct(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    """``tensors`` with each repeat of one tensor (GATv2's source features are its
+    values too) replaced by a view of it: ``torch.compile`` cannot trace an
+    autograd function given one tensor twice, and a view's gradient reaches the
+    tensor all the same."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is not None and id(t) in seen:
+            t = t.view_as(t)
+        elif t is not None:
+            seen.add(id(t))
+        out.append(t)
+    return out
 
 
-def _recomputes_alpha(spec: _Spec) -> bool:
+def _recomputes_alpha(kind: str, num_edges: int, heads: int) -> bool:
     """Whether backward recomputes ``alpha`` from the saved ``lse`` (GAT, whose
     scores are cheap to recompute, on graphs of :data:`RECOMPUTE_MIN_ENTRIES` or
     more edges times heads) instead of saving it."""
-    return spec.kind == "gat" and spec.hl.lay.num_edges * spec.hl.heads >= RECOMPUTE_MIN_ENTRIES
+    return kind == "gat" and num_edges * heads >= RECOMPUTE_MIN_ENTRIES
 
 
 # On small graphs the recomputation's few extra ops cost more than the memory saves
 # (measured on GATConv forward+backward: benchmarks/NOTES.md, "Second round");
 # below 2^16 entries the weights are at most 256 KiB.
 RECOMPUTE_MIN_ENTRIES = 1 << 16
-
-
-class _SmallGAT(torch.autograd.Function):
-    r""":class:`_FusedAttention` for GAT on a small graph (:func:`small_gat`): the
-    whole call on the edge list ``(src, dst)`` as given, in two straight functions.
-
-    Inputs: the score's ``s [N_src, H]``, ``t [N_dst, H]`` or ``None``, ``w [E, H]``
-    or ``None``, ``value [N_src, H, C]``, ``drop [E, H]`` or ``None`` (as for
-    :class:`_FusedAttention`, in edge-list order), the edges ``src, dst [E]`` and
-    ``num_dst``, ``slope``, ``log``. Outputs ``out [N_dst, H, C]`` and ``alpha
-    [E, H]`` in edge-list order. Saved: the tensor inputs and ``alpha``; the
-    scores ``z = s_j + t_i + w_ij`` are recomputed in backward.
-
-    Nothing is sorted: the softmax reduces with scatter ops
-    (:func:`_softmax_aggregate_small`). A NeighborLoader subgraph is new on
-    every call, so each call would pay for its own sort, and on such a graph the
-    general function's layout objects and helper calls are a measurable part of
-    the call (benchmarks/NOTES.md, "Fifth round" and "Sixth round").
-    A differentiable backward (``create_graph=True``) is the reference's, as in
-    :class:`_FusedAttention`.
-    """
-
-    @staticmethod
-    def forward(s, t, w, value, drop, src, dst, num_dst, slope, log):
-        if torch.is_autocast_enabled("cpu"):  # the kernel picks its own precision
-            with torch.autocast("cpu", enabled=False):
-                return _SmallGAT.forward(s, t, w, value, drop, src, dst, num_dst, slope, log)
-        _log(log, "fused")
-        e = F.leaky_relu_(_gat_edge_z(s, t, w, src, dst), slope)  # [E, H]
-        out, alpha, _ = _softmax_aggregate_small(e, value, src, dst, num_dst, drop, False)
-        return out, alpha
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        s, t, w, value, drop, src, dst, ctx.num_dst, ctx.slope, ctx.log = inputs
-        ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
-        ctx.save_for_backward(s, t, w, value, drop, src, dst, output[1])
-
-    @staticmethod
-    def backward(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor]):
-        s, t, w, value, drop, src, dst, alpha = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
-            _log(ctx.log, "fused.backward:reference")
-            ins, mask = [s, t, w, None, value, None], drop
-            if need[4]:  # edge weights in drop: an input like the others
-                ins, mask = [*ins, drop], None
-            with torch.autocast("cpu", enabled=False):
-                g = reference_grads("gat", 1.0, ctx.slope, ins, src, dst, ctx.num_dst, mask,
-                                    (g_out, g_alpha), [*need[:3], False, need[3], False, need[4]])
-            return g[0], g[1], g[2], g[4], g[6] if need[4] else None, None, None, None, None, None
-        if torch.is_autocast_enabled("cpu"):
-            with torch.autocast("cpu", enabled=False):
-                return _SmallGAT.backward(ctx, g_out, g_alpha)
-        _log(ctx.log, "fused.backward")
-        de, dv, d_drop = _softmax_aggregate_small_backward(g_out, g_alpha, alpha, value, src, dst,
-                                                           ctx.num_dst, drop, need[3], need[4])
-        ds = dt = dw = None
-        if need[0] or need[1] or need[2]:
-            dz = torch.ops.aten.leaky_relu_backward(de, _gat_edge_z(s, t, w, src, dst), ctx.slope,
-                                                    False)
-            if need[0]:
-                ds = torch.zeros_like(s).index_add_(0, src, dz)
-            if need[1]:
-                dt = torch.zeros_like(t).index_add_(0, dst, dz)
-            dw = dz if need[2] else None
-        return ds, dt, dw, dv, d_drop, None, None, None, None, None
-
-
-def small_gat(num_edges: int, heads: int, channels: int, itemsize: int) -> bool:
-    """Whether a GAT call without ``value_edge`` on a graph of ``num_edges`` edges runs
-    :class:`_SmallGAT` (outside ``torch.jit.trace``, whose replay needs the general
-    function's opaque op, :func:`_untraced`): below :data:`BLOCK_CSR_MIN_ENTRIES`
-    and whole (:func:`_whole`). Such a call derives nothing from its graph."""
-    return (num_edges * heads * channels < BLOCK_CSR_MIN_ENTRIES
-            and _whole(num_edges, heads, channels, itemsize))
-
-
-# Function.apply binds its arguments to forward's signature on every call (it
-# has a setup_context); inspect.signature returns a function's __signature__
-# when it has one instead of rebuilding it on every call. Outside torch.func
-# transforms, Function.apply only binds the arguments (all positional here, no
-# defaults: a no-op) and then calls the C++ apply; calling that directly saves the
-# bind. Both showed in a small graph's call time (benchmarks/NOTES.md, "Second
-# round"). Inside a transform (or should torch move these) the public apply runs.
-_unwrap_dead = getattr(getattr(torch, "_functorch", None), "utils", None)
-_unwrap_dead = getattr(_unwrap_dead, "unwrap_dead_wrappers", None)
-
-
-def _applier(fn: type) -> Callable:
-    """``fn.apply`` for an autograd function ``fn``, without its argument binding
-    where it can (see above)."""
-    fn.forward.__signature__ = inspect.signature(fn.forward)
-    c_apply = getattr(super(torch.autograd.Function, fn), "apply", None)
-    if c_apply is None or _unwrap_dead is None:
-        return fn.apply
-
-    def apply(*args):
-        if torch._C._are_functorch_transforms_active():
-            return fn.apply(*args)
-        return c_apply(*_unwrap_dead(args))
-
-    return apply
-
-
-_apply = _applier(_FusedAttention)
-_apply_small = _applier(_SmallGAT)
-
-
-def _reference_backward(spec: _Spec, ins: Sequence[Optional[Tensor]], need: Sequence[bool],
-                        g_out: Optional[Tensor], g_alpha: Optional[Tensor]) -> List[Optional[Tensor]]:
-    """Differentiable gradients of the same call: the reference's, on the edges in
-    CSR order (the order of ``alpha`` and ``drop``). Builds ``[E, H, C]`` tensors,
-    as the reference does."""
-    *tensors, drop = ins
-    lay = spec.hl.lay
-    if need[6]:  # edge weights in drop: an input like the others (already in CSR order)
-        tensors, drop = [*tensors, drop], None
-    with torch.autocast("cpu", enabled=False):
-        grads = reference_grads(spec.kind, spec.scale, spec.slope, tensors, lay.src.long(),
-                                lay.dst.long(), lay.num_dst, drop, (g_out, g_alpha), need[:7],
-                                edge_order=lay.perm)
-    return [*grads, None][:7]
-
-
-def _log(log: Union[None, list, Callable[[], Optional[list]]], entry: str) -> None:
-    """Append ``entry`` to ``log``: a list, or a function giving the list active now
-    (what gatlib._dispatch passes, so that a call replayed from a torch.jit.trace
-    logs into the record_kernels() block around the replay)."""
-    if callable(log):
-        log = log()
-    if log is not None:
-        log.append(entry)
 
 
 # ---------------------------------------------------------------------------
@@ -1148,8 +1004,8 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
 
 
 def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
-              p: float, need_alpha: bool, log: Union[None, list, Callable[[], Optional[list]]],
-              edge_weight: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+              p: float, need_alpha: bool, edge_weight: Optional[Tensor] = None
+              ) -> Tuple[Tensor, Optional[Tensor]]:
     """The three stages of :mod:`gatlib._core` without ``[E, H, C]`` saved tensors.
 
     Args:
@@ -1159,8 +1015,6 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         value_edge: optional ``[E, H, C]`` per-edge value term.
         p: attention dropout probability in effect (0 outside training).
         need_alpha: also return the attention weights.
-        log: the :func:`gatlib.record_kernels` list, or a function returning the
-            one active when called (see :func:`_log`).
         edge_weight: optional ``[E]`` (edge-list order) multiplier of each edge's
             attention weights after dropout, differentiable.
 
@@ -1175,36 +1029,27 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(score_dtype if value.dtype == score_dtype
                      else torch.promote_types(score_dtype, value.dtype))
-    H, C = int(value.shape[1]), int(value.shape[2])  # ints under torch.jit.trace too
+    H, C = value.shape[1], value.shape[2]
     E = plan.num_edges
-    small = (score.kind == "gat" and value_edge is None and small_gat(E, H, C, acc.itemsize)
-             and not torch.jit.is_tracing())
-    hl = None if small else kernel_layout(plan, H, C)
+    hl = kernel_layout(plan, H, C)
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
         drop = (torch.rand(E, H, dtype=acc) >= p) * (1.0 / (1.0 - p) if p < 1 else 0.0)
     if edge_weight is not None:  # one multiplier per edge and head, in the kernel's edge order
-        w = edge_weight.to(acc)
-        w = (w if small else w.index_select(0, hl.lay.perm)).unsqueeze(1)  # [E, 1]
+        w = edge_weight.to(acc).index_select(0, hl.lay.perm).unsqueeze(1)  # [E, 1]
         drop = w.expand(E, H) if drop is None else drop * w
-
     # Node-sized inputs in the compute dtype, contiguous (an upcast of them is cheap),
     # and GAT's [E, H] edge term too; [E, H, C] edge tensors are cast per block.
     cast = [t if t is None or (t.dtype == acc and t.is_contiguous()) else t.to(acc).contiguous()
             for t in (s_src, s_dst, s_att, value, s_edge if score.kind == "gat" else None)]
     s_src, s_dst, s_att, v = cast[:4]
     s_edge = cast[4] if score.kind == "gat" else s_edge
-    if small:  # the edge list as it is: alpha in its order already
-        src, dst = plan.coo()
-        out, alpha = _apply_small(s_src, s_dst, s_edge, v, drop, src, dst, plan.num_dst,
-                                  float(score.negative_slope), log)
-    else:
-        spec = _Spec(score.kind, hl, float(score.scale), float(score.negative_slope), acc, log)
-        out, alpha, _ = _apply(spec, s_src, s_dst, s_edge, s_att, v, value_edge, drop,
-                               *_layout_tensors(hl))
-        if need_alpha:  # back to the edge-list order
-            alpha = torch.empty_like(alpha).index_copy(0, hl.lay.perm, alpha)
+    ins = _distinct((s_src, s_dst, s_edge, s_att, v, value_edge, drop))
+    out, alpha, _ = _FusedAttention.apply(
+        score.kind, float(score.scale), float(score.negative_slope), *ins, plan.num_src,
+        _recomputes_alpha(score.kind, E, H), *layout_tensors(hl))
     out = out if out.dtype == value.dtype else out.to(value.dtype)
     if not need_alpha:
         return out, None
+    alpha = torch.empty_like(alpha).index_copy(0, hl.lay.perm, alpha)  # back to the edge-list order
     return out, alpha.to(score_dtype)

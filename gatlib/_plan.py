@@ -170,23 +170,26 @@ class GraphPlan:
 
     # -- construction ---------------------------------------------------------
     def _init(self, ei: Tensor, num_src: int, num_dst: int,
-              layout_fn: Optional[Callable[[], Layout]]) -> None:
+              layout_fn: Optional[Callable[[], Layout]], sink: bool = False) -> None:
         self._ei = ei  # [2, E] int64, contiguous, owned by this plan
         self._num_src = num_src
         self._num_dst = num_dst
+        self._sink = sink  # destination num_dst collects the edges attention ignores
         self._layout: Optional[Layout] = None
         self._layout_fn_sorted = layout_fn is not None  # from a sorted EdgeIndex
-        self._layout_fn = layout_fn or (lambda: build_layout(ei[0], ei[1], num_src, num_dst))
-        self._loops: Dict[int, GraphPlan] = {}
+        rows = num_dst + 1 if sink else num_dst
+        self._layout_fn = layout_fn or (lambda: build_layout(ei[0], ei[1], num_src, rows))
+        self._loops: Dict[Tuple[int, bool], GraphPlan] = {}
         self._base_ei: Optional[Tensor] = None  # the edges before with_self_loops added loops
         self._derived: Dict[Hashable, Any] = {}
 
     @classmethod
     def _owned(cls, ei: Tensor, num_src: int, num_dst: int,
-               layout_fn: Optional[Callable[[], Layout]] = None) -> "GraphPlan":
-        """A plan around an already checked int64 ``[2, E]`` that nobody else holds."""
+               layout_fn: Optional[Callable[[], Layout]] = None, sink: bool = False) -> "GraphPlan":
+        """A plan around an already checked int64 ``[2, E]`` that nobody else holds
+        (``sink``: see :attr:`num_rows`)."""
         plan = cls.__new__(cls)
-        plan._init(ei, num_src, num_dst, layout_fn)
+        plan._init(ei, num_src, num_dst, layout_fn, sink)
         return plan
 
     # -- what users read ------------------------------------------------------
@@ -203,12 +206,32 @@ class GraphPlan:
         return self._ei.size(1)
 
     @property
+    def num_rows(self) -> int:
+        """Destination rows the kernels compute: ``num_dst``, plus one where the plan
+        has a sink. A self-loop'ed plan built under ``torch.compile`` keeps the graph's
+        own self-loops in its edge list, pointed at a sink row ``num_dst`` (a compiled
+        graph needs the edge count known from the input's size, not from its values:
+        see :func:`_drop_and_add_loops`); the kernels compute that row too, and
+        :func:`gatlib._dispatch.attend_planned` drops it."""
+        return self._num_dst + 1 if self._sink else self._num_dst
+
+    @property
+    def sink(self) -> bool:
+        """Whether destination row ``num_dst`` is a sink (see :attr:`num_rows`)."""
+        return self._sink
+
+    @property
     def device(self) -> torch.device:
         return self._ei.device
 
     @property
     def edge_index(self) -> Tensor:
-        """A copy of the ``[2, E]`` int64 edge list (editing it changes nothing here)."""
+        """A copy of the ``[2, E]`` int64 edge list (editing it changes nothing here).
+        In a plan with a sink the edges pointed at it are the graph's own self-loops
+        again (their attention weight is zero)."""
+        if self._sink:
+            src, dst = self._ei
+            return torch.stack([src, torch.where(dst == self._num_dst, src, dst)])
         return self._ei.clone()
 
     @property
@@ -243,12 +266,13 @@ class GraphPlan:
         if not 0 <= n <= min(self.num_src, self.num_dst):
             raise ValueError(f"num_nodes must be in [0, {min(self.num_src, self.num_dst)}] "
                              f"(self-loops need both a source and a destination); got {n}")
-        looped = self._loops.get(n)
+        # (one twin per form: the compiled one has a sink, see _drop_and_add_loops)
+        looped = self._loops.get((n, torch.compiler.is_compiling()))
         if looped is None:
-            looped = self._looped(n, *_normal(_drop_and_add_loops, self._ei, n))
+            looped = self._looped(n, *_normal(_drop_and_add_loops, self._ei, n, self.num_dst))
         return looped
 
-    def _looped(self, n: int, keep: Tensor, looped_ei: Tensor) -> "GraphPlan":
+    def _looped(self, n: int, keep: Tensor, looped_ei: Tensor, sink: bool) -> "GraphPlan":
         """The plan of ``looped_ei`` (:func:`_drop_and_add_loops` of this plan's edges),
         kept on this plan. It holds this plan's edge list and layout builder, not
         this plan: no reference cycle, so both are freed as soon as they are dropped."""
@@ -264,34 +288,36 @@ class GraphPlan:
             # needs a sort anyway) and then merging measured slower at every size
             # tried, 60 edges to 2.4M (benchmarks/NOTES.md, "Small graphs: the
             # per-call cost").
-            if base_layout is None and not compressed:
-                return _sorted_looped_layout(looped_ei, num_src, num_dst, n)
+            if sink or (base_layout is None and not compressed):
+                return _sorted_looped_layout(looped_ei, num_src, num_dst + 1 if sink else num_dst, n)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
 
-        looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout)
+        looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout, sink)
         looped._base_ei = base_ei
-        return self._loops.setdefault(n, looped)  # atomic: concurrent callers get one plan
+        # atomic: concurrent callers get one plan
+        return self._loops.setdefault((n, sink), looped)
 
     def to(self, device: torch.device | str) -> "GraphPlan":
         """This plan's graph on ``device`` (layouts are rebuilt there when used)."""
         device = torch.device(device)
         if device == self.device:
             return self
-        return GraphPlan._owned(self._ei.to(device), self.num_src, self.num_dst)
+        return GraphPlan._owned(self._ei.to(device), self.num_src, self.num_dst, sink=self._sink)
 
     def __repr__(self) -> str:
         return (f"GraphPlan(num_src={self.num_src}, num_dst={self.num_dst}, "
                 f"num_edges={self.num_edges}, device={self.device})")
 
     def __getstate__(self):  # picklable (DataLoader workers): derived state is rebuilt there
-        return {"ei": self._ei, "num_src": self.num_src, "num_dst": self.num_dst}
+        return {"ei": self._ei, "num_src": self.num_src, "num_dst": self.num_dst, "sink": self._sink}
 
     def __setstate__(self, state):
-        self._init(state["ei"], state["num_src"], state["num_dst"], None)
+        self._init(state["ei"], state["num_src"], state["num_dst"], None, state.get("sink", False))
 
     # -- what kernels read (read-only: kernels never write to these) ----------
     def coo(self) -> Tuple[Tensor, Tensor]:
-        """``(src, dst)``, each ``[E]`` int64, in edge-list order."""
+        """``(src, dst)``, each ``[E]`` int64, in edge-list order (``dst`` in
+        ``[0, num_rows)``)."""
         return self._ei[0], self._ei[1]
 
     def layout(self) -> Layout:
@@ -323,16 +349,25 @@ def _normal(fn: Callable, *args):
         return fn(*args)
 
 
-def _drop_and_add_loops(ei: Tensor, n: int) -> Tuple[Tensor, Tensor]:
-    """``(keep [E] bool, looped [2, E'])``: the edges that are not self-loops, then
-    loops ``i -> i`` for ``i < n``."""
+def _drop_and_add_loops(ei: Tensor, n: int, num_dst: int) -> Tuple[Tensor, Tensor, bool]:
+    """``(keep [E] bool, looped [2, E'], sink)``: the edges that are not self-loops,
+    then loops ``i -> i`` for ``i < n``.
+
+    Under ``torch.compile`` the self-loops keep their place, pointed at a sink
+    destination ``num_dst`` (``sink`` is true, ``E' = E + n``): how many edges are
+    left is a question about the values, and a compiled graph's sizes must follow
+    from its inputs' sizes alone (with the edge count data-dependent, inductor
+    cannot compile PyG's layers either).
+    """
     keep = ei[0] != ei[1]  # [E]
     loops = torch.arange(n, device=ei.device)
+    if torch.compiler.is_compiling():
+        ei = torch.stack([ei[0], torch.where(keep, ei[1], num_dst)])
+        return keep, torch.cat([ei, loops.expand(2, n)], dim=1), True
     # a sampled subgraph rarely has loops: the masked copy only where some must go
-    # (under torch.compile always: one data-dependent step, not two)
-    if torch.compiler.is_compiling() or not bool(keep.all()):
+    if not bool(keep.all()):
         ei = ei[:, keep]
-    return keep, torch.cat([ei, loops.expand(2, n)], dim=1)
+    return keep, torch.cat([ei, loops.expand(2, n)], dim=1), False
 
 
 def _sizes(num_nodes, size) -> Tuple[Optional[int], Optional[int]]:
@@ -386,13 +421,14 @@ def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.devi
         # can resume after that only with tensors (not new objects) in flight.
         # (A plan made here lives for one call: inference tensors in it are fine.)
         n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
-        keep, looped_ei = _drop_and_add_loops(ei, n)
+        keep, looped_ei, sink = _drop_and_add_loops(ei, n, num_dst)
         if layout_fn is not None:  # the input's own CSR/CSC: loops merge into its layout
-            return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(n, keep, looped_ei)
+            return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(n, keep, looped_ei, sink)
         # a plain edge list: its looped twin is sorted directly (see GraphPlan._looped),
         # and nothing else reads the plan without loops: it is not made
+        rows = num_dst + 1 if sink else num_dst
         looped = GraphPlan._owned(looped_ei, num_src, num_dst,
-                                  lambda: _sorted_looped_layout(looped_ei, num_src, num_dst, n))
+                                  lambda: _sorted_looped_layout(looped_ei, num_src, rows, n), sink)
         looped._base_ei = ei
         return looped
     plan = _check_plan(edge_index, num_src, num_dst, device)
@@ -475,9 +511,24 @@ def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
                  check_sorted: bool = True) -> Layout:
     """CSR + CSC of a checked edge list (stable sorts; no sort where ``dst`` is
     already non-decreasing, which ``check_sorted=False`` does not look for)."""
+    ptr, src_csr, dst_csr, perm = torch.ops.gatlib.csr_layout.default(src, dst, num_src, num_dst,
+                                                                      check_sorted)
+    return _with_csc(ptr, src_csr, dst_csr, perm, num_src, num_dst)
+
+
+@torch.library.custom_op("gatlib::csr_layout", mutates_args=())
+def _csr_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int, check_sorted: bool
+                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(ptr [N_dst + 1], src [E], dst [E], perm [E])``: the destination-sorted CSR
+    of a checked edge list, in :func:`layout_dtype` (``perm`` int64).
+
+    An operator because whether ``dst`` is sorted already is a question about its
+    values, which ``torch.compile`` cannot branch on: compiled code calls this
+    operator as it is.
+    """
     E = src.numel()
     idt = layout_dtype(E, num_src, num_dst)
-    dst_i = dst if dst.dtype == idt else dst.to(idt)  # (not even a no-op .to(): runs per call)
+    dst_i = dst if dst.dtype == idt else dst.to(idt)
     if check_sorted and _nondecreasing(dst_i):  # already destination-sorted
         perm = torch.arange(E, device=src.device)
         dst_csr, src_csr = dst_i.clone(), src.to(idt, copy=True)
@@ -485,7 +536,15 @@ def build_layout(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
         dst_csr, perm = torch.sort(dst_i, stable=True)
         src_csr = src.index_select(0, perm)
         src_csr = src_csr if src_csr.dtype == idt else src_csr.to(idt)
-    return _with_csc(_ptr(dst_csr, num_dst), src_csr, dst_csr, perm, num_src, num_dst)
+    return _ptr(dst_csr, num_dst), src_csr, dst_csr, perm
+
+
+@_csr_layout.register_fake
+def _(src, dst, num_src, num_dst, check_sorted):
+    E = src.numel()
+    idt = layout_dtype(E, num_src, num_dst)
+    return (src.new_empty(num_dst + 1, dtype=idt), src.new_empty(E, dtype=idt),
+            src.new_empty(E, dtype=idt), src.new_empty(E, dtype=torch.int64))
 
 
 def _sorted_looped_layout(looped_ei: Tensor, num_src: int, num_dst: int, n: int) -> Layout:

@@ -62,7 +62,8 @@ from torch_geometric.utils import remove_self_loops as _remove_self_loops
 from . import _adjacency as A
 from . import _validate as V
 from ._core import EdgeScore, combine_heads, segment_softmax
-from ._dispatch import _log, attend_planned, check_backend_name
+from ._dispatch import attend_planned, check_backend_name
+from ._record import log as _log
 from ._plan import GraphPlan, as_plan, checked_edge_list
 
 # MessagePassing's extension points: a subclass (or an instance) that replaces one
@@ -210,8 +211,15 @@ class _AttentionConv(MessagePassing):
                                       user_defined=self._user_edge_attr(edge_attr))
         if edges is not None and edge_attr is not None:
             n = min(plan.num_src, plan.num_dst) if loop_nodes is None else loop_nodes
-            ei, edge_attr = _remove_self_loops(edges, edge_attr)
-            edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
+            if plan.sink:  # the graph's own loops kept, pointed at the sink (GraphPlan.num_rows)
+                E, sink = edges.size(1), plan.num_dst
+                ei = torch.stack([edges[0], torch.where(edges[0] != edges[1], edges[1], sink)])
+                # PyG's loop features over the remaining edges: the sink's are computed and cut
+                edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value,
+                                            num_nodes=sink + 1)[1][:E + n]
+            else:
+                ei, edge_attr = _remove_self_loops(edges, edge_attr)
+                edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return plan, edge_attr
 
     def _attend(self, score, value, plan, want_alpha, value_edge=None):

@@ -28,3 +28,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def auto_fused(monkeypatch):
+    """``backend="auto"`` takes the fused CPU kernel whatever the graph's size, so
+    that a test of the default path on a small graph tests the fused kernel (on
+    such a graph auto's size rule picks the reference; the rule itself is tested
+    in test_core.py::test_auto_rule)."""
+    import gatlib._dispatch
+
+    monkeypatch.setattr(gatlib._dispatch, "FUSED_CPU_MIN_ENTRIES", 0)

@@ -254,23 +254,29 @@ def test_dropout_only_in_training(backend):
     assert not torch.allclose(dropped, base)
 
 
-def _call(device="cpu", dtype=torch.float32):
-    x = torch.zeros(3, 1, 2, dtype=dtype, device=device)
+def _call(device="cpu", dtype=torch.float32, channels=2):
+    x = torch.zeros(3, 1, channels, dtype=dtype, device=device)
     plan = GraphPlan._owned(torch.tensor([[0, 1], [1, 2]], device=device), 3, 3)
     return AttentionCall(EdgeScore.dot(x, x), x, plan, None, 0.0, False)
 
 
 def test_auto_rule():
-    """The rule written in select_kernel: fused on CPU; the reference on devices
-    other than CPU and CUDA and wherever fused cannot run."""
-    assert select_kernel("auto", _call()).name == "fused"
+    """The rule written in select_kernel: on CPU fused from FUSED_CPU_MIN_ENTRIES
+    [E, H, C] entries, the reference below; the reference on devices other than
+    CPU and CUDA and wherever fused cannot run."""
+    from gatlib._dispatch import FUSED_CPU_MIN_ENTRIES
+
+    assert select_kernel("auto", _call(channels=FUSED_CPU_MIN_ENTRIES // 2)).name == "fused"
+    assert select_kernel("auto", _call(channels=FUSED_CPU_MIN_ENTRIES // 2 - 1)).name == "torch"
     assert select_kernel("auto", _call("meta")).name == "torch"
-    x = torch.randn(5, 4)
-    ei = random_graph(5, 12, seed=1)
-    conv = gatlib.GATConv(4, 2, heads=2)
+    n = 300
+    x = torch.randn(n, 4)
+    ei = random_graph(n, FUSED_CPU_MIN_ENTRIES // 64, seed=1)  # with the loops, past the bound
+    conv = gatlib.GATConv(4, 32, heads=2)
     with gatlib.record_kernels() as log:
+        conv(x, ei)
         torch.func.vmap(lambda t: conv(t, ei))(x[None].expand(2, -1, -1))
-    assert log == ["torch"]  # vmap: fused declines with a reason, auto takes the reference
+    assert log == ["fused", "torch"]  # vmap: fused declines with a reason, auto takes the reference
 
 
 def test_auto_rule_on_cuda(monkeypatch):

@@ -300,6 +300,7 @@ def test_edge_mask_reaches_the_attention_as_in_pyg(name, backend, self_loops):
 
 
 @pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.usefixtures("auto_fused")
 def test_gnn_explainer_matches_pyg(name):
     x, ei = small_graph(seed=2)
     ours, theirs = twin_models(name)

@@ -180,6 +180,7 @@ class _Graphs(torch.utils.data.Dataset):
         return out, log
 
 
+@pytest.mark.usefixtures("auto_fused")
 def test_layers_in_dataloader_workers():
     torch.manual_seed(0)
     conv = gatlib.GATConv(4, 3, heads=2)

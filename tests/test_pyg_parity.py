@@ -9,6 +9,10 @@ import gatlib
 
 from testing import LAYERS, kernels, random_graph
 
+# Parity of the default path is parity of the fused kernel: auto takes it on these
+# small graphs too (conftest.auto_fused).
+pytestmark = pytest.mark.usefixtures("auto_fused")
+
 N_SRC, N_DST, F_SRC, F_DST, EDGE_DIM = 23, 17, 7, 5, 3
 
 

@@ -121,6 +121,7 @@ def test_graph_first_used_under_inference_mode_then_trains(layer, backend):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.usefixtures("auto_fused")
 def test_double_backward_on_the_default_path_matches_the_reference(layer):
     """A gradient penalty through the default (fused) path equals the reference's."""
     x = torch.randn(20, 6, dtype=torch.float64)
@@ -139,6 +140,7 @@ def test_double_backward_on_the_default_path_matches_the_reference(layer):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.usefixtures("auto_fused")
 def test_torch_func_grad_on_the_default_path_matches_the_reference(layer):
     """torch.func.grad of a layer's parameters runs the default (fused) kernel
     and gives the reference's gradients."""
@@ -158,6 +160,7 @@ def test_torch_func_grad_on_the_default_path_matches_the_reference(layer):
 
 
 @pytest.mark.parametrize("layer", LAYERS)
+@pytest.mark.usefixtures("auto_fused")
 def test_bfloat16_autocast_on_the_default_path_matches_the_reference(layer):
     """Under CPU autocast to bfloat16 the default (fused) kernel runs, forward and
     backward, and gives the reference's output dtype and values."""
@@ -211,6 +214,7 @@ def test_requested_kernel_that_cannot_run_raises_instead_of_falling_back():
         m(x, ei)
 
 
+@pytest.mark.usefixtures("auto_fused")
 def test_auto_records_which_kernel_ran():
     """auto picks the reference where fused cannot run — and says so."""
     m = conv()

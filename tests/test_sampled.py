@@ -63,6 +63,7 @@ def _small_graph(n=300, e=1500, f=12):
                 num_nodes=n)
 
 
+@pytest.mark.usefixtures("auto_fused")
 def test_trimmed_bipartite_layers_equal_the_whole_subgraph():
     """On a sampled batch, the hop-trimmed forward gives the seeds the logits a
     forward over the whole subgraph gives them — through the fused kernel on
@@ -107,6 +108,12 @@ def test_layerwise_inference_is_the_full_graph_forward():
 # ---------------------------------------------------------------------------
 # Training on the fake ogbn-products
 # ---------------------------------------------------------------------------
+def auto_on_blocks(kernels) -> bool:
+    """What auto's size rule runs on the sampled blocks: the fused kernel, forward
+    and backward, on the blocks large enough for it; the reference on the rest."""
+    return {"fused", "fused.backward"} <= set(kernels) <= {"fused", "fused.backward", "torch"}
+
+
 def test_fake_products_needs_the_graph(products):
     """The data behind the accuracy threshold below: 47 classes (chance ~2%),
     and a node's own features alone give a linear model well under 80%."""
@@ -135,7 +142,7 @@ def test_bench_neighbor_loader_learns_fake_products(products_dir, tmp_path):
                      "--data-dir", str(products_dir), "--json", str(out)])
     assert code == 0
     report = json.loads(out.read_text())
-    assert report["loader"] == "neighbor" and report["kernels"] == ["fused", "fused.backward"]
+    assert report["loader"] == "neighbor" and auto_on_blocks(report["kernels"])
     cfg = report["config"]
     assert (cfg["model"], cfg["fanouts"], cfg["batch_size"], cfg["eval_batch_size"], cfg["lr"]) == (
         "SampledGAT", [10, 10, 5], 512, 2048, 0.001)
@@ -233,7 +240,7 @@ def test_torchrun_gatlib_bench(products_dir, tmp_path):
     report = json.loads(out.read_text())
     assert report["distributed"] == {"world_size": 2, "backend": "gloo",
                                      "batch_size_per_process": 512, "global_batch_size": 1024}
-    assert report["runs"][0]["world_size"] == 2 and report["kernels"] == ["fused", "fused.backward"]
+    assert report["runs"][0]["world_size"] == 2 and auto_on_blocks(report["kernels"])
     assert report["test_acc"][0] > 80
     assert list(tmp_path.iterdir()) == [out]
 

@@ -235,6 +235,25 @@ def count_sorts(monkeypatch):
     return calls
 
 
+class OpCalls(TorchDispatchMode):
+    """The ``(args, outputs)`` of every call of the op named ``name`` (e.g.
+    ``"gatlib.fused_cpu_attention.default"``) inside the block."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name, self.calls = name, []
+
+    def __enter__(self):
+        super().__enter__()
+        return self.calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func) == self.name:
+            self.calls.append((args, out))
+        return out
+
+
 class AtenOps(TorchDispatchMode):
     """The names of the aten ops run inside the block (``with AtenOps() as ops``)."""
 

@@ -1,0 +1,48 @@
+"""Which kernel ran: the log behind :func:`gatlib.record_kernels`.
+
+Kernels append their name from inside their own code — the fused kernels from
+inside their operators, forward and backward — so an entry means that code ran.
+Under ``torch.compile`` an operator runs from the compiled graph and logs then;
+what the compiler traces into the graph instead (the reference kernel) leaves
+no entry, since tracing is not running. Kernels and the dispatcher both import
+this module; it imports nothing of gatlib's.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, List, Optional
+
+import torch
+
+_LOG: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("gatlib_kernel_log",
+                                                                      default=None)
+
+
+@contextlib.contextmanager
+def record_kernels() -> Iterator[List[str]]:
+    """Record which kernel ran each attention call in this block.
+
+    Yields a list that collects, in order, the name of the kernel of every
+    call (``"torch"``, ``"scatter"``, ``"fused"``, ``"triton"``) and of every
+    fused backward pass (``"fused.backward"``, ``"fused.backward:reference"``).
+    Under ``torch.compile`` it lists the fused operators' calls as the compiled
+    graph runs them, and nothing for the reference, which is compiled into the
+    graph.
+    """
+    log: List[str] = []
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def log(entry: str) -> None:
+    """Append ``entry`` to the active :func:`record_kernels` list, if any (not
+    while ``torch.compile`` traces: nothing runs then)."""
+    if torch.compiler.is_compiling():
+        return
+    active = _LOG.get()
+    if active is not None:
+        active.append(entry)
