@@ -7,11 +7,15 @@ derived from a graph can be reused: gatlib builds its plan (checks, CSR/CSC
 layout, self-loops, the fused kernel's head layout) inside each call. PyG's
 ``NeighborLoader`` samples subgraphs of a synthetic graph with OGB's sizes
 (fan-outs as PyG's and DGL's ogbn-products examples); for each batch size, the
-same pre-sampled batches cycle through PyG's layer, gatlib's fused CPU kernel
-and gatlib's reference (``torch``), forward and backward of the input features,
-timed in interleaved rounds: "PyG / fused" is the ratio of the medians, "per
-round" the median of each round's ratio (the more robust of the two on a
-machine whose speed drifts). The plan's own cost per batch is timed alone.
+same pre-sampled batches cycle through PyG's layer and gatlib's — as users
+run it (``auto``, which picks the reference or the fused kernel by the graph's
+size), with the fused CPU kernel and with the reference (``torch``) — forward
+and backward of the input features, timed in interleaved rounds: "PyG / auto"
+is the ratio of the medians, "per round" the median of each round's ratio (the
+more robust of the two on a machine whose speed drifts). The fused and
+reference columns show where auto's size rule should switch. What a fused call
+derives from its graph (the plan with self-loops, its CSR and head layout) is
+timed alone.
 """
 from __future__ import annotations
 
@@ -56,21 +60,25 @@ def _layer_call(module, batches):
     return fn
 
 
-def _plan_ms(batches, heads: int, channels: int, layer: str) -> float:
-    """Milliseconds per batch to derive what a fused call of ``layer`` needs from a
-    new graph: the checked plan with self-loops and, unless it is a small GAT call
-    (``_fused_cpu.small_gat``, which runs on the edge list as it is), the CSR
-    layout and, from 2^19 ``[E, H, C]`` entries, the head layout."""
+def _plan_ms(batches, heads: int, channels: int) -> float:
+    """Milliseconds per batch to derive what a fused call needs from a new graph:
+    the checked plan with self-loops, its CSR/CSC layout and, from 2^19
+    ``[E, H, C]`` entries, the head layout."""
     def derive():
         for x, ei in batches:
             plan = GraphPlan(ei, num_nodes=x.size(0)).with_self_loops()
-            if not (layer == "gat" and _fused_cpu.small_gat(plan.num_edges, heads, channels, 4)):
-                _fused_cpu.kernel_layout(plan, heads, channels)
+            _fused_cpu.kernel_layout(plan, heads, channels)
 
     derive()
     t0 = time.perf_counter()
     derive()
     return 1e3 * (time.perf_counter() - t0) / len(batches)
+
+
+def _paired(times, a: str, b: str) -> float:
+    """Median over the rounds of ``a``'s time / ``b``'s time in the same round."""
+    return statistics.median(x / y for x, y in zip(times[a]["times_s"], times[b]["times_s"],
+                                                   strict=True))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +106,8 @@ def main() -> None:
     graph = synthetic.synthetic_graph(args.graph, seed=args.seed)
     fanouts = [int(f) for f in args.fanouts.split(",")]
     H, C = args.heads, args.channels
-    impls = {"pyg": ("pyg", None), "fused": ("gatlib", "fused"), "torch": ("gatlib", "torch")}
+    impls = {"pyg": ("pyg", None), "auto": ("gatlib", "auto"), "fused": ("gatlib", "fused"),
+             "torch": ("gatlib", "torch")}
     modules = {name: build_pair(args.layer, graph.x.size(1), H, C, backend or "torch",
                                 torch.device("cpu"), torch.float32, args.seed)[side]
                for name, (side, backend) in impls.items()}
@@ -109,23 +118,23 @@ def main() -> None:
         e = statistics.mean(ei.size(1) for _, ei in batches)
         fns = {name: _layer_call(m, batches) for name, m in modules.items()}
         t = time_interleaved(fns, torch.device("cpu"), args.repeats, warmup=2, min_block_s=0.3)
-        plan_ms = _plan_ms(batches, H, C, args.layer)
+        plan_ms = _plan_ms(batches, H, C)
         ms = {k: (1e3 * v["median_s"] if v["status"] == "ok" else None) for k, v in t.items()}
         # The rounds run A B B A, so each round's PyG and fused blocks are neighbours
         # in time: the median of per-round ratios cancels the machine's slow drift,
         # which the ratio of the two medians does not.
-        paired = statistics.median(p / f for p, f in zip(t["pyg"]["times_s"], t["fused"]["times_s"],
-                                                         strict=True))
         res = {"batch_size": bs, "mean_nodes": n, "mean_edges": e, "ms": ms, "plan_ms": plan_ms,
-               "pyg_over_fused_paired": paired,
+               "pyg_over_auto_paired": _paired(t, "pyg", "auto"),
+               "torch_over_fused_paired": _paired(t, "torch", "fused"),
                "rounds": {k: v.get("times_s") for k, v in t.items()}}
         results.append(res)
-        rows.append([bs, f"{n:,.0f}", f"{e:,.0f}", f"{ms['pyg']:.2f}", f"{ms['fused']:.2f}",
-                     f"{ms['torch']:.2f}", f"{ms['pyg'] / ms['fused']:.2f}×", f"{paired:.2f}×",
+        rows.append([bs, f"{n:,.0f}", f"{e:,.0f}", f"{ms['pyg']:.2f}", f"{ms['auto']:.2f}",
+                     f"{ms['fused']:.2f}", f"{ms['torch']:.2f}", f"{ms['pyg'] / ms['auto']:.2f}×",
+                     f"{res['pyg_over_auto_paired']:.2f}×", f"{res['torch_over_fused_paired']:.2f}×",
                      f"{plan_ms:.2f}"])
         print(f"batch {bs}: {rows[-1]}", flush=True)
-    headers = ["batch", "nodes", "edges", "PyG ms", "fused ms", "torch ms", "PyG / fused",
-               "per round", "plan ms"]
+    headers = ["batch", "nodes", "edges", "PyG ms", "auto ms", "fused ms", "torch ms", "PyG / auto",
+               "per round", "torch / fused", "plan ms"]
     print(report.format_table(headers, rows, align=">" * len(headers)))
     if args.json:
         report.write_json(args.json, {

@@ -108,7 +108,10 @@ class Layout:
 
 def index_dtype(*bounds: int) -> torch.dtype:
     """int32 when every index and count below ``max(bounds)`` fits, else int64."""
-    return torch.int32 if max(bounds, default=0) < 2**31 - 1 else torch.int64
+    for b in bounds:  # (a loop: torch.compile traces no max(..., default=))
+        if b >= 2**31 - 1:
+            return torch.int64
+    return torch.int32
 
 
 def layout_dtype(num_edges: int, num_src: int, num_dst: int) -> torch.dtype:
@@ -563,9 +566,23 @@ def _with_csc(ptr, src_csr, dst_csr, perm, num_src, num_dst) -> Layout:
 
 def _csc_of(src_csr: Tensor, dst_csr: Tensor, num_src: int) -> Tuple[Tensor, Tensor, Tensor]:
     """``(csc_ptr, csc_edge, csc_dst)`` of a CSR: each source's out-edges in CSR order."""
+    return torch.ops.gatlib.csc_layout.default(src_csr, dst_csr, num_src)
+
+
+@torch.library.custom_op("gatlib::csc_layout", mutates_args=())
+def _csc_layout(src_csr: Tensor, dst_csr: Tensor, num_src: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(csc_ptr [N_src + 1], csc_edge [E], csc_dst [E])`` of a CSR, in its index
+    dtype. An operator, as :func:`_csr_layout`: traced, the offsets' op would fix
+    a compiled graph to one node count."""
     src_sorted, csc_edge = torch.sort(src_csr, stable=True)
     return (_ptr(src_sorted, num_src), csc_edge.to(src_csr.dtype),
             dst_csr.index_select(0, csc_edge))
+
+
+@_csc_layout.register_fake
+def _(src_csr, dst_csr, num_src):
+    E = src_csr.numel()
+    return (src_csr.new_empty(num_src + 1), src_csr.new_empty(E), src_csr.new_empty(E))
 
 
 def _edge_index_layout_fn(ei, num_src: int, num_dst: int) -> Callable[[], Layout]:

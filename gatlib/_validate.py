@@ -203,14 +203,16 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
         return
     if torch.compiler.is_compiling():
         # Inside a compiled graph a host sync would split the graph: the same
-        # checks run on the device and fail the call with a RuntimeError.
+        # checks run on the device and fail the call with a RuntimeError. (The
+        # messages leave the node counts out: a count written into a string would
+        # fix the compiled graph to that count.)
         torch._assert_async(edge_index.min() >= 0, "edge_index contains a negative index")
         if num_src is not None:
             torch._assert_async(edge_index[0].max() < num_src,
-                                f"{names[0]} out of range for {num_src} source nodes")
+                                f"{names[0]} out of range for the source nodes")
         if num_dst is not None:
             torch._assert_async(edge_index[1].max() < num_dst,
-                                f"{names[1]} out of range for {num_dst} destination nodes")
+                                f"{names[1]} out of range for the destination nodes")
         return
     # First over all indices (one reduction: cheaper than one per row on a small
     # subgraph, benchmarks/NOTES.md, "Third round"); per row only where the whole

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import gatlib
 
-from testing import LAYERS, random_graph
+from testing import LAYERS, NoHostSync, random_graph
 
 N, N_DST, F_IN, D = 60, 25, 8, 3
 
@@ -86,4 +86,90 @@ def test_fullgraph_training_step_runs_the_fused_operators(layer, as_plan):
         assert torch.equal(ei_out, eager[3])
         for a, b in zip(got[4], eager[4], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------
+# Mini-batches: a new graph of another size every call
+# ---------------------------------------------------------------------------
+def test_neighbor_loader_batches_recompile_a_bounded_number_of_times():
+    """20 NeighborLoader batches (sizes change every batch) through one compiled
+    model: dynamo compiles the first batch for its sizes, then once more with the
+    node and edge counts dynamic, and again only where a size crosses one of the
+    kernels' size rules (auto's switch, the layout's index width); the fused
+    operators run on every batch."""
+    from torch_geometric.data import Data
+    from torch_geometric.loader import NeighborLoader
+
+    n = 3000
+    g = torch.Generator().manual_seed(0)
+    data = Data(x=torch.randn(n, F_IN, generator=g), edge_index=random_graph(n, 15000, seed=3),
+                num_nodes=n)
+    loader = NeighborLoader(data, num_neighbors=[10, 5], batch_size=32, shuffle=True,
+                            generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    model = Net("GATConv")
+    compiles = []
+
+    def backend(gm, example_inputs):  # counts dynamo's compiles; runs the captured graph
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model.conv1, backend=backend, fullgraph=True)
+    sizes = set()
+    for i, batch in zip(range(20), loader, strict=False):
+        ea = torch.randn(batch.edge_index.size(1), D)
+        with gatlib.record_kernels() as log:
+            out = compiled(batch.x, batch.edge_index, ea)
+            out.sum().backward()
+        assert log == ["fused", "fused.backward"], (i, log)
+        sizes.add((batch.num_nodes, batch.edge_index.size(1)))
+    torch._dynamo.reset()
+    assert len(sizes) >= 15  # the sizes did change
+    assert len(compiles) <= 3, compiles
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs: a warmed step reads nothing back to the host
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_warmed_training_step_on_a_plan_reads_nothing_back(backend):
+    """What CUDA graph capture (and torch.compile's reduce-overhead mode) needs: a
+    training step's forward and backward on a GraphPlan whose layouts exist reads
+    no tensor value back to the host — no item(), nonzero or bool(tensor) around
+    the kernels, dropout included. The fused CPU operators run below the mode (on
+    CPU their own reads are no device sync); the Triton kernels run in Triton's
+    CPU interpreter here, and on a GPU the self-test captures the step. (Adam's
+    capturable mode, which the captured step also needs, runs on GPUs only.)"""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    model = Net("GATConv", backend=backend)
+    x, ei, ea, bip = inputs(as_plan=True)
+    y = torch.randint(0, 5, (N_DST,))
+    run(model, x, ei, ea, bip, y)  # warm: the plans derive their layouts and schedules
+    with gatlib.record_kernels() as log, NoHostSync():
+        run(model, x, ei, ea, bip, y)
+    assert log == [backend, backend, f"{backend}.backward", f"{backend}.backward"]
+
+
+def test_auto_compiles_its_size_rule():
+    """Compiled, ``backend="auto"`` follows the same size rule as eager: the fused
+    operators from FUSED_CPU_MIN_ENTRIES [E, H, C] entries on (they log as they
+    run), the reference below (compiled into the graph: no log entry)."""
+    from gatlib._dispatch import FUSED_CPU_MIN_ENTRIES
+
+    H, C, n = 4, 32, 600
+    torch.manual_seed(0)
+    conv = gatlib.GATConv(F_IN, C, heads=H)
+    compiled = torch.compile(conv, fullgraph=True)
+    for e, fused in ((FUSED_CPU_MIN_ENTRIES // (H * C) - n - 100, False),
+                     (FUSED_CPU_MIN_ENTRIES // (H * C) - n + 100, True)):
+        x, ei = torch.randn(n, F_IN), random_graph(n, e, seed=4, self_loops=False)
+        with gatlib.record_kernels() as log:
+            out = compiled(x, ei)
+            out.sum().backward()
+        assert log == (["fused", "fused.backward"] if fused else []), (e, log)
+        torch.testing.assert_close(out, conv(x, ei), rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()

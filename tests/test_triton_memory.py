@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from gatlib import GraphPlan, graph_attention
 from gatlib import _triton
 
-from testing import AtenOps, hub_graph, make_score
+from testing import HOST_SYNCS, AtenOps, hub_graph, make_score
 
 pytest.importorskip("triton")
 KINDS = ("gat", "gatv2", "dot")
@@ -163,8 +163,6 @@ def test_allocations_follow_the_memory_model(kind, alpha, att_floor, recorder, m
 
 # ATen ops that make a CUDA stream wait for the host: reading a value
 # (.item(), bool(), int()), or output sizes that depend on values
-HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
-              "aten.is_nonzero", "aten.equal")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -235,6 +235,22 @@ def count_sorts(monkeypatch):
     return calls
 
 
+# The ops that read a tensor's value back to the host (item(), bool(tensor), nonzero, ...).
+HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
+              "aten.is_nonzero", "aten.equal")
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on the first op inside the block that reads a tensor's value back to
+    the host (:data:`HOST_SYNCS`): what a CUDA graph cannot capture. An operator's
+    own implementation runs below the mode and is not seen."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(HOST_SYNCS):
+            raise AssertionError(f"{func} reads a value back to the host")
+        return func(*args, **(kwargs or {}))
+
+
 class OpCalls(TorchDispatchMode):
     """The ``(args, outputs)`` of every call of the op named ``name`` (e.g.
     ``"gatlib.fused_cpu_attention.default"``) inside the block."""
