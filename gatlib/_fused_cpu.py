@@ -837,7 +837,7 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
                            g_alpha: Optional[Tensor], s_src: Tensor, s_dst: Optional[Tensor],
                            s_edge: Optional[Tensor], s_att: Optional[Tensor], value: Tensor,
                            value_edge: Optional[Tensor], drop: Optional[Tensor], saved: Tensor,
-                           recompute: bool, layout: List[Tensor], num_src: int,
+                           recompute: bool, kept_layout: List[Tensor], num_src: int,
                            need: List[bool]) -> List[Tensor]:
     r"""Gradients of :func:`_attention_op`'s seven tensor inputs (``s_src``, ...,
     ``drop``) from those of ``out`` and ``alpha`` (either may be ``None``)::
@@ -849,11 +849,12 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
         then de through the score's backward (``_gat_backward``, ...)
 
     (:func:`_softmax_aggregate_backward` has each step). ``saved`` is ``alpha``,
-    or ``lse`` where ``recompute``. An empty tensor stands for each gradient
-    ``need`` does not ask for (and for an absent input).
+    or ``lse`` where ``recompute``; ``kept_layout`` what :func:`_kept_layout` kept
+    of the forward's layout. An empty tensor stands for each gradient ``need``
+    does not ask for (and for an absent input).
     """
     _record.log("fused.backward")
-    hl = _head_layout_of(layout, num_src, value.size(1))
+    hl = _head_layout_of(_full_layout(kept_layout), num_src, value.size(1))
     with _no_autocast():
         alpha = saved
         if recompute:
@@ -874,19 +875,41 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
 
 @_attention_backward_op.register_fake
 def _(kind, scale, slope, g_out, g_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
-      saved, recompute, layout, num_src, need):
+      saved, recompute, kept_layout, num_src, need):
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge, drop)
     return [torch.empty_like(t) if n and t is not None else s_src.new_empty(0)
             for t, n in zip(ins, need, strict=True)]
 
 
+def _kept_layout(layout: Sequence[Tensor], edge_order: bool) -> List[Tensor]:
+    """What backward keeps of a forward's :func:`layout_tensors`: the CSR's ``ptr``
+    and ``src``, the CSC's ``csc_ptr`` and ``csc_edge``, ``perm`` where per-edge
+    inputs are read in edge-list order (``edge_order``; else an empty tensor),
+    and the block CSR. The destinations in either order are derived again
+    (:func:`_full_layout`): kept, they would be a second copy of the edges per
+    layer from forward to backward (at ogbn-products' scale 1 GB each, int32)."""
+    ptr, src, dst, perm, csc_ptr, csc_edge, csc_dst, *block = layout
+    return [ptr, src, csc_ptr, csc_edge, perm if edge_order else perm.new_empty(0), *block]
+
+
+def _full_layout(kept: Sequence[Tensor]) -> List[Tensor]:
+    """:func:`layout_tensors` again from what :func:`_kept_layout` kept."""
+    ptr, src, csc_ptr, csc_edge, perm, *block = kept
+    num_dst = ptr.numel() - 1
+    dst = torch.repeat_interleave(torch.arange(num_dst, dtype=src.dtype, device=src.device),
+                                  ptr.diff(), output_size=src.numel())  # [E] CSR order
+    return [ptr, src, dst, perm, csc_ptr, csc_edge, dst.index_select(0, csc_edge), *block]
+
+
 def _save(ctx, args, tensors, layout, num_src, keep_lse, output) -> None:
     """What backward needs of a forward call (``args``: kind, scale, slope; the
-    seven tensor inputs; the layout tensors)."""
+    seven tensor inputs; the layout tensors, of which :func:`_kept_layout`)."""
+    s_edge, value_edge = tensors[2], tensors[5]
+    kept = _kept_layout(layout, edge_order=s_edge is not None or value_edge is not None)
     ctx.args, ctx.num_src, ctx.recompute, ctx.num_layout = args, num_src, keep_lse, len(layout)
     ctx.set_materialize_grads(False)  # an unused output gets None, not an [E, H] of zeros
     ctx.mark_non_differentiable(output[2])
-    ctx.save_for_backward(*tensors, output[2] if keep_lse else output[1], *layout)
+    ctx.save_for_backward(*tensors, output[2] if keep_lse else output[1], *kept)
 
 
 def _grads(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor]) -> List[Optional[Tensor]]:
@@ -894,13 +917,14 @@ def _grads(ctx, g_out: Optional[Tensor], g_alpha: Optional[Tensor]) -> List[Opti
     backward operator's, or the reference's where they must be differentiable."""
     kind, scale, slope = ctx.args
     saved = ctx.saved_tensors
-    ins, layout = saved[:7], list(saved[8:])
+    ins, kept = saved[:7], list(saved[8:])
     need = ctx.needs_input_grad[3:10]
     if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
         _record.log("fused.backward:reference")
-        return _reference_backward(kind, scale, slope, ins, layout, need, g_out, g_alpha)
+        return _reference_backward(kind, scale, slope, ins, _full_layout(kept), need, g_out,
+                                   g_alpha)
     grads = torch.ops.gatlib.fused_cpu_attention_backward.default(
-        kind, scale, slope, g_out, g_alpha, *ins, saved[7], ctx.recompute, layout, ctx.num_src,
+        kind, scale, slope, g_out, g_alpha, *ins, saved[7], ctx.recompute, kept, ctx.num_src,
         list(need))
     return [g if n else None for g, n in zip(grads, need, strict=True)]
 
@@ -951,6 +975,7 @@ def _reference_backward(kind: str, scale: float, slope: float, ins: Sequence[Opt
     as the reference does."""
     *tensors, drop = ins
     ptr, src, dst, perm = layout[:4]
+    perm = perm if perm.numel() else None  # (kept only where edge inputs are read through it)
     if need[6]:  # edge weights in drop: an input like the others (already in CSR order)
         tensors, drop = [*tensors, drop], None
     with torch.autocast("cpu", enabled=False):
@@ -1045,9 +1070,14 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     s_src, s_dst, s_att, v = cast[:4]
     s_edge = cast[4] if score.kind == "gat" else s_edge
     ins = _distinct((s_src, s_dst, s_edge, s_att, v, value_edge, drop))
-    out, alpha, _ = _FusedAttention.apply(
-        score.kind, float(score.scale), float(score.negative_slope), *ins, plan.num_src,
-        _recomputes_alpha(score.kind, E, H), *layout_tensors(hl))
+    args = (score.kind, float(score.scale), float(score.negative_slope), *ins)
+    layout, recompute = layout_tensors(hl), _recomputes_alpha(score.kind, E, H)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins):
+        out, alpha, _ = _FusedAttention.apply(*args, plan.num_src, recompute, *layout)
+    else:  # nothing to differentiate: the operator alone (and torch.compile traces no
+        # autograd function under no_grad, whose forward it would call with a context)
+        out, alpha, _ = torch.ops.gatlib.fused_cpu_attention.default(*args, layout, plan.num_src,
+                                                                     False)
     out = out if out.dtype == value.dtype else out.to(value.dtype)
     if not need_alpha:
         return out, None

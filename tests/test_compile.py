@@ -173,3 +173,19 @@ def test_auto_compiles_its_size_rule():
         assert log == (["fused", "fused.backward"] if fused else []), (e, log)
         torch.testing.assert_close(out, conv(x, ei), rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_compiled_inference_runs_the_fused_operator(layer):
+    """Under no_grad (evaluation, layer-wise inference) the compiled layer calls the
+    forward operator alone, and gives the eager output."""
+    torch.manual_seed(0)
+    conv = getattr(gatlib, layer)(F_IN, 4, heads=2, backend="fused").eval()
+    x, ei, _, _ = inputs(as_plan=False)
+    compiled = torch.compile(conv, fullgraph=True)
+    with torch.no_grad(), gatlib.record_kernels() as log:
+        got = compiled(x, ei)
+    assert log == ["fused"]
+    with torch.no_grad():
+        torch.testing.assert_close(got, conv(x, ei), rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()

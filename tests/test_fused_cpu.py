@@ -144,7 +144,8 @@ def test_operators_pass_opcheck(kind, edge, recompute):
     g_out, g_alpha = torch.randn_like(out), torch.randn_like(alpha)
     need = [t is not None and t.requires_grad for t in ins]
     bargs = (*head, g_out, g_alpha, *[None if t is None else t.detach() for t in ins],
-             (lse if recompute else alpha).detach(), recompute, layout, num_src, need)
+             (lse if recompute else alpha).detach(), recompute, fc._kept_layout(layout, edge),
+             num_src, need)
     torch.library.opcheck(torch.ops.gatlib.fused_cpu_attention_backward.default, bargs)
     lay = layout
     torch.library.opcheck(torch.ops.gatlib.fused_cpu_head_layout.default,
@@ -399,3 +400,24 @@ def test_torch_func_grad_runs_the_fused_forward_and_the_reference_backward(layer
         conv(xx, ei).square().sum().backward()
     assert log == ["fused", "fused.backward"]
     torch.testing.assert_close(g, xx.grad)
+
+
+@pytest.mark.parametrize("edge_dim", [None, 3], ids=["no_edge_attr", "edge_attr"])
+def test_backward_keeps_one_copy_of_the_edges(edge_dim, monkeypatch):
+    """From forward to backward a layer keeps of its graph only what backward reads
+    and cannot cheaply derive: the sources in CSR order and the CSC's edge
+    positions (int32 on a large graph), the edge permutation only with edge
+    features, and the offsets — not the destinations in either order, and no copy
+    of the edge list, even given a raw edge_index (whose plan dies with the call)."""
+    monkeypatch.setattr(_plan, "SMALL_EDGES", 0)  # the layout of a large graph: int32 indices
+    monkeypatch.setattr(fc, "BLOCK_CSR_MAX_BYTES", 0)  # and no block CSR (as at ogbn-products' scale)
+    n = 200
+    ei = random_graph(n, 3000, seed=7, self_loops=False)
+    E = ei.size(1)
+    x = torch.randn(n, 8, requires_grad=True)
+    ea = torch.randn(E, 3) if edge_dim else None
+    conv = gatlib.GATConv(8, 4, heads=2, edge_dim=edge_dim, backend="fused")
+    saved = saved_tensors_during(lambda: conv(x, ei, ea).sum().backward())
+    per_edge = sorted(str(t.dtype) for t in {t.untyped_storage().data_ptr(): t for t in saved}.values()
+                      if not t.is_floating_point() and t.numel() == E + n)
+    assert per_edge == sorted(["torch.int32", "torch.int32"] + (["torch.int64"] if edge_dim else []))
