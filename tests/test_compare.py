@@ -275,6 +275,16 @@ def test_no_compile_gives_the_eager_two(tmp_path):
     assert compare.report_tables(rep)[0][1] == compare.TABLE_HEADERS
 
 
+def _cheap_backend(monkeypatch, scale):
+    """torch.compile with :func:`_bad_backend` (by name, as the options go into the
+    JSON; registered for this test only)."""
+    from torch._dynamo.backends import registry
+
+    monkeypatch.setitem(registry._BACKENDS, "gatlib_test_backend", None)
+    monkeypatch.setitem(registry._COMPILER_FNS, "gatlib_test_backend", _bad_backend(scale))
+    monkeypatch.setattr(compare, "COMPILE_OPTIONS", {"backend": "gatlib_test_backend"})
+
+
 def _bad_backend(scale):
     """A torch.compile backend without inductor (cheap): its graphs' floating outputs
     times ``scale`` (1: right), or raising (``scale=None``): a compile that fails."""
@@ -293,12 +303,7 @@ def _bad_backend(scale):
 def test_a_compiled_side_that_disagrees_or_fails_is_not_timed(tmp_path, monkeypatch, capsys,
                                                               scale, status):
     """Recorded for that side, the others timed, exit 1; not a crash."""
-    # By name, as the options go into the JSON: registered for this test only.
-    from torch._dynamo.backends import registry
-
-    monkeypatch.setitem(registry._BACKENDS, "gatlib_test_bad", None)
-    monkeypatch.setitem(registry._COMPILER_FNS, "gatlib_test_bad", _bad_backend(scale))
-    monkeypatch.setattr(compare, "COMPILE_OPTIONS", {"backend": "gatlib_test_bad"})
+    _cheap_backend(monkeypatch, scale)
     rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--scope", "model",
                           "--classes", "3")
     assert rc == 1 and rep["complete"]
@@ -514,3 +519,32 @@ def test_compare_table_renders_a_report_and_judges_the_target(tmp_path):
     target = {**rep, "config": {**rep["config"], **table.TARGET}}
     path.write_text(json.dumps(target))
     assert "target (forward+backward: ≥4.5x" in table.render([path])
+
+
+def test_compare_table_renders_compiled_sides(tmp_path, monkeypatch):
+    """A schema 3 report (here compiled with a backend that runs the traced graphs as
+    they are: cheap) gets a table of times, one of memory and one of first calls; the
+    summary gains the compiled ratios, judged against the compiled target."""
+    table = _compare_table()
+    _cheap_backend(monkeypatch, 1.0)
+    rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--scope", "model",
+                          "--classes", "3")
+    assert rc == 0 and compare.has_compiled(rep)
+    path = tmp_path / "compare_tiny.json"
+    path.write_text(json.dumps(rep))
+    md = table.render([path])
+    assert "**time (medians)**" in md and "**peak extra memory**" in md
+    assert "compiled PyG ok (loss" in md and "compiled gatlib ok (loss" in md
+    lines = md.splitlines()
+    for rows in (compare.time_rows(rep), compare.memory_rows(rep), compare.first_call_rows(rep)):
+        assert len(rows) == 1, rows
+        assert any(all(cell in line for cell in rows[0]) for line in lines), rows[0]
+    summary = next(line for line in lines if line.startswith("| synthetic:300:1500:16"))
+    assert summary.count("|") == 17  # 16 columns: the compiled ratios and their target
+    row = {"pass": "train_step", "speedup_compiled": 3.1, "gatlib_compiled_over_eager": 1.1,
+           "gatlib_compiled_over_eager_mem": 1.2}
+    assert table._verdict_compiled(row) == "met"
+    assert table._verdict_compiled({**row, "speedup_compiled": 2.9}) == "not met"
+    assert table._verdict_compiled({**row, "gatlib_compiled_over_eager": 1.2}) == "not met"
+    assert table._verdict_compiled({**row, "gatlib_compiled_over_eager_mem": None}) == "n/a"
+    assert table._verdict_compiled({"pass": "train_step", "speedup": 4.0}) == ""  # schema 2

@@ -101,6 +101,8 @@ LAYERS = {"gat": "GATConv", "gatv2": "GATv2Conv", "transformer": "TransformerCon
 IMPLS = ("pyg", "gatlib")  # eager; --no-compile runs these
 COMPILED_IMPLS = ("pyg_compiled", "gatlib_compiled")  # torch.compile of the same modules
 ALL_IMPLS = ("pyg", "pyg_compiled", "gatlib", "gatlib_compiled")  # --compile; table order
+IMPL_LABELS = {"pyg": "PyG", "pyg_compiled": "compiled PyG", "gatlib": "gatlib",
+               "gatlib_compiled": "compiled gatlib"}
 # torch.compile's defaults, written out so that the report says what ran; the same for
 # both libraries, since users compile their model the same way whichever layer it holds.
 # JSON values only: they go into the report and the memory children's specs.
