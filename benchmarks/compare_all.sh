@@ -6,7 +6,8 @@
 #   DEVICE=cuda GRAPHS="arxiv-like products-like" BACKENDS="auto torch fused" benchmarks/compare_all.sh
 #
 # Environment: DEVICE (cpu), GRAPHS ("cora arxiv-like"), BACKENDS ("auto torch fused"),
-# REPEATS (5), EXTRA (more `gatlib compare` options, e.g. "--dtype bfloat16").
+# REPEATS (5), EXTRA (more `gatlib compare` options, e.g. "--dtype bfloat16", or "--no-compile"
+# to time the eager sides only: compiling takes a while, in every memory child too).
 # A backend that cannot run here (no torch_scatter, triton on a machine without CUDA, ...)
 # fails with gatlib compare's message; a run that fails does not stop the others.
 set -uo pipefail

@@ -5,13 +5,17 @@ Usage::
     python benchmarks/compare_table.py [--results benchmarks/results] [--out .../compare.md]
 
 One section per JSON file (graph, device, configuration, environment, the
-agreement check, a table of times and peak extra memory), preceded by a
-summary of the training passes (a layer's forward+backward, a model's
-train_step) across all files. Rows of a run in the project's CPU target setting
-(arxiv-like, H=4, C=64, float32, CPU, the graph given as a plan) are marked against
-its targets (TARGET_BY_PASS): a layer's forward+backward at least 4.5x faster than
-PyG's with at most a tenth of its peak extra memory, a 2-layer model's training
-step at least 3.5x faster.
+agreement check, a table of times and peak extra memory; for reports with the
+compiled sides, schema gatlib.compare/3, a table of times, one of memory and one
+of first calls), preceded by a summary of the training passes (a layer's
+forward+backward, a model's train_step) across all files. Rows of a run in the
+project's CPU target setting (arxiv-like, H=4, C=64, float32, CPU, the graph given
+as a plan) are marked against its targets (TARGET_BY_PASS): a layer's
+forward+backward at least 4.5x faster than PyG's with at most a tenth of its peak
+extra memory, a 2-layer model's training step at least 3.5x faster; and, where the
+compiled sides were measured (TARGET_COMPILED), a compiled training step at least
+3x faster than compiled PyG's, taking at most 1.15x the time and 1.3x the peak
+memory of eager gatlib's.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from gatlib.bench.compare import LAYERS, TABLE_HEADERS, table_rows
+from gatlib.bench.compare import IMPL_LABELS, LAYERS, has_compiled, report_tables
 from gatlib.bench.report import format_table
 
 # The target setting; with a fresh edge_index per call (graph_input "tensor") every call
@@ -29,6 +33,9 @@ TARGET = {"graph": "arxiv-like", "device": "cpu", "heads": 4, "channels": 64, "d
           "graph_input": "plan"}
 # pass -> (least speedup, largest memory ratio or None)
 TARGET_BY_PASS = {"forward+backward": (4.5, 0.1), "train_step": (3.5, None)}
+# pass -> least speedup_compiled, largest gatlib_compiled_over_eager (time), and the same
+# for peak memory (gatlib_compiled_over_eager_mem)
+TARGET_COMPILED = {"train_step": (3.0, 1.15, 1.3)}
 
 
 def _x(v: Optional[float]) -> str:
@@ -49,11 +56,17 @@ def _backend(rep: Dict) -> str:
     return f"{c['backend']} ({ran})"
 
 
-def _check(layer: str, ch: Dict) -> str:
+def _errors(ch: Dict) -> str:
     errs = [f"{label} {ch[key]:.1e}" for key, label in (
         ("forward_rel_err", "out"), ("input_grad_rel_err", "grad"),
         ("loss_rel_err", "loss"), ("weight_grad_rel_err", "weight grad")) if key in ch]
-    return f"{LAYERS[layer]} {ch['status']}" + (f" ({', '.join(errs)})" if errs else "")
+    return f"{ch['status']}" + (f" ({', '.join(errs)})" if errs else "")
+
+
+def _check(layer: str, ch: Dict) -> str:
+    compiled = "; ".join(f"{IMPL_LABELS[impl]} {_errors(c)}"
+                         for impl, c in (ch.get("compiled") or {}).items())
+    return f"{LAYERS[layer]} {_errors(ch)}" + (f"; {compiled}" if compiled else "")
 
 
 def _verdict(row: Dict) -> str:
@@ -64,6 +77,20 @@ def _verdict(row: Dict) -> str:
     if row["speedup"] is None or (mem is not None and row["mem_ratio"] is None):
         return "n/a"
     ok = row["speedup"] >= speed and (mem is None or row["mem_ratio"] <= mem)
+    return "met" if ok else "not met"
+
+
+def _verdict_compiled(row: Dict) -> str:
+    """Against TARGET_COMPILED for this pass ("" for a pass without one or a report
+    without compiled sides)."""
+    if row["pass"] not in TARGET_COMPILED or "speedup_compiled" not in row:
+        return ""
+    speed, time_over, mem_over = TARGET_COMPILED[row["pass"]]
+    values = (row["speedup_compiled"], row["gatlib_compiled_over_eager"],
+              row["gatlib_compiled_over_eager_mem"])
+    if any(v is None for v in values):
+        return "n/a"
+    ok = values[0] >= speed and values[1] <= time_over and values[2] <= mem_over
     return "met" if ok else "not met"
 
 
@@ -95,14 +122,15 @@ def _section(name: str, rep: Dict) -> List[str]:
     ]
     checks = ", ".join(_check(k, ch) for k, ch in rep["checks"].items())
     lines += [f"Agreement with PyG (norm-wise relative error): {checks}", ""]
-    header = list(TABLE_HEADERS)
-    rows = table_rows(rep)
-    target = _is_target(rep)
-    if target:
-        header.append("target (" + "; ".join(_target_text(p) for p in TARGET_BY_PASS) + ")")
-        rows = [row + [_verdict(r)] for row, r in zip(rows, rep["summary"], strict=True)]
-    align = "<<" + ">" * 8 + ("<" if target else "")
-    return lines + [format_table(header, rows, align=align, markdown=True), ""]
+    for i, (title, header, rows, align) in enumerate(report_tables(rep)):
+        if i == 0 and _is_target(rep):  # the verdicts beside the times
+            header = [*header, "target (" + "; ".join(_target_text(p) for p in TARGET_BY_PASS)
+                      + ")"]
+            rows = [row + [_verdict(r)] for row, r in zip(rows, rep["summary"], strict=True)]
+            align += "<"
+        lines += [*([f"**{title}**", ""] if title else []),
+                  format_table(header, rows, align=align, markdown=True), ""]
+    return lines
 
 
 def _scope(c: Dict) -> str:
@@ -128,22 +156,43 @@ def render(paths: List[Path]) -> str:
         "individual rounds. *gatlib 1st*: gatlib's first forward+backward (or training step) on "
         "a freshly built graph input (reports since schema gatlib.compare/2).",
         "",
-        "## Summary: training passes (forward+backward, train_step)",
-        "",
     ]
+    compiled = any(has_compiled(rep) for _, rep in reps)
+    if compiled:
+        lines += [
+            "Reports since schema gatlib.compare/3 also time both layers under `torch.compile` "
+            "(*comp.*: the same modules, torch.compile's defaults): *speedup comp.* = compiled "
+            "PyG / compiled gatlib; *vs PyG comp.* = compiled PyG / eager gatlib (what an eager "
+            "gatlib user gains over a compiled-PyG user); *gatlib comp./eager* = compiled / "
+            "eager gatlib, time and memory. A compiled side's *1st* is its first call, which "
+            "compiles (with torch's compile caches as they were: the JSON counts their hits).",
+            "",
+        ]
+    lines += ["## Summary: training passes (forward+backward, train_step)", ""]
     rows = []
     for _, rep in reps:
         c = rep["config"]
         for r in rep["summary"]:
             if r["pass"] not in ("forward+backward", "train_step"):
                 continue
-            rows.append([c["graph"], c.get("graph_input", "-"), c["device"], _backend(rep),
-                         f"{c['heads']}x{c['channels']}", c["dtype"], LAYERS[r["layer"]],
-                         r["pass"], _x(r["speedup"]), _x(r["mem_ratio"]),
-                         _verdict(r) if _is_target(rep) else ""])
-    lines.append(format_table(["graph", "input", "device", "backend", "HxC", "dtype", "layer", "pass",
-                               "speedup", "mem ratio", "CPU target"], rows,
-                              align="<" * 8 + ">>" + "<", markdown=True))
+            row = [c["graph"], c.get("graph_input", "-"), c["device"], _backend(rep),
+                   f"{c['heads']}x{c['channels']}", c["dtype"], LAYERS[r["layer"]],
+                   r["pass"], _x(r["speedup"]), _x(r["mem_ratio"]),
+                   _verdict(r) if _is_target(rep) else ""]
+            if compiled:
+                row += [_x(r.get("speedup_compiled")), _x(r.get("speedup_vs_pyg_compiled")),
+                        _x(r.get("gatlib_compiled_over_eager")),
+                        _x(r.get("gatlib_compiled_over_eager_mem")),
+                        _verdict_compiled(r) if _is_target(rep) else ""]
+            rows.append(row)
+    header = ["graph", "input", "device", "backend", "HxC", "dtype", "layer", "pass",
+              "speedup", "mem ratio", "CPU target"]
+    align = "<" * 8 + ">>" + "<"
+    if compiled:
+        header += ["speedup comp.", "vs PyG comp.", "gatlib comp./eager",
+                   "gatlib comp./eager mem", "compiled target"]
+        align += ">>>><"
+    lines.append(format_table(header, rows, align=align, markdown=True))
     lines.append("")
     for name, rep in reps:
         lines += _section(name, rep)

@@ -2,7 +2,10 @@
 (gatlib.bench.measure) and its synthetic graphs (gatlib.bench.synthetic).
 
 End-to-end runs use a tiny power-law graph, one thread and one timing round: they
-check the plumbing and the JSON, never the speed.
+check the plumbing and the JSON, never the speed. They run the eager sides
+(``--no-compile``) except where the compiled ones are under test: compiling takes
+10-40 s per model on two cores, so those tests compile one layer type, with
+``dynamic=False``.
 """
 import json
 import subprocess
@@ -15,7 +18,12 @@ import gatlib
 from gatlib.bench import compare, measure, synthetic
 
 TINY = ["--graph", "synthetic:2000:10000:32", "--heads", "2", "--channels", "8",
-        "--repeats", "1", "--threads", "1", "--block-seconds", "0.01"]
+        "--repeats", "1", "--threads", "1", "--block-seconds", "0.01", "--no-compile"]
+# The four-implementation runs: the smallest graph, the fused kernel (auto would pick
+# the reference on so small a graph), no timing blocks.
+TINY_COMPILED = ["--graph", "synthetic:300:1500:16", "--layer", "gat", "--backend", "fused",
+                 "--heads", "2", "--channels", "4", "--repeats", "1", "--threads", "1",
+                 "--block-seconds", "0", "--compile"]
 TOP_KEYS = {"schema", "command", "timestamp", "config", "environment", "graph", "checks",
             "kernels", "measurements", "summary", "complete"}
 
@@ -151,13 +159,67 @@ def test_graph_input_plan_or_tensor(tmp_path, monkeypatch, graph_input):
     assert fb["first_call_s"] > 0
 
 
-def test_model_scope_end_to_end(tmp_path, capsys):
-    """One training step of a 2-layer model, PyG's vs gatlib's with the same weights,
-    memory measured in fresh child processes."""
+@pytest.fixture
+def static_compile(monkeypatch):
+    """torch.compile with dynamic=False: no dynamic-shape recompiles in the tests."""
+    monkeypatch.setattr(compare, "COMPILE_OPTIONS", {**compare.COMPILE_OPTIONS, "dynamic": False})
+
+
+def _check_four_sides(rep, passes):
+    """What every four-implementation report holds: each side timed, each compiled
+    side checked against eager PyG, compiled for real, and the new summary keys."""
+    assert rep["schema"] == "gatlib.compare/3"
+    assert rep["config"]["impls"] == list(compare.ALL_IMPLS)
+    assert rep["config"]["compile_options"] == {"backend": "inductor", "mode": None,
+                                                "fullgraph": False, "dynamic": False}
+    check = rep["checks"]["gat"]
+    assert check["status"] == "ok" and set(check["compiled"]) == set(compare.COMPILED_IMPLS)
+    for impl, c in check["compiled"].items():
+        assert c["status"] == "ok", (impl, c)
+        for key in compare._QUANTITIES[rep["config"]["scope"]]:
+            assert c[f"{key}_rel_err"] <= c[f"tol_{key}"] == 1e-4
+    # Compiled for real: each compiled side's first call compiled graphs (the caches
+    # were reset for the layer), the compiled gatlib ran the fused operators, and
+    # nothing compiled while timing.
+    comp = rep["compile"]["gat"]
+    for impl in compare.COMPILED_IMPLS:
+        assert comp[impl]["graphs"] >= 1 and comp[impl]["first_call_s"] > 0
+    assert comp["gatlib_compiled"]["graph_breaks"] == 0  # the fused operators stay in the graph
+    assert rep["kernels_compiled"]["gat"] == ["fused", "fused.backward"]
+    assert rep["kernels"]["gat"] == ["fused", "fused.backward"]
+    assert set(comp["graphs_while_timing"]) == set(passes)
+    assert not any(comp["graphs_while_timing"].values())
+    by = {(m["impl"], m["pass"]): m for m in rep["measurements"]}
+    assert set(by) == {(i, p) for i in compare.ALL_IMPLS for p in passes}
+    for (impl, p), m in by.items():
+        assert m["time"]["status"] == "ok" and m["time"]["median_s"] > 0, (impl, p, m)
+        if compare.is_compiled(impl):  # called until a call compiled nothing
+            assert m["settle_calls"][-1]["graphs"] == 0
+    first = passes[-1]  # forward+backward or train_step
+    for impl in ("gatlib", *compare.COMPILED_IMPLS):
+        assert by[impl, first]["first_call_s"] > 0
+    assert by["pyg_compiled", first]["first_call_s"] == comp["pyg_compiled"]["first_call_s"]
+    assert "first_call_s" not in by["pyg", first]
+    assert [(r["layer"], r["pass"]) for r in rep["summary"]] == [("gat", p) for p in passes]
+    for row in rep["summary"]:
+        assert set(row["median_s"]) == set(compare.ALL_IMPLS)
+        for key in compare.TIME_RATIOS:
+            assert row[key] > 0 and len(row[f"{key}_rounds"]) == 1
+        assert row["speedup_compiled"] == pytest.approx(
+            row["median_s"]["pyg_compiled"] / row["median_s"]["gatlib_compiled"])
+        assert row["speedup_vs_pyg_compiled"] == pytest.approx(
+            row["median_s"]["pyg_compiled"] / row["median_s"]["gatlib"])
+        assert row["gatlib_compiled_over_eager"] == pytest.approx(
+            row["median_s"]["gatlib_compiled"] / row["median_s"]["gatlib"])
+        assert set(compare.MEMORY_RATIOS) <= set(row)
+
+
+def test_model_scope_end_to_end(tmp_path, capsys, static_compile):
+    """One training step of a 2-layer model, PyG's and gatlib's with the same weights,
+    each eager and compiled; memory measured in fresh child processes, where the
+    compiled sides compile before their warm-up call."""
     out = tmp_path / "model.json"
-    rc = compare.main(["--graph", "synthetic:300:1500:16", "--layer", "gat", "--scope", "model",
-                       "--classes", "5", "--backend", "fused", "--heads", "2", "--channels", "4", "--repeats", "1",
-                       "--threads", "1", "--block-seconds", "0.01",
+    rc = compare.main([*TINY_COMPILED, "--scope", "model", "--classes", "5",
                        "--data-dir", str(tmp_path / "data"), "--json", str(out)])
     assert rc == 0
     rep = json.loads(out.read_text())
@@ -165,15 +227,106 @@ def test_model_scope_end_to_end(tmp_path, capsys):
     check = rep["checks"]["gat"]
     assert check["status"] == "ok" and check["weight"] == "conv1.lin.weight"
     assert check["loss_rel_err"] <= check["tol_loss"] and check["weight_grad_rel_err"] <= 1e-4
-    assert rep["kernels"]["gat"] == ["fused", "fused.backward"]  # an explicit backend runs or fails
-    by = {m["impl"]: m for m in rep["measurements"]}
-    assert set(by) == {"pyg", "gatlib"} and all(m["pass"] == "train_step" for m in by.values())
-    for m in by.values():
-        assert m["time"]["status"] == "ok" and m["time"]["median_s"] > 0
-        assert m["memory"]["status"] == "ok" and m["memory"]["hwm_reset"]
-    assert by["gatlib"]["first_call_s"] > 0 and "first_call_s" not in by["pyg"]
-    assert rep["summary"][0]["pass"] == "train_step" and rep["summary"][0]["speedup"] > 0
-    assert "training step of a 2-layer model" in capsys.readouterr().out
+    assert all(c["weight"] == "conv1.lin.weight" for c in check["compiled"].values())
+    _check_four_sides(rep, ["train_step"])
+    for m in rep["measurements"]:
+        assert m["memory"]["status"] == "ok" and m["memory"]["hwm_reset"], m
+    # PyG's GATConv removes and adds self-loops with data-dependent shapes (nonzero).
+    assert rep["compile"]["gat"]["pyg_compiled"]["graph_breaks"] >= 1
+    out = capsys.readouterr().out
+    assert "training step of a 2-layer model" in out
+    assert "time (medians)" in out and "peak extra memory" in out and "gatlib comp. ms" in out
+    assert "gatlib compiled kernels: GATConv fused, fused.backward; torch.compile(" in out
+
+
+def test_layer_scope_four_sides(tmp_path, monkeypatch, static_compile):
+    """--scope layer, the four sides; the compiled ones are torch.compile's modules (of
+    the same objects as the eager sides') and get a graph input of their own. (The
+    forward pass is left out: compiled gatlib layers do not yet compile under no_grad.)"""
+    seen = []  # (module, graph input) of each measured call, in the order they were made
+    real = compare._make_pass
+
+    def make_pass(module, x, edge_index, target, name):
+        seen.append((module, edge_index))
+        return real(module, x, edge_index, target, name)
+
+    monkeypatch.setattr(compare, "_make_pass", make_pass)
+    rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--pass", "forward+backward")
+    assert rc == 0
+    _check_four_sides(rep, ["forward+backward"])
+    (pyg, _), (pyg_c, _), (ours, plan), (ours_c, plan_c) = seen[:4]  # then gatlib's first call
+    assert isinstance(pyg_c, torch._dynamo.eval_frame.OptimizedModule) and pyg_c._orig_mod is pyg
+    assert isinstance(ours_c, torch._dynamo.eval_frame.OptimizedModule) and ours_c._orig_mod is ours
+    assert type(pyg).__module__.startswith("torch_geometric") and isinstance(ours, gatlib.GATConv)
+    assert isinstance(plan, gatlib.GraphPlan) and isinstance(plan_c, gatlib.GraphPlan)
+    assert plan is not plan_c
+    table = compare.render_table(rep)
+    assert "GATConv  forward+backward" in table and "PyG comp. 1st s" in table
+
+
+def test_no_compile_gives_the_eager_two(tmp_path):
+    rc, rep = run_compare(tmp_path, "--layer", "gat", "--no-memory")
+    assert rc == 0 and rep["config"]["impls"] == ["pyg", "gatlib"]
+    assert rep["config"]["compile_options"] is None
+    assert {m["impl"] for m in rep["measurements"]} == {"pyg", "gatlib"}
+    assert "compiled" not in rep["checks"]["gat"] and "kernels_compiled" not in rep
+    assert all(r["speedup_compiled"] is None and r["mem_ratio_compiled"] is None
+               for r in rep["summary"])
+    assert compare.report_tables(rep)[0][1] == compare.TABLE_HEADERS
+
+
+def _cheap_backend(monkeypatch, scale):
+    """torch.compile with :func:`_bad_backend` (by name, as the options go into the
+    JSON; registered for this test only)."""
+    from torch._dynamo.backends import registry
+
+    monkeypatch.setitem(registry._BACKENDS, "gatlib_test_backend", None)
+    monkeypatch.setitem(registry._COMPILER_FNS, "gatlib_test_backend", _bad_backend(scale))
+    monkeypatch.setattr(compare, "COMPILE_OPTIONS", {"backend": "gatlib_test_backend"})
+
+
+def _bad_backend(scale):
+    """A torch.compile backend without inductor (cheap): its graphs' floating outputs
+    times ``scale`` (1: right), or raising (``scale=None``): a compile that fails."""
+    def backend(gm, example_inputs):
+        if scale is None:
+            raise RuntimeError("no compiler here")
+
+        def run(*args):
+            return [o * scale if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                    for o in gm(*args)]
+        return run
+    return backend
+
+
+@pytest.mark.parametrize("scale, status", [(1.5, "mismatch"), (None, "error")])
+def test_a_compiled_side_that_disagrees_or_fails_is_not_timed(tmp_path, monkeypatch, capsys,
+                                                              scale, status):
+    """Recorded for that side, the others timed, exit 1; not a crash."""
+    _cheap_backend(monkeypatch, scale)
+    rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--scope", "model",
+                          "--classes", "3")
+    assert rc == 1 and rep["complete"]
+    check = rep["checks"]["gat"]
+    assert check["status"] == "ok"  # eager gatlib agrees with PyG
+    assert {c["status"] for c in check["compiled"].values()} == {status}
+    time = {m["impl"]: m["time"] for m in rep["measurements"]}
+    assert time["pyg"]["status"] == time["gatlib"]["status"] == "ok"
+    assert time["pyg_compiled"]["status"] == time["gatlib_compiled"]["status"] == status
+    assert rep["summary"][0]["speedup"] > 0 and rep["summary"][0]["speedup_compiled"] is None
+    err = capsys.readouterr().err
+    assert "torch.compile(gatlib.GATConv(backend='fused')) " in err and "Not timing it" in err
+
+
+def test_a_compiled_side_that_ran_eagerly_is_an_error(tmp_path, monkeypatch):
+    """If torch.compile compiled nothing (disabled, or a wrapper that is not it), the
+    side's first call compiled no graph: an error, not a column of eager times."""
+    monkeypatch.setattr(compare.torch, "compile", lambda module, **kw: module)
+    rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--scope", "model",
+                          "--classes", "3")
+    assert rc == 1
+    for c in rep["checks"]["gat"]["compiled"].values():
+        assert c["status"] == "error" and "ran eagerly" in c["error"]
 
 
 def test_model_pair_shares_weights_and_trains():
@@ -366,3 +519,32 @@ def test_compare_table_renders_a_report_and_judges_the_target(tmp_path):
     target = {**rep, "config": {**rep["config"], **table.TARGET}}
     path.write_text(json.dumps(target))
     assert "target (forward+backward: ≥4.5x" in table.render([path])
+
+
+def test_compare_table_renders_compiled_sides(tmp_path, monkeypatch):
+    """A schema 3 report (here compiled with a backend that runs the traced graphs as
+    they are: cheap) gets a table of times, one of memory and one of first calls; the
+    summary gains the compiled ratios, judged against the compiled target."""
+    table = _compare_table()
+    _cheap_backend(monkeypatch, 1.0)
+    rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--scope", "model",
+                          "--classes", "3")
+    assert rc == 0 and compare.has_compiled(rep)
+    path = tmp_path / "compare_tiny.json"
+    path.write_text(json.dumps(rep))
+    md = table.render([path])
+    assert "**time (medians)**" in md and "**peak extra memory**" in md
+    assert "compiled PyG ok (loss" in md and "compiled gatlib ok (loss" in md
+    lines = md.splitlines()
+    for rows in (compare.time_rows(rep), compare.memory_rows(rep), compare.first_call_rows(rep)):
+        assert len(rows) == 1, rows
+        assert any(all(cell in line for cell in rows[0]) for line in lines), rows[0]
+    summary = next(line for line in lines if line.startswith("| synthetic:300:1500:16"))
+    assert summary.count("|") == 17  # 16 columns: the compiled ratios and their target
+    row = {"pass": "train_step", "speedup_compiled": 3.1, "gatlib_compiled_over_eager": 1.1,
+           "gatlib_compiled_over_eager_mem": 1.2}
+    assert table._verdict_compiled(row) == "met"
+    assert table._verdict_compiled({**row, "speedup_compiled": 2.9}) == "not met"
+    assert table._verdict_compiled({**row, "gatlib_compiled_over_eager": 1.2}) == "not met"
+    assert table._verdict_compiled({**row, "gatlib_compiled_over_eager_mem": None}) == "n/a"
+    assert table._verdict_compiled({"pass": "train_step", "speedup": 4.0}) == ""  # schema 2

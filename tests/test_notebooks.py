@@ -104,6 +104,25 @@ _COMPARE = {
 _COMPARE["measurements"][0]["time"] = {"status": "OOM", "error": "out of memory"}
 _COMPARE["measurements"][0]["memory"] = {"status": "OOM", "error": "out of memory"}
 
+# A report with the compiled sides (schema gatlib.compare/3): PyG and gatlib, each eager and
+# under torch.compile, a training step of a 2-layer model; one compiled side failed.
+_COMPARE_COMPILED = {
+    "schema": "gatlib.compare/3",
+    "config": {**_COMPARE["config"], "scope": "model", "classes": 40,
+               "impls": ["pyg", "pyg_compiled", "gatlib", "gatlib_compiled"]},
+    "kernels": {"gat": ["fused", "fused.backward"]},
+    "kernels_compiled": {"gat": ["fused", "fused.backward"]},
+    "environment": {"device_name": "test CPU"},
+    "graph": {"name": "arxiv-like", "num_nodes": 169343, "num_edges": 2325946},
+    "measurements": [_measurement(layer, impl, "train_step", ms, mib)
+                     for layer, scale in (("gat", 1), ("gatv2", 1.2), ("transformer", 1.1))
+                     for impl, ms, mib in (("pyg", 9000 * scale, 6000 * scale),
+                                           ("pyg_compiled", 6000 * scale, 4000 * scale),
+                                           ("gatlib", 1800 * scale, 500 * scale),
+                                           ("gatlib_compiled", 1700 * scale, 520 * scale))],
+}
+_COMPARE_COMPILED["measurements"][-1]["time"] = {"status": "error", "error": "not timed: ..."}
+
 
 def test_benchmark_plots_from_reports(monkeypatch, tmp_path):
     """Known reports are plotted, other files skipped with a note; whatever
@@ -112,6 +131,7 @@ def test_benchmark_plots_from_reports(monkeypatch, tmp_path):
         shutil.copyfile(path, tmp_path / path.name)
     (tmp_path / "test_bench_cora_gat.json").write_text(json.dumps(_BENCH))
     (tmp_path / "test_compare_cora_cpu.json").write_text(json.dumps(_COMPARE))
+    (tmp_path / "test_compare_compiled_cpu.json").write_text(json.dumps(_COMPARE_COMPILED))
     (tmp_path / "test_notes.json").write_text(json.dumps({"something": "else"}))
     (tmp_path / "test_broken.json").write_text("{not json")
     nb = execute("03_benchmark_plots.ipynb", monkeypatch, GATLIB_RESULTS_DIR=str(tmp_path))
@@ -121,6 +141,9 @@ def test_benchmark_plots_from_reports(monkeypatch, tmp_path):
     # A setting is labelled with what gatlib ran: the kernels a report recorded.
     tables = "".join(out.get("data", {}).get("text/plain", "") for out in outputs(nb))
     assert "backend auto→fused" in tables
+    # The compiled sides get columns of their own (older reports leave them empty).
+    assert "gatlib compiled ms" in tables and "speed-up compiled" in tables
+    assert "vs PyG compiled" in tables and "PyG compiled MiB" in tables
 
 
 def test_benchmark_plots_without_results(monkeypatch, tmp_path):

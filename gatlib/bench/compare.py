@@ -12,33 +12,56 @@ and run on the same graph and features. What is compared (``--scope``):
   concat=False): forward, cross-entropy on random (seeded) labels, backward and
   an Adam step (lr 0.01).
 
+Four implementations (``--compile``, the default), what users run: ``pyg`` and
+``gatlib`` eagerly, and ``pyg_compiled`` and ``gatlib_compiled``:
+``torch.compile(module, **COMPILE_OPTIONS)`` of the same two module objects
+(torch.compile's defaults: the same user code for both libraries; recorded in
+the JSON's config). ``--no-compile`` runs the eager two. Before each layer type
+torch's compile caches are reset (``torch._dynamo.reset()``), so its compiled
+sides compile afresh and stay far from the recompile limit past which dynamo
+would quietly run eagerly.
+
 GATConv and GATv2Conv add one self-loop per node themselves; TransformerConv is
 given the ``edge_index`` with the same self-loops added, so every layer attends
 over the same ``E + N`` edges.
 
 The graph is an input like the features: PyG's layer receives the ``[2, E]``
-tensor; gatlib's receives a :class:`gatlib.GraphPlan` built from it once before
-anything is measured (``--graph-input plan``, the default), or the same tensor
-(``--graph-input tensor``), from which it then derives a plan inside every call.
-A plan derives its CSR layout and self-loops on first use and keeps them, so
-gatlib's ``forward+backward`` (or ``train_step``) measurement also records
-``first_call_s``: the time of one call on a freshly built plan (or tensor),
-taken once after the agreement check and before the warm-up.
+tensor; each gatlib side receives a :class:`gatlib.GraphPlan` of its own built
+from it before anything is measured (``--graph-input plan``, the default), or
+the same tensor (``--graph-input tensor``), from which it then derives a plan
+inside every call. A plan derives its CSR layout and self-loops on first use
+and keeps them, so gatlib's ``forward+backward`` (or ``train_step``)
+measurement also records ``first_call_s``: the time of one call on a freshly
+built plan (or tensor), taken once after the agreement check and before the
+warm-up. A compiled side's ``first_call_s`` is the time of its first call in
+this process, which compiles: its agreement check's forward and backward, on
+its freshly built graph input.
 
 Steps, per layer type:
 
 1. **peak extra memory** of each (implementation, pass) after a warm-up call
-   (:mod:`gatlib.bench.measure`; on CPU in a fresh child process per
-   measurement, run as ``python -m gatlib.bench.compare --_child SPEC``);
+   (:mod:`gatlib.bench.measure`; on CPU first, in a fresh child process per
+   measurement, run as ``python -m gatlib.bench.compare --_child SPEC``, where
+   a compiled side compiles before the warm-up: :func:`settle`);
 2. **agreement**: gatlib's output and input gradient (``layer``), or loss and
    gradient of conv1's first weight (``model``), must match PyG's (norm-wise
    relative error, tolerance by dtype), else the run aborts — timing something
-   that computes something else is meaningless. The kernels gatlib ran here are
-   recorded (``kernels``);
-3. **time**: warm-up, then ``--repeats`` interleaved rounds (A B B A) of at
-   least ``--block-seconds`` each. Reported: medians, speedup = PyG / gatlib
-   median, and the per-round ratios, whose spread says how much the machine's
-   load moved the numbers.
+   that computes something else is meaningless. Each compiled side is checked
+   against eager PyG with the same tolerances (``checks[layer]["compiled"]``);
+   one that fails to compile or disagrees is not timed and the run exits 1,
+   the other sides carry on. The kernels gatlib ran are recorded (``kernels``,
+   and ``kernels_compiled`` for the compiled side), and what each compiled
+   side compiled (``compile``: graphs, graph breaks and their reasons);
+3. each compiled side is called until a call compiles nothing new
+   (:func:`settle`: a ``GraphPlan``'s derived layouts, ``no_grad``, each make a
+   graph of their own), so no compile falls into a measurement; on CUDA the
+   peak memory is measured now, in this process;
+4. **time**: warm-up, then ``--repeats`` interleaved rounds (A B C D D C B A)
+   of all implementations, each block at least ``--block-seconds``. Reported:
+   medians, their ratios (``summary``: speedup = PyG / gatlib, eager; and
+   compiled against compiled, gatlib eager against compiled PyG, compiled
+   gatlib against eager gatlib) and the per-round ratios, whose spread says how
+   much the machine's load moved the numbers.
 
 Out-of-memory is a result ("OOM"), not a crash. On CPU this process runs under
 :func:`gatlib.bench.measure.memory_budget` (the free memory, or
@@ -51,6 +74,7 @@ Usage::
 
     gatlib compare --layer all --graph arxiv-like --device cpu --json out.json
     python -m gatlib.bench.compare --layer gat --scope model --graph synthetic:2000:10000:32
+    python -m gatlib.bench.compare --layer gat --no-compile  # eager PyG and gatlib only
 """
 from __future__ import annotations
 
@@ -61,9 +85,10 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +98,18 @@ from . import measure
 from .report import command_line, environment, format_table, write_json
 
 LAYERS = {"gat": "GATConv", "gatv2": "GATv2Conv", "transformer": "TransformerConv"}
-IMPLS = ("pyg", "gatlib")
+IMPLS = ("pyg", "gatlib")  # eager; --no-compile runs these
+COMPILED_IMPLS = ("pyg_compiled", "gatlib_compiled")  # torch.compile of the same modules
+ALL_IMPLS = ("pyg", "pyg_compiled", "gatlib", "gatlib_compiled")  # --compile; table order
+IMPL_LABELS = {"pyg": "PyG", "pyg_compiled": "compiled PyG", "gatlib": "gatlib",
+               "gatlib_compiled": "compiled gatlib"}
+# torch.compile's defaults, written out so that the report says what ran; the same for
+# both libraries, since users compile their model the same way whichever layer it holds.
+# JSON values only: they go into the report and the memory children's specs.
+COMPILE_OPTIONS: Dict = {"backend": "inductor", "mode": None, "fullgraph": False,
+                         "dynamic": None}
+# Calls of a compiled side before one compiles nothing new (see settle()).
+SETTLE_CALLS = 4
 PASSES = ("forward", "forward+backward")  # --scope layer
 TRAIN_STEP = "train_step"  # --scope model
 SCOPES = ("layer", "model")
@@ -93,7 +129,7 @@ _LOWP_FLOOR = 1e-4
 # What the agreement check compares, by scope.
 _QUANTITIES = {"layer": ("forward", "input_grad"), "model": ("loss", "weight_grad")}
 
-SCHEMA = "gatlib.compare/2"
+SCHEMA = "gatlib.compare/3"
 
 
 # ---------------------------------------------------------------------------
@@ -148,10 +184,20 @@ def layer_edge_index(layer: str, edge_index: Tensor, edge_index_loops: Tensor) -
     return edge_index_loops if layer == "transformer" else edge_index
 
 
+def base_impl(impl: str) -> str:
+    """The library of an implementation: ``"pyg"`` or ``"gatlib"``."""
+    return impl.removesuffix("_compiled")
+
+
+def is_compiled(impl: str) -> bool:
+    return impl.endswith("_compiled")
+
+
 def graph_input(impl: str, edge_index: Tensor, num_nodes: int, mode: str):
     """What ``impl``'s layer receives as its graph: PyG the ``[2, E]`` tensor;
-    gatlib a :class:`gatlib.GraphPlan` built here (``mode="plan"``) or the tensor."""
-    if impl == "gatlib" and mode == "plan":
+    gatlib (eager or compiled) a :class:`gatlib.GraphPlan` built here
+    (``mode="plan"``) or the tensor."""
+    if base_impl(impl) == "gatlib" and mode == "plan":
         import gatlib
 
         return gatlib.GraphPlan(edge_index, num_nodes=num_nodes)
@@ -197,6 +243,14 @@ def build_pair(layer: str, in_channels: int, heads: int, channels: int, backend:
         ours = TwoLayer(ours_make, in_channels, heads, channels, num_classes)
     ours.load_state_dict(theirs.state_dict())
     return {"pyg": theirs.to(device, dtype), "gatlib": ours.to(device, dtype)}
+
+
+def with_compiled(pair: Dict[str, torch.nn.Module], impls, options: Dict
+                  ) -> Dict[str, torch.nn.Module]:
+    """``impls``' modules: :func:`build_pair`'s, and for a compiled side
+    ``torch.compile`` of the same module object (nothing compiles until it is called)."""
+    return {impl: (torch.compile(pair[base_impl(impl)], **options) if is_compiled(impl)
+                   else pair[impl]) for impl in impls}
 
 
 def _grad_out(num_nodes: int, width: int, dtype, device, seed: int) -> Tensor:
@@ -272,16 +326,94 @@ def measured_call(spec: Dict):
     N, F_in = x.shape
     edge_index = layer_edge_index(spec["layer"], blob["edge_index"], blob["edge_index_loops"])
     del blob
-    module = build_pair(spec["layer"], F_in, spec["heads"], spec["channels"], spec["backend"],
-                        torch.device("cpu"), dtype, spec["seed"], spec["scope"],
-                        spec["classes"])[spec["impl"]]
+    impl = spec["impl"]
+    pair = build_pair(spec["layer"], F_in, spec["heads"], spec["channels"], spec["backend"],
+                      torch.device("cpu"), dtype, spec["seed"], spec["scope"], spec["classes"])
+    module = with_compiled(pair, [impl], spec.get("compile_options") or {})[impl]
+    del pair
     if spec["scope"] == "layer":
         x = x.requires_grad_()
         target = _grad_out(N, spec["heads"] * spec["channels"], dtype, "cpu", spec["seed"])
     else:
         target = _labels(N, spec["classes"], "cpu", spec["seed"])
-    graph = graph_input(spec["impl"], edge_index, N, spec["graph_input"])
-    return _make_pass(module, x, graph, target, spec["pass"])
+    graph = graph_input(impl, edge_index, N, spec["graph_input"])
+    fn = _make_pass(module, x, graph, target, spec["pass"])
+    if is_compiled(impl):  # compile now: the warm-up and measured calls must not
+        res = settle(fn, torch.device("cpu"))
+        if res["status"] != "ok":
+            raise RuntimeError(f"{impl} failed before it settled: {res['error']}")
+    return fn
+
+
+# ---------------------------------------------------------------------------
+# Compiling
+# ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def compile_stats():
+    """What torch.compile did inside this block, from dynamo's counters (global, so
+    one side at a time): ``graphs`` compiled, ``graph_breaks`` and their
+    ``break_reasons`` (first lines), and the compile caches' ``cache`` hits and misses."""
+    from torch._dynamo.utils import counters
+
+    def snapshot():
+        return {group: dict(c) for group, c in counters.items()}
+
+    before, stats = snapshot(), {}
+    try:
+        yield stats
+    finally:
+        after = snapshot()
+
+        def delta(group, key):
+            return after.get(group, {}).get(key, 0) - before.get(group, {}).get(key, 0)
+
+        breaks = {r: delta("graph_break", r) for r in after.get("graph_break", {})}
+        breaks = {r: n for r, n in breaks.items() if n > 0}
+        stats.update(
+            graphs=delta("stats", "unique_graphs"),
+            graph_breaks=sum(breaks.values()),
+            break_reasons=sorted({(r.strip().splitlines() or [""])[0][:200] for r in breaks}),
+            cache={f"{group}.{key}": delta(group, key) for group in ("aot_autograd", "inductor")
+                   for key in after.get(group, {}) if "cache_" in key and delta(group, key)})
+
+
+def add_stats(total: Dict, stats: Dict) -> Dict:
+    """Accumulate :func:`compile_stats` results into ``total``."""
+    total["graphs"] = total.get("graphs", 0) + stats["graphs"]
+    total["graph_breaks"] = total.get("graph_breaks", 0) + stats["graph_breaks"]
+    total["break_reasons"] = sorted({*total.get("break_reasons", []), *stats["break_reasons"]})
+    cache = total.setdefault("cache", {})
+    for key, n in stats["cache"].items():
+        cache[key] = cache.get(key, 0) + n
+    return total
+
+
+def settle(fn, device: torch.device, max_calls: int = SETTLE_CALLS) -> Dict:
+    """Call a compiled side's measured call until a call compiles nothing new.
+
+    Its first calls compile: a graph per grad mode, and with a fresh
+    :class:`gatlib.GraphPlan` one before the plan holds its derived layouts and
+    one after, when they are inputs. A warm-up call that compiled would also size
+    the timing blocks, and a memory measurement would include compiling.
+
+    Returns:
+        ``status``, ``calls`` (``seconds`` and ``graphs`` compiled, per call),
+        ``settled`` (the last call compiled nothing) and the summed
+        :func:`compile_stats`; or the failure of the call that raised.
+    """
+    calls: List[Dict] = []
+    total: Dict = {}
+    for _ in range(max_calls):
+        with compile_stats() as stats:
+            t = measure.time_once(fn, device)
+        fn.clear()
+        add_stats(total, stats)
+        if t["status"] != "ok":
+            return {**t, "calls": calls, **total}
+        calls.append({"seconds": t["seconds"], "graphs": stats["graphs"]})
+        if stats["graphs"] == 0:
+            break
+    return {"status": "ok", "calls": calls, "settled": calls[-1]["graphs"] == 0, **total}
 
 
 # ---------------------------------------------------------------------------
@@ -295,6 +427,7 @@ def _rel_err(a: Tensor, b: Tensor) -> float:
 def first_weight(model: torch.nn.Module) -> str:
     """Name of conv1's first weight (the input projection), whose gradient the
     model scope's agreement check compares."""
+    model = getattr(model, "_orig_mod", model)  # a compiled side: the module it compiles
     return next(f"conv1.{n}" for n, _ in model.conv1.named_parameters() if n.endswith("weight"))
 
 
@@ -308,40 +441,50 @@ def _layer_outputs(layer, x: Tensor, edge_index, grad_out: Tensor):
 
 def _model_outputs(model, x: Tensor, edge_index, labels: Tensor):
     """``(loss, gradient of conv1's first weight)``."""
-    weight = model.get_parameter(first_weight(model))
+    weight = getattr(model, "_orig_mod", model).get_parameter(first_weight(model))
     loss = F.cross_entropy(model(x.detach(), edge_index), labels)
     (grad,) = torch.autograd.grad(loss, weight)
     return loss.detach(), grad
 
 
+_OUTPUTS = {"layer": _layer_outputs, "model": _model_outputs}
+
+
+def pyg_reference(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
+                  target: Tensor, scope: str = "layer") -> Dict:
+    """What every other side is compared with: eager PyG's outputs (``"pyg"``) and,
+    in half precision, PyG's in float32 (``"fp32"``, else ``None``)."""
+    ref = {"pyg": _OUTPUTS[scope](modules["pyg"], x, graphs["pyg"], target), "fp32": None}
+    if x.dtype in (torch.float16, torch.bfloat16):
+        ref_module = copy.deepcopy(modules["pyg"]).float()
+        ref["fp32"] = _OUTPUTS[scope](ref_module, x.float(), graphs["pyg"],
+                                      target.float() if target.is_floating_point() else target)
+    return ref
+
+
 def check_agreement(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
-                    target: Tensor, scope: str = "layer") -> Dict:
-    """Norm-wise relative error of gatlib vs PyG.
+                    target: Tensor, scope: str = "layer", impl: str = "gatlib",
+                    ref: Optional[Dict] = None) -> Dict:
+    """Norm-wise relative error of ``impl`` (gatlib, or a compiled side) vs eager PyG.
 
     ``layer``: output and input gradient; ``model``: loss and gradient of conv1's
     first weight. float32: each error at most ``1e-4``. bfloat16/float16: both
-    are compared with PyG in float32; gatlib's error may be at most twice PyG's
-    plus ``1e-4``.
+    are compared with PyG in float32; ``impl``'s error may be at most twice
+    PyG's plus ``1e-4``. ``ref``: :func:`pyg_reference` (computed if not given).
     """
-    outputs = _layer_outputs if scope == "layer" else _model_outputs
-    dtype = x.dtype
-    out = {impl: outputs(modules[impl], x, graphs[impl], target) for impl in IMPLS}
-    res: Dict = {"dtype": str(dtype).replace("torch.", "")}
+    ref = ref if ref is not None else pyg_reference(modules, graphs, x, target, scope)
+    got = _OUTPUTS[scope](modules[impl], x, graphs[impl], target)
+    res: Dict = {"dtype": str(x.dtype).replace("torch.", "")}
     if scope == "model":
-        res["weight"] = first_weight(modules["gatlib"])
+        res["weight"] = first_weight(modules[impl])
     keys = _QUANTITIES[scope]
-    if dtype not in (torch.float16, torch.bfloat16):
-        for i, key in enumerate(keys):
-            res[f"{key}_rel_err"] = _rel_err(out["gatlib"][i], out["pyg"][i])
+    for i, key in enumerate(keys):
+        if ref["fp32"] is None:
+            res[f"{key}_rel_err"] = _rel_err(got[i], ref["pyg"][i])
             res[f"tol_{key}"] = _FP32_TOL
-    else:
-        ref_module = copy.deepcopy(modules["pyg"]).float()
-        ref = outputs(ref_module, x.float(), graphs["pyg"],
-                      target.float() if target.is_floating_point() else target)
-        del ref_module
-        for i, key in enumerate(keys):
-            err_pyg = _rel_err(out["pyg"][i], ref[i])
-            res[f"{key}_rel_err"] = _rel_err(out["gatlib"][i], ref[i])
+        else:
+            err_pyg = _rel_err(ref["pyg"][i], ref["fp32"][i])
+            res[f"{key}_rel_err"] = _rel_err(got[i], ref["fp32"][i])
             res[f"{key}_rel_err_pyg_vs_fp32"] = err_pyg
             res[f"tol_{key}"] = 2 * err_pyg + _LOWP_FLOOR
     ok = all(res[f"{key}_rel_err"] <= res[f"tol_{key}"] for key in keys)
@@ -352,34 +495,67 @@ def check_agreement(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor
 # ---------------------------------------------------------------------------
 # Summary and table
 # ---------------------------------------------------------------------------
+# summary key -> (numerator, denominator): ratios of median times, "<key>_rounds" per round.
+TIME_RATIOS = {
+    "speedup": ("pyg", "gatlib"),  # > 1: eager gatlib faster than eager PyG
+    "speedup_compiled": ("pyg_compiled", "gatlib_compiled"),
+    "speedup_vs_pyg_compiled": ("pyg_compiled", "gatlib"),  # eager gatlib vs compiled PyG
+    "gatlib_compiled_over_eager": ("gatlib_compiled", "gatlib"),  # < 1: compiling helps
+    "pyg_compiled_over_eager": ("pyg_compiled", "pyg"),
+}
+# ... and of peak extra memory
+MEMORY_RATIOS = {
+    "mem_ratio": ("gatlib", "pyg"),  # < 1: gatlib needs less
+    "mem_ratio_compiled": ("gatlib_compiled", "pyg_compiled"),
+    "gatlib_compiled_over_eager_mem": ("gatlib_compiled", "gatlib"),
+}
+
+
+def _median(m: Optional[Dict]) -> Optional[float]:
+    return (m or {}).get("time", {}).get("median_s") or None
+
+
+def _peak(m: Optional[Dict]) -> Optional[int]:
+    mem = (m or {}).get("memory")
+    return mem["peak_extra_bytes"] if mem and mem.get("status") == "ok" else None
+
+
 def summarize(measurements: List[Dict]) -> List[Dict]:
-    """Per (layer, pass): speedup = PyG time / gatlib time, mem_ratio = gatlib / PyG memory."""
+    """Per (layer, pass) with both eager sides: each side's median time and peak
+    extra memory (``median_s``, ``peak_extra_bytes``: by implementation), the
+    ratios of :data:`TIME_RATIOS` and :data:`MEMORY_RATIOS` (``None`` where a side
+    was not measured or failed), and each time ratio per round (``<key>_rounds``)
+    where both sides ran the same rounds."""
     by = {(m["layer"], m["impl"], m["pass"]): m for m in measurements}
     rows = []
     for layer, p in dict.fromkeys((m["layer"], m["pass"]) for m in measurements):
-        a, b = by.get((layer, "pyg", p)), by.get((layer, "gatlib", p))
-        if a is None or b is None:
+        if (layer, "pyg", p) not in by or (layer, "gatlib", p) not in by:
             continue
-        ta, tb = a["time"], b["time"]
-        ma, mb = a.get("memory"), b.get("memory")
-        speed = (ta["median_s"] / tb["median_s"]
-                 if ta.get("median_s") and tb.get("median_s") else None)
-        # Per-round ratios pair measurements taken seconds apart, under the same
-        # load; their spread shows how far to trust the speedup on a shared machine.
-        paired = speed is not None and len(ta["times_s"]) == len(tb["times_s"])
-        rounds = ([x / y for x, y in zip(ta["times_s"], tb["times_s"], strict=True)]
-                  if paired else [])
-        mem = (mb["peak_extra_bytes"] / ma["peak_extra_bytes"]
-               if ma and mb and ma.get("status") == mb.get("status") == "ok"
-               and ma["peak_extra_bytes"] > 0 else None)
-        rows.append({"layer": layer, "pass": p, "speedup": speed,
-                     "speedup_rounds": rounds,
-                     "speedup_paired_median": statistics.median(rounds) if rounds else None,
-                     "mem_ratio": mem})
+        sides = {impl: by[layer, impl, p] for impl in ALL_IMPLS if (layer, impl, p) in by}
+        row: Dict = {"layer": layer, "pass": p,
+                     "median_s": {impl: _median(m) for impl, m in sides.items()},
+                     "peak_extra_bytes": {impl: _peak(m) for impl, m in sides.items()}}
+        for key, (num, den) in TIME_RATIOS.items():
+            a, b = sides.get(num), sides.get(den)
+            ta, tb = _median(a), _median(b)
+            row[key] = ta / tb if ta and tb else None
+            # Per-round ratios pair measurements taken seconds apart, under the same
+            # load; their spread shows how far to trust the ratio on a shared machine.
+            paired = row[key] is not None and len(a["time"]["times_s"]) == len(b["time"]["times_s"])
+            row[f"{key}_rounds"] = ([x / y for x, y in zip(a["time"]["times_s"], b["time"]["times_s"],
+                                                          strict=True)] if paired else [])
+        row["speedup_paired_median"] = (statistics.median(row["speedup_rounds"])
+                                        if row["speedup_rounds"] else None)
+        for key, (num, den) in MEMORY_RATIOS.items():
+            ma, mb = _peak(sides.get(num)), _peak(sides.get(den))
+            row[key] = ma / mb if ma is not None and mb is not None and mb > 0 else None
+        rows.append(row)
     return rows
 
 
-def _fmt_ms(r: Dict) -> str:
+def _fmt_ms(r: Optional[Dict]) -> str:
+    if not r:
+        return "-"
     if r.get("status") != "ok":
         return r.get("status", "-")
     return f"{r['median_s'] * 1e3:,.1f}" if r.get("median_s") is not None else "-"
@@ -397,36 +573,121 @@ def _ratio(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def _spread(row: Dict) -> str:
-    r = row.get("speedup_rounds") or []
+def _spread(row: Dict, key: str = "speedup") -> str:
+    r = row.get(f"{key}_rounds") or []
     return f"{min(r):.2f}-{max(r):.2f}" if r else "-"
 
 
+def _seconds(s: Optional[float], scale: float = 1.0, fmt: str = ",.1f") -> str:
+    return "-" if s is None else f"{s * scale:{fmt}}"
+
+
+def has_compiled(report: Dict) -> bool:
+    """Whether a report holds compiled sides (``--compile``, schema gatlib.compare/3)."""
+    return any(is_compiled(m["impl"]) for m in report["measurements"])
+
+
+# The eager table: reports without compiled sides (--no-compile, schema 2 and older).
 TABLE_HEADERS = ["layer", "pass", "PyG ms", "gatlib ms", "gatlib 1st ms", "speedup", "rounds",
                  "PyG MiB", "gatlib MiB", "mem"]
+# With compiled sides, time and memory get a table each ("comp." = torch.compile'd).
+TIME_HEADERS = ["layer", "pass", "PyG ms", "PyG comp. ms", "gatlib ms", "gatlib comp. ms",
+                "speedup", "rounds", "speedup comp.", "rounds comp.", "vs PyG comp.",
+                "gatlib comp./eager"]
+MEMORY_HEADERS = ["layer", "pass", "PyG MiB", "PyG comp. MiB", "gatlib MiB", "gatlib comp. MiB",
+                  "mem", "mem comp.", "gatlib comp./eager"]
+FIRST_CALL_HEADERS = ["layer", "pass", "gatlib 1st ms", "PyG comp. 1st s", "gatlib comp. 1st s",
+                      "graphs PyG/gatlib", "graph breaks PyG/gatlib"]
+
+
+def _sides(report: Dict, row: Dict) -> Dict[str, Dict]:
+    by = {(m["layer"], m["impl"], m["pass"]): m for m in report["measurements"]}
+    return {impl: by.get((row["layer"], impl, row["pass"])) or {} for impl in ALL_IMPLS}
 
 
 def table_rows(report: Dict) -> List[List[str]]:
     """One row per (layer, pass) of a report, in the columns of :data:`TABLE_HEADERS`
-    (also what ``benchmarks/compare_table.py`` renders)."""
-    by = {(m["layer"], m["impl"], m["pass"]): m for m in report["measurements"]}
+    (eager PyG and gatlib; also what ``benchmarks/compare_table.py`` renders)."""
     rows = []
     for row in report["summary"]:
-        a, b = by[(row["layer"], "pyg", row["pass"])], by[(row["layer"], "gatlib", row["pass"])]
-        first = b.get("first_call_s")
-        rows.append([LAYERS[row["layer"]], row["pass"], _fmt_ms(a["time"]), _fmt_ms(b["time"]),
-                     "-" if first is None else f"{first * 1e3:,.1f}",
+        s = _sides(report, row)
+        a, b = s["pyg"], s["gatlib"]
+        rows.append([LAYERS[row["layer"]], row["pass"], _fmt_ms(a.get("time")),
+                     _fmt_ms(b.get("time")), _seconds(b.get("first_call_s"), 1e3),
                      _ratio(row["speedup"]), _spread(row), _fmt_mib(a.get("memory")),
                      _fmt_mib(b.get("memory")), _ratio(row["mem_ratio"])])
     return rows
 
 
+def time_rows(report: Dict) -> List[List[str]]:
+    """Rows of :data:`TIME_HEADERS`: the four median times and their ratios."""
+    rows = []
+    for row in report["summary"]:
+        s = _sides(report, row)
+        rows.append([LAYERS[row["layer"]], row["pass"],
+                     *(_fmt_ms(s[impl].get("time")) for impl in ALL_IMPLS),
+                     _ratio(row["speedup"]), _spread(row),
+                     _ratio(row.get("speedup_compiled")), _spread(row, "speedup_compiled"),
+                     _ratio(row.get("speedup_vs_pyg_compiled")),
+                     _ratio(row.get("gatlib_compiled_over_eager"))])
+    return rows
+
+
+def memory_rows(report: Dict) -> List[List[str]]:
+    """Rows of :data:`MEMORY_HEADERS`: the four peaks and their ratios."""
+    rows = []
+    for row in report["summary"]:
+        s = _sides(report, row)
+        rows.append([LAYERS[row["layer"]], row["pass"],
+                     *(_fmt_mib(s[impl].get("memory")) for impl in ALL_IMPLS),
+                     _ratio(row["mem_ratio"]), _ratio(row.get("mem_ratio_compiled")),
+                     _ratio(row.get("gatlib_compiled_over_eager_mem"))])
+    return rows
+
+
+def first_call_rows(report: Dict) -> List[List[str]]:
+    """Rows of :data:`FIRST_CALL_HEADERS`, for the passes with a first call recorded:
+    eager gatlib's on a fresh graph input, and each compiled side's (compiling)."""
+    rows = []
+    for row in report["summary"]:
+        s = _sides(report, row)
+        if not any("first_call_s" in s[impl] for impl in ("gatlib", *COMPILED_IMPLS)):
+            continue
+        comp = report.get("compile", {}).get(row["layer"], {})
+        count = {key: "/".join(str(comp.get(impl, {}).get(key, "-")) for impl in COMPILED_IMPLS)
+                 for key in ("graphs", "graph_breaks")}
+        rows.append([LAYERS[row["layer"]], row["pass"],
+                     _seconds(s["gatlib"].get("first_call_s"), 1e3),
+                     _seconds(s["pyg_compiled"].get("first_call_s"), fmt=",.2f"),
+                     _seconds(s["gatlib_compiled"].get("first_call_s"), fmt=",.2f"),
+                     count["graphs"], count["graph_breaks"]])
+    return rows
+
+
+def report_tables(report: Dict) -> List[Tuple[str, List[str], List[List[str]], str]]:
+    """``(title, headers, rows, align)`` of each table of a report: with compiled
+    sides, time, memory and first calls; else the eager table."""
+    if not has_compiled(report):
+        return [("", TABLE_HEADERS, table_rows(report), "<<" + ">" * 8)]
+    return [
+        ("time (medians)", TIME_HEADERS, time_rows(report), "<<" + ">" * 10),
+        ("peak extra memory", MEMORY_HEADERS, memory_rows(report), "<<" + ">" * 7),
+        ("first call (a compiled side's compiles)", FIRST_CALL_HEADERS, first_call_rows(report),
+         "<<" + ">" * 5),
+    ]
+
+
 def render_table(report: Dict) -> str:
     """The plain-text report printed at the end of a run."""
     g, c, env = report["graph"], report["config"], report["environment"]
-    kernels = "; ".join(f"{LAYERS[k]} {', '.join(v) or '-'}" for k, v in report["kernels"].items())
+
+    def kernels(key):
+        return "; ".join(f"{LAYERS[k]} {', '.join(v) or '-'}"
+                         for k, v in report.get(key, {}).items())
+
     what = ("one layer" if c["scope"] == "layer" else
             f"training step of a 2-layer model ({c['classes']} classes, Adam)")
+    compiled = has_compiled(report)
     lines = [
         f"graph {g['name']}: N={g['num_nodes']:,}, E={g['num_edges']:,} "
         f"(undirected, no self-loops), E+N={g['num_edges_with_self_loops']:,} attended, "
@@ -434,17 +695,26 @@ def render_table(report: Dict) -> str:
         f"{what}, H={c['heads']} C={c['channels']} {c['dtype']} on {env['device_name']} "
         f"(threads={env['num_threads']}); gatlib backend={c['backend']}, "
         f"graph input {c['graph_input']}",
-        f"gatlib kernels: {kernels or '-'}",
+        f"gatlib kernels: {kernels('kernels') or '-'}",
+        *([f"gatlib compiled kernels: {kernels('kernels_compiled') or '-'}; torch.compile("
+           + ", ".join(f"{k}={v!r}" for k, v in c.get("compile_options", {}).items()) + ")"]
+          if compiled else []),
         *([("gatlib plan (built once, an input like PyG's edge_index; not in 'gatlib MiB'): "
             + "; ".join(f"{LAYERS[k]} {v / 2**20:,.1f} MiB"
                         for k, v in report.get("plan_bytes", {}).items()))]
           if report.get("plan_bytes") else []),
-        "speedup = PyG time / gatlib time (medians; rounds: range of the per-round ratios); "
-        "gatlib 1st = its first call on a freshly built graph input; "
-        "mem = gatlib peak extra / PyG peak extra",
-        "",
+        ("speedup = PyG time / gatlib time, eager (medians; rounds: range of the per-round "
+         "ratios); speedup comp. = the same, both compiled; vs PyG comp. = compiled PyG / "
+         "eager gatlib; gatlib comp./eager = compiled / eager gatlib; mem = gatlib peak extra "
+         "/ PyG's; 1st = the first call: eager gatlib's on a freshly built graph input, a "
+         "compiled side's its first in this process (compiling)" if compiled else
+         "speedup = PyG time / gatlib time (medians; rounds: range of the per-round ratios); "
+         "gatlib 1st = its first call on a freshly built graph input; "
+         "mem = gatlib peak extra / PyG peak extra"),
     ]
-    return "\n".join(lines) + format_table(TABLE_HEADERS, table_rows(report), align="<<" + ">" * 8)
+    for title, headers, rows, align in report_tables(report):
+        lines += ["", *([title] if title else []), format_table(headers, rows, align=align)]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------
@@ -489,6 +759,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 0.5)")
     parser.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                         help="measure peak extra memory (default: on)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time torch.compile of both sides' modules (pyg_compiled, "
+                             "gatlib_compiled), with torch.compile's defaults (default: on)")
     parser.add_argument("--pass", dest="passes", default=None,
                         choices=["forward", "forward+backward", "both"],
                         help="--scope layer: which passes to measure (default: both)")
@@ -546,6 +819,8 @@ def _config(args: argparse.Namespace) -> Dict:
         "dtype": args.dtype, "backend": args.backend,
         "repeats": args.repeats, "block_s": args.block_seconds, "warmup": max(1, args.warmup),
         "memory": args.memory, "passes": passes,
+        "impls": list(ALL_IMPLS if args.compile else IMPLS),
+        "compile_options": dict(COMPILE_OPTIONS) if args.compile else None,
         "seed": args.seed, "threads": torch.get_num_threads(),
         "data_dir": str(resolve_data_dir(args.data_dir)),
         "mem_budget_bytes": (int(args.mem_budget_gb * 2**30) if args.mem_budget_gb else None),
@@ -554,8 +829,8 @@ def _config(args: argparse.Namespace) -> Dict:
 
 def run(args: argparse.Namespace) -> int:
     """Run a comparison (see the module docstring). Returns the exit status:
-    0 done, 1 an implementation disagreed with PyG or failed with an error
-    other than OOM, 2 bad arguments."""
+    0 done, 1 an implementation (eager or compiled) disagreed with PyG or failed
+    with an error other than OOM, 2 bad arguments."""
     if getattr(args, "_child", None):
         return measure.child_main(args._child)
     try:
@@ -591,11 +866,13 @@ def run(args: argparse.Namespace) -> int:
                           "num_edges_with_self_loops edges",
         },
         "checks": {}, "kernels": {}, "plan_bytes": {}, "measurements": [],
+        **({"kernels_compiled": {}, "compile": {}} if args.compile else {}),
         "parent_mem_budget_bytes": {},
     }
     _log(f"graph {graph.name}: N={N:,} E={ei.size(1):,} (+{N:,} self-loops) F={F_in}; "
          f"scope {cfg['scope']}, H={cfg['heads']} C={cfg['channels']} {cfg['dtype']} {device}, "
-         f"gatlib backend {cfg['backend']}, graph input {cfg['graph_input']}")
+         f"gatlib backend {cfg['backend']}, graph input {cfg['graph_input']}; "
+         f"{', '.join(cfg['impls'])}")
     status = 0
     with tempfile.TemporaryDirectory(prefix="gatlib-compare-") as tmp:
         workdir = Path(tmp)
@@ -634,57 +911,60 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
     import gatlib
 
     N, F_in = x.shape
-    H, C, scope = cfg["heads"], cfg["channels"], cfg["scope"]
+    H, C, scope, impls = cfg["heads"], cfg["channels"], cfg["scope"], cfg["impls"]
     name = LAYERS[layer]
-    modules = build_pair(layer, F_in, H, C, cfg["backend"], device, dtype, cfg["seed"], scope,
-                         cfg["classes"])
+    compiled = [impl for impl in impls if is_compiled(impl)]
+    if compiled:  # each layer type compiles afresh (and far from dynamo's recompile limit)
+        torch._dynamo.reset()
+    pair = build_pair(layer, F_in, H, C, cfg["backend"], device, dtype, cfg["seed"], scope,
+                      cfg["classes"])
+    modules = with_compiled(pair, impls, cfg["compile_options"] or {})
+    del pair
     edge_index = layer_edge_index(layer, ei, ei_loops)
-    graphs = {impl: graph_input(impl, edge_index, N, cfg["graph_input"]) for impl in IMPLS}
+    # Each side its own graph input: a compiled side's first call derives its plan too.
+    graphs = {impl: graph_input(impl, edge_index, N, cfg["graph_input"]) for impl in impls}
     target = (_grad_out(N, H * C, dtype, device, cfg["seed"]) if scope == "layer"
               else _labels(N, cfg["classes"], device, cfg["seed"]))
     passes = {(impl, p): _make_pass(modules[impl], x, graphs[impl], target, p)
-              for impl in IMPLS for p in cfg["passes"]}
+              for impl in impls for p in cfg["passes"]}
     rc = 0
 
-    # 1. Memory first: on CPU it tells which implementation fits before this process tries.
+    # 1. CPU memory first: it tells which implementation fits before this process tries.
     memory: Dict = {}
-    if cfg["memory"]:
-        # On CUDA the calls are measured in this process, and a training step moves the
-        # weights: the agreement check needs them as built.
-        initial = ({impl: copy.deepcopy(m.state_dict()) for impl, m in modules.items()}
-                   if scope == "model" and device.type == "cuda" else None)
-        for (impl, p), fn in passes.items():
+
+    def record_memory(key, res):
+        nonlocal rc
+        memory[key] = res
+        if res["status"] == "error":
+            rc = 1
+            _log(f"  error: {res['error']}")
+
+    if cfg["memory"] and device.type == "cpu":
+        for (impl, p) in passes:
             _log(f"{name}: peak memory, {impl}, {p}")
-            if device.type == "cuda":
-                memory[impl, p] = measure.peak_cuda(fn, device)
-            else:
-                spec = {"builder": "gatlib.bench.compare:measured_call",
-                        "inputs": str(workdir / "inputs.pt"),
-                        "layer": layer, "impl": impl, "pass": p, "scope": scope,
-                        "heads": H, "channels": C, "classes": cfg["classes"],
-                        "dtype": cfg["dtype"], "backend": cfg["backend"],
-                        "graph_input": cfg["graph_input"], "seed": cfg["seed"],
-                        "threads": cfg["threads"], "mem_budget_bytes": cfg["mem_budget_bytes"]}
-                memory[impl, p] = measure.peak_rss_child(spec, workdir)
-            if memory[impl, p]["status"] == "error":
-                rc = 1
-                _log(f"  error: {memory[impl, p]['error']}")
-        if initial is not None:
-            for impl, module in modules.items():
-                module.load_state_dict(initial[impl])
-            del initial
+            spec = {"builder": "gatlib.bench.compare:measured_call",
+                    "inputs": str(workdir / "inputs.pt"),
+                    "layer": layer, "impl": impl, "pass": p, "scope": scope,
+                    "heads": H, "channels": C, "classes": cfg["classes"],
+                    "dtype": cfg["dtype"], "backend": cfg["backend"],
+                    "graph_input": cfg["graph_input"], "seed": cfg["seed"],
+                    "compile_options": cfg["compile_options"],
+                    "threads": cfg["threads"], "mem_budget_bytes": cfg["mem_budget_bytes"]}
+            record_memory((impl, p), measure.peak_rss_child(spec, workdir))
     # On CPU, running what did not fit in a child would take this process down.
-    too_big = ({k for k, m in memory.items() if m["status"] == "OOM"}
-               if device.type == "cpu" else set())
+    too_big = {k for k, m in memory.items() if m["status"] == "OOM"}
+    # Sides not timed, with why: a compiled side that failed to compile or disagrees.
+    failed: Dict[str, Dict] = {}
 
     # 2. Agreement, unless one side does not fit; it records which kernels gatlib ran.
-    if any(m["status"] == "OOM" for m in memory.values()):
+    if too_big:
         check = {"status": "skipped", "reason": "an implementation ran out of memory"}
     else:
         _log(f"{name}: checking agreement with torch_geometric.nn.{name}")
         try:
+            ref = pyg_reference(modules, graphs, x, target, scope)
             with gatlib.record_kernels() as log:
-                check = check_agreement(modules, graphs, x, target, scope)
+                check = check_agreement(modules, graphs, x, target, scope, "gatlib", ref)
             report["kernels"][layer] = list(dict.fromkeys(log))
             if isinstance(graphs["gatlib"], gatlib.GraphPlan):
                 # what the plan holds once used: part of gatlib's inputs in every
@@ -694,20 +974,43 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
             check = {**measure.failure(exc),
                      "status": "skipped" if measure.is_oom(exc) else "error"}
             measure.release(device)
+        if check["status"] == "ok" and compiled:
+            check["compiled"] = {}
+            for impl in compiled:
+                check["compiled"][impl] = _check_compiled(impl, modules, graphs, x, target,
+                                                          scope, ref, device, layer, report)
+                if check["compiled"][impl]["status"] in ("mismatch", "error"):
+                    failed[impl] = check["compiled"][impl]
+                    rc = 1
+                    _print_disagreement(impl, check["compiled"][impl], cfg, report, name, scope)
+            del ref
     report["checks"][layer] = check
     if check["status"] in ("mismatch", "error"):
-        if check["status"] == "mismatch":
-            detail = ", ".join(f"{key} rel. error {check[f'{key}_rel_err']:.2e} "
-                               f"(tol {check[f'tol_{key}']:.1e})" for key in _QUANTITIES[scope])
-        else:
-            detail = check["error"]
-        print(f"gatlib compare: gatlib.{name}(backend={cfg['backend']!r}) does not agree with "
-              f"torch_geometric.nn.{name} on {report['graph']['name']} "
-              f"({cfg['dtype']}, {device}, scope {scope}): {detail}. Not timing it.",
-              file=sys.stderr)
+        _print_disagreement("gatlib", check, cfg, report, name, scope)
         return 1
 
-    # 3. Time: gatlib's first call on a freshly built graph input, then the interleaved rounds.
+    # 3. The compiled sides compile what is left, so that no measurement compiles.
+    settled: Dict = {}
+    for impl in compiled:
+        for p in cfg["passes"]:
+            if impl in failed or (impl, p) in too_big:
+                continue
+            _log(f"{name}: compiling {impl}, {p}")
+            settled[impl, p] = res = settle(passes[impl, p], device)
+            add_stats(report["compile"].setdefault(layer, {}).setdefault(impl, {}), res)
+            if res["status"] != "ok":
+                rc = 1 if res["status"] == "error" else rc
+                _log(f"  {impl} {p} {res['status']}: {res['error']}")
+            elif not res["settled"]:
+                _log(f"  {impl} {p}: still compiling after {len(res['calls'])} calls")
+    if cfg["memory"] and device.type == "cuda":  # in this process, after compiling
+        for (impl, p), fn in passes.items():
+            if impl in failed or settled.get((impl, p), {}).get("status", "ok") != "ok":
+                continue
+            _log(f"{name}: peak memory, {impl}, {p}")
+            record_memory((impl, p), measure.peak_cuda(fn, device))
+
+    # 4. Time: gatlib's first call on a freshly built graph input, then the interleaved rounds.
     first_pass = TRAIN_STEP if scope == "model" else "forward+backward"
     first = None
     if first_pass in cfg["passes"] and ("gatlib", first_pass) not in too_big:
@@ -721,14 +1024,28 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
             rc = 1
             _log(f"  gatlib first call error: {first['error']}")
     for p in cfg["passes"]:
-        fns = {impl: passes[impl, p] for impl in IMPLS if (impl, p) not in too_big}
+        skip = {impl: failed[impl] for impl in failed}
+        skip.update({impl: settled[impl, p] for impl in compiled
+                     if settled.get((impl, p), {}).get("status", "ok") != "ok"})
+        fns = {impl: passes[impl, p] for impl in impls
+               if (impl, p) not in too_big and impl not in skip}
         _log(f"{name}: timing {p} ({', '.join(fns) or 'nothing fits'}), {cfg['repeats']} rounds")
-        times = (measure.time_interleaved(fns, device, cfg["repeats"], cfg["warmup"],
-                                          cfg["block_s"]) if fns else {})
-        for impl in IMPLS:
-            t = times.get(impl) or {"status": "OOM", "error": "not run in this process: out of "
-                                    "memory in its fresh-process memory measurement"}
-            if t["status"] == "error":
+        with compile_stats() as while_timing:
+            times = (measure.time_interleaved(fns, device, cfg["repeats"], cfg["warmup"],
+                                              cfg["block_s"]) if fns else {})
+        if compiled:
+            report["compile"].setdefault(layer, {}).setdefault("graphs_while_timing", {})[p] = (
+                while_timing["graphs"])
+            if while_timing["graphs"]:
+                _log(f"  {while_timing['graphs']} graphs compiled while timing {p}")
+        for impl in impls:
+            if impl in skip:
+                t = {"status": skip[impl]["status"],
+                     "error": f"not timed: {skip[impl].get('error') or 'disagrees with PyG'}"}
+            else:
+                t = times.get(impl) or {"status": "OOM", "error": "not run in this process: out "
+                                        "of memory in its fresh-process memory measurement"}
+            if t["status"] == "error" and impl not in skip:
                 rc = 1
                 _log(f"  {impl} error: {t['error']}")
             entry = {"layer": layer, "impl": impl, "pass": p, "time": t}
@@ -738,10 +1055,64 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
                 entry["first_call_s"] = first.get("seconds")
                 if first["status"] != "ok":
                     entry["first_call_failure"] = first
+            if is_compiled(impl):
+                first_compiled = report["compile"].get(layer, {}).get(impl, {}).get("first_call_s")
+                if p == first_pass and first_compiled is not None:
+                    entry["first_call_s"] = first_compiled
+                if (impl, p) in settled:
+                    entry["settle_calls"] = settled[impl, p]["calls"]
             report["measurements"].append(entry)
     del modules, passes, graphs
     measure.release(device)
     return rc
+
+
+def _check_compiled(impl: str, modules: Dict, graphs: Dict, x: Tensor, target: Tensor,
+                    scope: str, ref: Dict, device: torch.device, layer: str,
+                    report: Dict) -> Dict:
+    """A compiled side's agreement check, which is its first call: it compiles, and
+    its time is the side's ``first_call_s``. Records what compiled
+    (``report["compile"]``) and, for gatlib, the kernels that ran
+    (``report["kernels_compiled"]``). A failure to compile is the side's error."""
+    import gatlib
+
+    stats_total = report["compile"].setdefault(layer, {}).setdefault(impl, {})
+    try:
+        with gatlib.record_kernels() as log, compile_stats() as stats:
+            measure.sync(device)
+            t0 = time.perf_counter()
+            res = check_agreement(modules, graphs, x, target, scope, impl, ref)
+            measure.sync(device)
+            stats_total["first_call_s"] = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 — e.g. no C++ compiler for inductor
+        res = {**measure.failure(exc), "traceback": traceback.format_exc()[-1500:]}
+        res["status"] = "skipped" if res["status"] == "OOM" else "error"
+        measure.release(device)
+    add_stats(stats_total, stats)
+    if res["status"] == "ok" and not stats["graphs"]:
+        # The caches were reset for this layer: a first call that compiled nothing ran
+        # eagerly (TORCHDYNAMO_DISABLE=1, a torch.compile that is not there...).
+        res = {**res, "status": "error", "error": "compiled no graph in its first call: it "
+                                                  "ran eagerly, and timing it would not say so"}
+    if base_impl(impl) == "gatlib":
+        report["kernels_compiled"][layer] = list(dict.fromkeys(log))
+    return res
+
+
+def _print_disagreement(impl: str, check: Dict, cfg: Dict, report: Dict, name: str,
+                        scope: str) -> None:
+    if check["status"] == "mismatch":
+        detail = ", ".join(f"{key} rel. error {check[f'{key}_rel_err']:.2e} "
+                           f"(tol {check[f'tol_{key}']:.1e})" for key in _QUANTITIES[scope])
+    else:
+        detail = check["error"]
+    what = {"gatlib": f"gatlib.{name}(backend={cfg['backend']!r})",
+            "gatlib_compiled": f"torch.compile(gatlib.{name}(backend={cfg['backend']!r}))",
+            "pyg_compiled": f"torch.compile(torch_geometric.nn.{name})"}[impl]
+    verb = "does not agree with" if check["status"] == "mismatch" else "failed beside"
+    print(f"gatlib compare: {what} {verb} torch_geometric.nn.{name} on "
+          f"{report['graph']['name']} ({cfg['dtype']}, {cfg['device']}, scope {scope}): "
+          f"{detail}. Not timing it.", file=sys.stderr)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

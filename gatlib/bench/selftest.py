@@ -25,8 +25,9 @@ What a GPU owner runs once, and commits the JSON of::
      ``<w, out> = <grad value, value> + <grad value_edge, value_edge>``.
 
 2. **Comparison with PyG**: ``python -m gatlib.bench.compare --layer all
-   --backend triton`` per graph (``--graphs``), each in its own process so a
-   crash or an out-of-memory kill there is one failed graph, not a lost run.
+   --backend triton --no-compile`` per graph (``--graphs``), each in its own
+   process so a crash or an out-of-memory kill there is one failed graph, not a
+   lost run.
 
 3. One JSON (written after every step) and a Markdown table. Exit status 0
    when every check passed and every comparison agreed, 1 otherwise, 2 when
@@ -393,14 +394,16 @@ def gpu_checks(device: torch.device) -> List[Dict]:
 # 2. Comparison with PyG, one child process per graph
 # ---------------------------------------------------------------------------
 def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
-    """``gatlib compare --layer all --backend triton`` on ``graph`` in a child process:
+    """``gatlib compare --layer all --backend triton --no-compile`` on ``graph`` in a child process:
     ``{"graph", "status": ok/mismatch/error, "returncode", "report"}``; its JSON goes to ``out``."""
     from . import measure
 
+    # Eager sides only: this checks the Triton kernels against PyG, and its table shows the
+    # eager columns (`gatlib compare --device cuda` times the compiled sides).
     cmd = [sys.executable, "-m", "gatlib.bench.compare", "--layer", "all", "--backend", "triton",
            "--device", args.device, "--graph", graph, "--repeats", str(args.repeats),
            "--block-seconds", str(args.block_seconds), "--json", str(out),
-           "--memory" if args.memory else "--no-memory"]
+           "--memory" if args.memory else "--no-memory", "--no-compile"]
     for flag, value in (("--data-dir", args.data_dir), ("--heads", args.heads),
                         ("--channels", args.channels)):
         if value is not None:
