@@ -267,8 +267,10 @@ def check_backend_name(backend) -> str:
     return backend
 
 
-# "auto" on CPU runs the reference below this many [E, H, C] entries (see select_kernel).
-FUSED_CPU_MIN_ENTRIES = 1 << 19
+# "auto" on CPU runs the reference below this many [E, H, C] entries (see select_kernel):
+# on NeighborLoader subgraphs (H = 4, C = 64) the fused operators overtook the
+# reference between 0.9M and 1.8M entries (docs/benchmarks.md, "a new small graph").
+FUSED_CPU_MIN_ENTRIES = 1 << 20
 
 
 def select_kernel(backend: str, call: AttentionCall) -> Kernel:
@@ -281,9 +283,9 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         arxiv-like graph at a small fraction of its memory (NOTES, "CPU
         #         fused path") — from FUSED_CPU_MIN_ENTRIES [E, H, C] entries;
         #         below, "torch": on NeighborLoader's small subgraphs the
-        #         reference is as fast, and the fused kernel's layouts and
-        #         operator calls cost more than its memory saving is worth
-        #         (NOTES, "Operators"). "torch" also where fused cannot run
+        #         reference is faster, the fused kernel's layouts and operator
+        #         calls costing more than its memory saving is worth (NOTES,
+        #         "Operators"). "torch" also where fused cannot run
         #         (torch.func vmap/jvp, forward-mode AD, non-float dtypes).
         #         Under torch.jit.trace: "torch", whose trace is aten ops that
         #         torch.jit.save can write (a fused kernel records as one Python
