@@ -330,7 +330,11 @@ def _fwd_kernel(
     cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
     m_i = tl.full([BLOCK_R], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_R], ACC)
-    acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
+    # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
+    # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
+    # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
+    # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
+    acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
     for off in range(0, max_len, BLOCK_E):
         pos = off + tl.arange(0, BLOCK_E)[None, :]
         emask = pos < length[:, None]  # [R, E]
@@ -365,10 +369,10 @@ def _fwd_kernel(
             else:
                 v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
                                 other=0).to(ACC)
-        acc = acc * corr[:, None] + tl.sum(p[:, :, None] * v, 1)
+        acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
         m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = acc / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
+    o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
     row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
     cv = tl.arange(0, BLOCK_CV)[None, :]
     cm = cv < CV

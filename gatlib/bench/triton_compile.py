@@ -70,15 +70,24 @@ class Case:
                 + " edge" * self.edge + " dropout" * self.dropout + " alpha" * self.alpha)
 
 
+# Channel counts per head that users run (Cora's 8 heads x 8, OGB's 16-256, 40
+# classes in an output layer): the compile budget's shapes (tests/test_triton_compile.py).
+USER_CHANNELS = (8, 16, 32, 40, 64, 128, 256)
+
+
 def default_cases() -> List[Case]:
     """Every combination of kind x dtype x edge features x dropout (alpha returned
     with dropout, not without, so both states occur with each of the others) at
-    C=64, and every channel width for each kind (float32 and bfloat16, with edge
-    features, dropout and alpha: the most live tiles)."""
+    C=64; every channel width for each kind (float32 and bfloat16, with edge
+    features, dropout and alpha: the most live tiles); and the plain call (none
+    of those) at each of :data:`USER_CHANNELS` (float32 and bfloat16): what most
+    layers run, with other tiles live than the first two."""
     cases = [Case(k, d, 64, e, p, p) for k, d, e, p in
              itertools.product(KINDS, DTYPES, (False, True), (False, True))]
     cases += [Case(k, d, c, True, True, True) for k, d, c in
               itertools.product(KINDS, ("float32", "bfloat16"), CHANNELS) if c != 64]
+    cases += [Case(k, d, c, False, False, False) for k, d, c in
+              itertools.product(KINDS, ("float32", "bfloat16"), USER_CHANNELS) if c != 64]
     return cases
 
 
@@ -506,7 +515,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     report = {"schema": "gatlib.triton_compile/1", "command": command_line(),
               "environment": environment("cpu"), "targets": targets,
               "seconds": round(time.perf_counter() - start, 1),
-              "cases": [c.label for c in cases],
+              "cases": [c.label for c in cases], "user_channels": list(USER_CHANNELS),
               "specs": [{"kernel": s.kernel, "constexprs": s.consts_label(), "cases": s.cases}
                         for s in specs],
               "rows": rows}
