@@ -316,6 +316,7 @@ def _fwd_kernel(
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CV: tl.constexpr,
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
         item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
@@ -358,11 +359,18 @@ def _fwd_kernel(
             p = tl.where(keep, p * keep_scale, 0.0)
         # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
         # value_edge (Transformer layers) is the same tensor
-        vmask = emask[:, :, None] & (cv3 < CV)
+        if FULL_CV:
+            # CV is the tile's width: rows start at multiples of it and no channel
+            # is masked, which lets the compiler prove rows aligned for wide loads
+            vmask = emask[:, :, None]
+            row_v = (src * H + h2)[:, :, None] * BLOCK_CV
+        else:
+            vmask = emask[:, :, None] & (cv3 < CV)
+            row_v = (src * H + h2)[:, :, None] * CV
         if SHARE_V:
             v = xs
         else:
-            v = tl.load(value + (src * H + h2)[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
+            v = tl.load(value + row_v + cv3, mask=vmask, other=0).to(ACC)
         if HAS_VEDGE:
             if SHARE_VE:
                 v = v + xe
@@ -429,6 +437,7 @@ def _bwd_dst_kernel(
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, ACC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CV: tl.constexpr,
 ):
     lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
         item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
@@ -861,7 +870,7 @@ def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
         KIND=meta.kind, HAS_DST=s_dst is not None, HAS_EDGE=s_edge is not None,
         HAS_VEDGE=value_edge is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
         ACC=_tl_acc(meta.acc), BLOCK_CK=triton.next_power_of_2(meta.CK),
-        BLOCK_CV=triton.next_power_of_2(meta.CV),
+        BLOCK_CV=triton.next_power_of_2(meta.CV), FULL_CV=meta.CV == triton.next_power_of_2(meta.CV),
     )
 
 

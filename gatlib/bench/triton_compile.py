@@ -349,6 +349,8 @@ def ttir(spec: Spec, target: str = "sm_90", fn=None) -> str:
 
 _RESOURCES = re.compile(r"Used (\d+) registers.*")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+# a vector load from global memory (64 or 128 bits), e.g. ld.global.v4.b32
+_WIDE_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.v[24]\.")
 
 
 def compile_spec(spec: Spec, target: str) -> Dict:
@@ -377,7 +379,8 @@ def compile_spec(spec: Spec, target: str) -> Dict:
             "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
             "shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
             "narrow_index_math": narrow_index_math(kernel.asm["ttir"]),
-            "atomics": len(re.findall(r"tt\.atomic_\w+", kernel.asm["ttir"]))}
+            "atomics": len(re.findall(r"tt\.atomic_\w+", kernel.asm["ttir"])),
+            "wide_loads": len(_WIDE_LOAD.findall(kernel.asm["ptx"]))}
 
 
 def _compile_job(args):
