@@ -22,14 +22,19 @@ so no ``[E, H, C]`` tensor is ever built or saved (the reference gathers
 **Degree-aware scheduling.** Rows of real graphs range from degree 0 to tens
 of thousands. Work items are rows cut into pieces of at most ``_SPLIT`` edges
 (a hub becomes several items whose partial results — ``(out, lse)`` in the
-forward, plain sums in the backward — are merged afterwards, as in
-flash-decoding's split-K), sorted longest first (so the longest items start
-first and no hub is left running alone at the end), and bucketed by length:
-each bucket is launched with its own edge-tile width (4, 16 or 64, narrower
-for wide channels) and packs as many lanes per program as fit the register
-budget, so a block of similar-degree rows wastes few lanes and a program's
-loop runs as long as its longest item. The schedule is computed once per
-graph and kept on its :class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`).
+forward, plain sums in the backward — are merged afterwards by
+``_merge_kernel``, as in flash-decoding's split-K), sorted longest first (so
+the longest items start first and no hub is left running alone at the end),
+and bucketed by length: each bucket runs with its own edge-tile width (4, 16
+or 64, narrower for wide channels; buckets whose widths coincide run as one
+launch) and packs as many lanes per program as fit the register budget, so a
+block of similar-degree rows wastes few lanes and a program's loop runs as
+long as its longest item. The schedule is device tensors sized by the graph's
+node and edge counts alone, computed once per graph and kept on its
+:class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`); each launch
+has a fixed number of programs (:func:`_programs`) that loop over their
+blocks of lanes and read their bucket's bounds on the device, so no launch
+depends on a value read back to the host.
 
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
 channels are padded to a power of two and masked. Attention dropout draws
@@ -41,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
@@ -63,13 +68,10 @@ _TILE, _MAX_ROWS = 1024, 16
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024
-# GATv2's att gradient keeps one [C] partial per lane of a launch; the backward
-# cuts its launches so that they hold at most max(E·H, _ATT_PARTIALS) values. At
-# E·H alone a small graph with wide heads got tiny launches (Cora, H=3, C=256:
-# 54 launches of the dst kernel per backward, which made GATv2Conv's forward+
-# backward slower than PyG's on an H100; benchmarks/NOTES.md, "GPU path"); 2^20 values
-# (4 MiB in float32) launches such graphs once per bucket.
-_ATT_PARTIALS = 1 << 20
+# Programs per launch (the kernels loop over their blocks of lanes, _programs):
+# enough per SM to hide the gathers' latency at the kernels' 4-8 warps; the CPU
+# interpreter runs programs one after another, so a few wide ones.
+_PROGRAMS_PER_SM, _PROGRAMS_INTERPRETER = 4, 2
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
 _KINDS = {"gat": 0, "gatv2": 1, "dot": 2}  # EdgeScore.kind -> the kernels' KIND
@@ -78,7 +80,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Integer kernel arguments that change from graph to graph (item ranges, sizes).
 # Triton specialises integer arguments on their value (== 1, divisible by 16)
 # by default, which would compile a new kernel for many a new mini-batch.
-_PER_CALL = ("first", "n_items", "E", "H", "CK", "CV")
+_PER_CALL = ("E", "H", "CK", "CV")
 
 
 # ---------------------------------------------------------------------------
@@ -86,52 +88,75 @@ _PER_CALL = ("first", "n_items", "E", "H", "CK", "CV")
 # ---------------------------------------------------------------------------
 @dataclass
 class _Schedule:
-    """Work items over the segments of a CSR ``ptr``, in launch order.
+    """Work items over the segments of a CSR ``ptr``, in launch order, as device
+    tensors whose sizes follow from the graph's sizes alone (no value of the graph
+    is read on the host: a captured or compiled call replays on a new graph).
 
     Item ``w`` covers positions ``start[w] : start[w] + length[w]`` of segment
     ``row[w]``; ``slot[w]`` is ``-1`` when that is the whole segment (the item
     writes the final result) or its partial-result slot when the segment was
-    split (the consecutive slots of ``split_rows[g]``: ``split_counts[g]`` of them).
+    split. Items are sorted longest first; the arrays have room for
+    :attr:`max_items`, and the ones past the real items have length ``-1``.
+    ``bounds`` holds ``0``, the end of each bucket's items (:data:`_BUCKETS`) and
+    the number of split segments; split segment ``s`` is ``split_row[s]``, with
+    partial-result slots ``split_first[s] : split_first[s] + split_count[s]``.
     """
 
-    row: Tensor  # [W]
-    start: Tensor  # [W]
-    length: Tensor  # [W]
-    slot: Tensor  # [W]
-    buckets: Tuple[Tuple[int, int, int], ...]  # (first item, item count, BLOCK_E)
-    split_rows: Tensor  # [S] int64
-    split_counts: Tensor  # [S] pieces of each split row; its slots are consecutive
-    num_pieces: int
+    row: Tensor  # [max_items]
+    start: Tensor  # [max_items]
+    length: Tensor  # [max_items]
+    slot: Tensor  # [max_items]
+    bounds: Tensor  # [len(_BUCKETS) + 2] int64
+    split_row: Tensor  # [max_split]
+    split_first: Tensor  # [max_split]
+    split_count: Tensor  # [max_split]
+    max_pieces: int  # partial-result slots a call allocates
+
+    @property
+    def max_split(self) -> int:
+        return self.split_row.numel()
 
 
-def _build_schedule(ptr: Tensor, split: int) -> _Schedule:
+def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:
+    """``(items, split segments, pieces of split segments)`` at most, from the sizes
+    alone: a segment of ``d`` edges is ``max(1, ceil(d / split))`` items, at most
+    ``1 + d // split``; a split one has ``d > split`` edges and fewer than
+    ``2 d / split`` pieces."""
+    return (num_segments + num_edges // split, min(num_segments, num_edges // (split + 1)),
+            2 * num_edges // split)
+
+
+def _build_schedule(ptr: Tensor, num_edges: int, split: int) -> _Schedule:
     p = ptr.long()
     n = p.numel() - 1
     dev = p.device
+    max_items, max_split, max_pieces = _schedule_sizes(n, num_edges, split)
     deg = p[1:] - p[:-1]  # [n]
     pieces = ((deg + split - 1) // split).clamp_(min=1)  # a row without edges is one empty item
-    row = torch.repeat_interleave(torch.arange(n, device=dev), pieces)  # [W]
-    j = torch.arange(row.numel(), device=dev) - (torch.cumsum(pieces, 0) - pieces)[row]
-    start = p[:-1][row] + j * split
-    length = torch.clamp(deg[row] - j * split, max=split)
-    is_split = pieces[row] > 1
+    ends = torch.cumsum(pieces, 0)
+    w = torch.arange(max_items, device=dev)
+    row = torch.searchsorted(ends, w, right=True)  # n past the last real item
+    real = row < n
+    r = row.clamp(max=max(n - 1, 0))
+    j = w - (ends - pieces)[r]  # the item's piece of its row
+    start = p[r] + j * split
+    length = torch.where(real, torch.clamp(deg[r] - j * split, max=split), -1)
+    is_split = real & (pieces[r] > 1)
+    # slots are numbered in row order, so a split row's pieces are consecutive slots
     slot = torch.where(is_split, torch.cumsum(is_split, 0) - 1, -1)
-    split_rows = (pieces > 1).nonzero().flatten()
-    # slots are numbered in row order, so a split row's pieces are consecutive
-    # slots and merge with segment reductions (deterministic, no atomics)
-    split_counts = pieces[split_rows]
     # Longest first: hub pieces start before the short rows fill the gaps.
     order = torch.argsort(length, descending=True, stable=True)
     row, start, length, slot = row[order], start[order], length[order], slot[order]
-    counts = [int(c) for c in torch.stack([(length > lo).sum() for lo, _ in _BUCKETS]).tolist()]
-    buckets, first = [], 0
-    for count, (_, block_e) in zip(counts, _BUCKETS, strict=True):
-        if count > first:
-            buckets.append((first, count - first, block_e))
-        first = max(first, count)
-    idt = index_dtype(int(p[-1]), n, row.numel())
-    return _Schedule(row.to(idt), start.to(idt), length.to(idt), slot.to(idt), tuple(buckets),
-                     split_rows, split_counts, int(is_split.sum()))
+    ends = torch.stack([(length > lo).sum() for lo, _ in _BUCKETS])
+    # the split rows first, in row order (a stable sort: no value-sized output)
+    splits = pieces > 1
+    split_row = torch.argsort((~splits).to(torch.int8), stable=True)[:max_split]
+    spieces = torch.where(splits, pieces, 0)
+    idt = index_dtype(num_edges, n + 1, max_items, max_pieces)
+    bounds = torch.cat([ends.new_zeros(1), ends, splits.sum().reshape(1)])
+    return _Schedule(row.to(idt), start.to(idt), length.to(idt), slot.to(idt), bounds,
+                     split_row.to(idt), (torch.cumsum(spieces, 0) - spieces)[split_row].to(idt),
+                     pieces[split_row].to(idt), max_pieces)
 
 
 @dataclass
@@ -150,8 +175,9 @@ def _plan(plan: GraphPlan) -> _Plan:
     def build():
         lay = plan.layout()
         idt = lay.src.dtype
+        E = lay.num_edges
         return _Plan(lay, lay.perm.to(idt), lay.perm[lay.csc_edge.long()].to(idt),
-                     _build_schedule(lay.ptr, _SPLIT), _build_schedule(lay.csc_ptr, _SPLIT))
+                     _build_schedule(lay.ptr, E, _SPLIT), _build_schedule(lay.csc_ptr, E, _SPLIT))
 
     return plan.derived(("triton.plan", _SPLIT), build)
 
@@ -183,52 +209,83 @@ def _warps(width: int, acc) -> int:
     return 8 if width >= 128 or acc == tl.float64 else 4
 
 
-def _launch(kernel, items: _Schedule, H: int, width: int, *args,
-            max_lanes: Optional[int] = None, after=None, **consts) -> None:
-    """Launch ``kernel`` over the length buckets of ``items`` (longest first).
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
-    The kernel's leading arguments are the whole item arrays, the bucket's first
-    item and its item count: plain integers that are not specialised on (see
-    :data:`_PER_CALL`), so a new graph reuses the compiled kernels. With
-    ``max_lanes``, a bucket is launched in chunks of at most that many lanes
-    (at least one item), and ``after(lanes)`` runs after each launch — for
-    per-lane partial sums that must not grow with the graph.
-    """
+
+def _programs(device: torch.device, H: int) -> int:
+    """Programs per launch: the kernels loop over their blocks of lanes (a block
+    ``b`` is run by program ``b mod programs``), so the grid is a constant of the
+    device and no launch depends on the graph's degrees. A multiple of ``H``, so
+    that each lane of a program keeps one head (GATv2's ``att`` partials)."""
+    if device.type == "cuda":
+        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n *= _PROGRAMS_PER_SM
+    else:  # the interpreter runs programs one after another
+        n = _PROGRAMS_INTERPRETER
+    return H * -(-n // H)
+
+
+def _bucket_launches(width: int) -> List[Tuple[int, int, int]]:
+    """``(first bucket, end bucket, BLOCK_E)`` of each launch: consecutive buckets
+    whose edge tiles are clamped to one width at wide channels compile to one
+    kernel, and run as one launch."""
     tile = _tile()[0]
-    for first, count, block_e in items.buckets:
-        block_e = min(block_e, 1 << (max(1, tile // width).bit_length() - 1))  # wide channels
+    cap = 1 << (max(1, tile // width).bit_length() - 1)
+    out: List[Tuple[int, int, int]] = []
+    for b, (_, block_e) in enumerate(_BUCKETS):
+        block_e = min(block_e, cap)
+        if out and out[-1][2] == block_e:
+            out[-1] = (out[-1][0], b + 1, block_e)
+        else:
+            out.append((b, b + 1, block_e))
+    return out
+
+
+def _launch(kernel, items: _Schedule, H: int, width: int, *args, part_att: Optional[Tensor] = None,
+            **consts) -> None:
+    """Launch ``kernel`` over the length buckets of ``items`` (longest first), one
+    launch per distinct edge tile, each of :func:`_programs` programs.
+
+    The kernel's leading arguments are the item arrays, ``bounds`` and the range
+    of buckets it covers; it reads where its items start and end from ``bounds``
+    on the device. ``part_att`` (GATv2's ``att`` gradient) takes one ``[CK]``
+    partial per lane of each program, the launches' one after another.
+    """
+    programs = _programs(items.bounds.device, H)
+    offset = 0
+    for lo, hi, block_e in _bucket_launches(width):
         lanes = _rows_per_program(block_e, width)
-        step = count if max_lanes is None else max(1, max_lanes // H)
-        for lo in range(first, first + count, step):
-            n = min(step, first + count - lo)
-            kernel[(triton.cdiv(n * H, lanes),)](
-                items.row, items.start, items.length, items.slot, lo, n,
-                *args, BLOCK_R=lanes, BLOCK_E=block_e, num_warps=_warps(width, consts["ACC"]),
-                **consts)
-            if after is not None:
-                after(n * H)
+        extra = {} if part_att is None else {"part_att": part_att[offset:]}
+        offset += programs * lanes
+        kernel[(programs,)](items.row, items.start, items.length, items.slot, items.bounds,
+                            *args, B_LO=lo, B_HI=hi, BLOCK_R=lanes, BLOCK_E=block_e,
+                            num_warps=_warps(width, consts["ACC"]), **extra, **consts)
 
 
-def _merge_sums(final: Tensor, part: Tensor, items: _Schedule) -> None:
-    """``final[row] = sum of its pieces`` for the rows that were split."""
-    if items.num_pieces:  # unsafe=True: no host-synchronising check of counts built here
-        total = torch.segment_reduce(part, "sum", lengths=items.split_counts, unsafe=True)
-        final[items.split_rows] = total.to(final.dtype)
+def _att_partials(width: int, H: int, device: torch.device) -> int:
+    """Rows of the ``part_att`` buffer :func:`_launch` fills."""
+    return sum(_programs(device, H) * _rows_per_program(block_e, width)
+               for _, _, block_e in _bucket_launches(width))
 
 
-def _merge_softmax(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor,
-                   items: _Schedule) -> None:
-    """Combine per-piece ``(out_p, lse_p)`` of split rows:
-    ``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``."""
-    if not items.num_pieces:
+def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,
+           part_lse: Optional[Tensor] = None) -> None:
+    """Combine the pieces of split rows into their rows, one launch: plain sums
+    (``out[row] = sum_p part_p``), or with ``lse`` the pieces' softmax results
+    (``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``)."""
+    if not items.max_split:  # no row can be split on a graph this small
         return
-    n = items.split_counts
-    mx = torch.segment_reduce(part_lse, "max", lengths=n, unsafe=True)  # [S, H]
-    w = (part_lse - mx.repeat_interleave(n, 0, output_size=items.num_pieces)).exp()  # [P, H]
-    denom = torch.segment_reduce(w, "sum", lengths=n, unsafe=True)
-    o = torch.segment_reduce(w[..., None] * part_out, "sum", lengths=n, unsafe=True)
-    out[items.split_rows] = (o / denom[..., None]).to(out.dtype)
-    lse[items.split_rows] = mx + denom.log()
+    C = out.size(2) if out.dim() == 3 else 1
+    block_c = triton.next_power_of_2(C)
+    lanes = max(1, min(_tile()[1], _tile()[0] // block_c))
+    lanes = 1 << (lanes.bit_length() - 1)
+    softmax = lse is not None
+    _merge_kernel[(_programs(out.device, H),)](
+        items.bounds, items.split_row, items.split_first, items.split_count, part,
+        part_lse if softmax else part, out, lse if softmax else out, H, C,
+        SOFTMAX=softmax, ACC=_tl_acc(part.dtype), BLOCK_R=lanes, BLOCK_C=block_c)
 
 
 # ---------------------------------------------------------------------------
@@ -237,10 +294,19 @@ def _merge_softmax(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor,
 # and their loads of a source's [H, C] row are contiguous.
 # ---------------------------------------------------------------------------
 @triton.jit
-def _lanes(item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R: tl.constexpr):
-    """This program's lanes (lanes past the last item are empty). Index arithmetic
-    is int64 from the program id on: lane counts reach E·H > 2**31."""
-    lane = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+def _blocks(bounds, B_LO: tl.constexpr, B_HI: tl.constexpr, H, BLOCK_R: tl.constexpr):
+    """``(first item, item count, blocks of BLOCK_R lanes)`` of the buckets
+    ``B_LO : B_HI``, read from the schedule's ``bounds`` on the device."""
+    first = tl.load(bounds + B_LO)
+    n_items = tl.load(bounds + B_HI) - first
+    return first, n_items, tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
+
+
+@triton.jit
+def _lanes(item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R: tl.constexpr):
+    """The lanes of block ``blk`` (lanes past the last item are empty). Index
+    arithmetic is int64 from the block on: lane counts reach E·H > 2**31."""
+    lane = (tl.zeros([BLOCK_R], tl.int64) + blk) * BLOCK_R + tl.arange(0, BLOCK_R)
     local = lane // H
     valid = local < n_items
     it = first + local
@@ -310,86 +376,89 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _fwd_kernel(
-    item_row, item_start, item_len, item_slot, first, n_items,
+    item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CV: tl.constexpr,
 ):
-    lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-        item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
-    scale = tl.load(coef).to(ACC)
-    slope = tl.load(coef + 1).to(ACC)
-    keep_scale = tl.load(coef + 2).to(ACC)
-    if DROPOUT:
-        rng_seed = tl.load(seed)
-    h2 = h[:, None]  # [R, 1]
-    dst = row[:, None]
-    m_dst = valid[:, None]
-    cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
-    m_i = tl.full([BLOCK_R], float("-inf"), ACC)
-    l_i = tl.zeros([BLOCK_R], ACC)
-    # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
-    # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
-    # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
-    # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
-    acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
-    for off in range(0, max_len, BLOCK_E):
-        pos = off + tl.arange(0, BLOCK_E)[None, :]
-        emask = pos < length[:, None]  # [R, E]
-        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
-        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-        if HAS_EDGE or HAS_VEDGE:  # per-edge inputs are in original edge order
-            eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
-        else:
-            eid = k
-        score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
-                                      emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                      HAS_EDGE, ACC, BLOCK_CK)
-        score = tl.where(emask, score, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(score, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
-        p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
-        corr = tl.exp(m_i - m_safe)
-        l_i = l_i * corr + tl.sum(p, 1)
+    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
         if DROPOUT:
-            keep = tl.rand(rng_seed, k * H + h2) >= p_drop
-            p = tl.where(keep, p * keep_scale, 0.0)
-        # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
-        # value_edge (Transformer layers) is the same tensor
-        if FULL_CV:
-            # CV is the tile's width: rows start at multiples of it and no channel
-            # is masked, which lets the compiler prove rows aligned for wide loads
-            vmask = emask[:, :, None]
-            row_v = (src * H + h2)[:, :, None] * BLOCK_CV
-        else:
-            vmask = emask[:, :, None] & (cv3 < CV)
-            row_v = (src * H + h2)[:, :, None] * CV
-        if SHARE_V:
-            v = xs
-        else:
-            v = tl.load(value + row_v + cv3, mask=vmask, other=0).to(ACC)
-        if HAS_VEDGE:
-            if SHARE_VE:
-                v = v + xe
+            rng_seed = tl.load(seed)
+        h2 = h[:, None]  # [R, 1]
+        dst = row[:, None]
+        m_dst = valid[:, None]
+        cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
+        m_i = tl.full([BLOCK_R], float("-inf"), ACC)
+        l_i = tl.zeros([BLOCK_R], ACC)
+        # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
+        # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
+        # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
+        # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
+        acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
+        for off in range(0, max_len, BLOCK_E):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]  # [R, E]
+            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
+            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+            if HAS_EDGE or HAS_VEDGE:  # per-edge inputs are in original edge order
+                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
             else:
-                v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
-                                other=0).to(ACC)
-        acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
-    row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
-    cv = tl.arange(0, BLOCK_CV)[None, :]
-    cm = cv < CV
-    orow = row * H + h
-    prow = slot * H + h
-    tl.store(out + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
-    tl.store(lse + orow, row_lse, mask=final)
-    tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
-    tl.store(part_lse + prow, row_lse, mask=piece)
+                eid = k
+            score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                          emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                          HAS_EDGE, ACC, BLOCK_CK)
+            score = tl.where(emask, score, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(score, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
+            p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
+            corr = tl.exp(m_i - m_safe)
+            l_i = l_i * corr + tl.sum(p, 1)
+            if DROPOUT:
+                keep = tl.rand(rng_seed, k * H + h2) >= p_drop
+                p = tl.where(keep, p * keep_scale, 0.0)
+            # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
+            # value_edge (Transformer layers) is the same tensor
+            if FULL_CV:
+                # CV is the tile's width: rows start at multiples of it and no channel
+                # is masked, which lets the compiler prove rows aligned for wide loads
+                vmask = emask[:, :, None]
+                row_v = (src * H + h2)[:, :, None] * BLOCK_CV
+            else:
+                vmask = emask[:, :, None] & (cv3 < CV)
+                row_v = (src * H + h2)[:, :, None] * CV
+            if SHARE_V:
+                v = xs
+            else:
+                v = tl.load(value + row_v + cv3, mask=vmask, other=0).to(ACC)
+            if HAS_VEDGE:
+                if SHARE_VE:
+                    v = v + xe
+                else:
+                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                    other=0).to(ACC)
+            acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
+        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+        cv = tl.arange(0, BLOCK_CV)[None, :]
+        cm = cv < CV
+        orow = row * H + h
+        prow = slot * H + h
+        tl.store(out + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
+        tl.store(lse + orow, row_lse, mask=final)
+        tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
+        tl.store(part_lse + prow, row_lse, mask=piece)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -426,203 +495,256 @@ def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
     tl.store(keep + eid * H + lane % H, kept.to(tl.int8), mask=m)
 
 
+@triton.jit(do_not_specialize=("H", "C"))
+def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, out, lse, H, C,
+                  SOFTMAX: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """One lane per (split row, head): combines the row's partial results, in
+    slot order (deterministic, no atomics). ``SOFTMAX``: the forward's
+    ``(out_p, lse_p)`` pieces by their weights ``exp(lse_p - lse)``; else sums."""
+    n = tl.load(bounds + 4)  # split rows (_Schedule.bounds: 0, the 3 bucket ends, splits)
+    c = tl.arange(0, BLOCK_C)[None, :]
+    cm = c < C
+    for blk in range(tl.program_id(0), tl.cdiv(n * H, BLOCK_R).to(tl.int32), tl.num_programs(0)):
+        lane = (tl.zeros([BLOCK_R], tl.int64) + blk) * BLOCK_R + tl.arange(0, BLOCK_R)
+        s = lane // H
+        h = lane % H
+        valid = s < n
+        row = tl.load(split_row + s, mask=valid, other=0).to(tl.int64)
+        first = tl.load(split_first + s, mask=valid, other=0).to(tl.int64)
+        count = tl.load(split_count + s, mask=valid, other=0)
+        m = tl.full([BLOCK_R], float("-inf"), ACC)
+        l_sum = tl.zeros([BLOCK_R], ACC)
+        acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+        for j in range(0, tl.max(count, 0)):
+            pm = valid & (j < count)
+            prow = (first + j) * H + h
+            po = tl.load(part + prow[:, None] * C + c, mask=pm[:, None] & cm, other=0).to(ACC)
+            if SOFTMAX:
+                pl = tl.load(part_lse + prow, mask=pm, other=float("-inf")).to(ACC)
+                m_new = tl.maximum(m, pl)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                corr = tl.exp(m - m_safe)
+                w = tl.exp(pl - m_safe)
+                l_sum = l_sum * corr + w
+                acc = acc * corr[:, None] + w[:, None] * po
+                m = m_new
+            else:
+                acc += po
+        orow = row * H + h
+        if SOFTMAX:
+            l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+            acc = acc / l_safe[:, None]
+            tl.store(lse + orow, tl.where(l_sum > 0, m + tl.log(l_safe), float("-inf")), mask=valid)
+        tl.store(out + orow[:, None] * C + c, acc, mask=valid[:, None] & cm)
+
+
 @triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_dst_kernel(
-    item_row, item_start, item_len, item_slot, first, n_items,
+    item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
-    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, part_att,
-    seed, p_drop, H, CK, CV,
+    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
+    seed, p_drop, H, CK, CV, part_att,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CV: tl.constexpr,
 ):
-    lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-        item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
-    scale = tl.load(coef).to(ACC)
-    slope = tl.load(coef + 1).to(ACC)
-    keep_scale = tl.load(coef + 2).to(ACC)
-    h2 = h[:, None]
-    dst = row[:, None]
-    m_dst = valid[:, None]
-    orow = row * H + h  # [R]
-    cv = tl.arange(0, BLOCK_CV)
-    cvm = cv < CV
-    cv3 = cv[None, None, :]
-    ck = tl.arange(0, BLOCK_CK)
-    ckm = ck < CK
-    ck3 = ck[None, None, :]
-    ooff = orow[:, None] * CV + cv[None, :]
-    omask = valid[:, None] & cvm[None, :]
-    g2 = tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)  # [R, CV]
-    g = g2[:, None, :]  # [R, 1, CV]
-    row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
-    row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
-    if DROPOUT:
-        rng_seed = tl.load(seed)
-    # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
-    # backward builds no [N, H, C] temporary for it
-    row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
-    if GALPHA:
-        row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
-    if KIND == 0:
-        d_acc = tl.zeros([BLOCK_R], ACC)
-    else:
-        d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-    if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
-        att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
-                      other=0).to(ACC)  # [R, 1, CK]
+    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    # GATv2's att gradient, summed over the blocks this program runs: each lane
+    # keeps one head, as the grid is a multiple of H (_programs)
     att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-    for off in range(0, max_len, BLOCK_E):
-        pos = off + tl.arange(0, BLOCK_E)[None, :]
-        emask = pos < length[:, None]
-        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64, as every offset
-        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-        if HAS_EDGE or HAS_VEDGE or GALPHA:
-            eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
-        else:
-            eid = k
-        score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
-                                      emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                      HAS_EDGE, ACC, BLOCK_CK)
-        p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
-        vmask = emask[:, :, None] & (cv3 < CV)
-        if SHARE_V:
-            v = xs
-        else:
-            v = tl.load(value + (src * H + h2)[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
-        if HAS_VEDGE:
-            if SHARE_VE:
-                v = v + xe
-            else:
-                v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
-                                other=0).to(ACC)
-        dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        h2 = h[:, None]
+        dst = row[:, None]
+        m_dst = valid[:, None]
+        orow = row * H + h  # [R]
+        cv = tl.arange(0, BLOCK_CV)
+        cvm = cv < CV
+        cv3 = cv[None, None, :]
+        ck = tl.arange(0, BLOCK_CK)
+        ckm = ck < CK
+        ck3 = ck[None, None, :]
+        ooff = orow[:, None] * CV + cv[None, :]
+        omask = valid[:, None] & cvm[None, :]
+        g2 = tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)  # [R, CV]
+        g = g2[:, None, :]  # [R, 1, CV]
+        row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
+        row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
         if DROPOUT:
-            keep = tl.rand(rng_seed, k * H + h2) >= p_drop
-            drop = tl.where(keep, keep_scale, 0.0)
-            a = p * drop
-            dp = dp * drop
-        else:
-            a = p
+            rng_seed = tl.load(seed)
+        # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
+        # backward builds no [N, H, C] temporary for it
+        row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
         if GALPHA:
-            dp = dp + tl.load(grad_alpha + eid * H + h2, mask=emask, other=0).to(ACC)
-        ds = p * (dp - row_delta[:, None])  # softmax backward, [R, E]
-        eoff = k * H + h2
-        tl.store(a_buf + eoff, a, mask=emask)
-        if NEED_VEDGE:
-            tl.store(d_vedge + (eid * H + h2)[:, :, None] * CV + cv3, a[:, :, None] * g, mask=vmask)
+            row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
         if KIND == 0:
-            dz = ds * tl.where(z > 0, 1.0, slope)
-            tl.store(ds_buf + eoff, dz, mask=emask)
-            d_acc += tl.sum(dz, 1)
-            if NEED_EDGE:
-                tl.store(d_edge + eid * H + h2, dz, mask=emask)
-        elif KIND == 1:
-            tl.store(ds_buf + eoff, ds, mask=emask)
-            dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
-            d_acc += tl.sum(dz, 1)
-            if NEED_ATT:
-                att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
-            if NEED_EDGE:
-                tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
-                         mask=emask[:, :, None] & (ck3 < CK))
+            d_acc = tl.zeros([BLOCK_R], ACC)
         else:
-            tl.store(ds_buf + eoff, ds, mask=emask)
-            d_acc += tl.sum(ds[:, :, None] * z, 1)  # dq_i, scaled below
-            if NEED_EDGE:
-                tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
-                         mask=emask[:, :, None] & (ck3 < CK))
-    prow = slot * H + h
-    if NEED_DST:
-        if KIND == 0:
-            tl.store(d_dst + orow, d_acc, mask=final)
-            tl.store(part_dst + prow, d_acc, mask=piece)
-        else:
-            if KIND == 2:
-                d_acc = d_acc * scale
-            km = ckm[None, :]
-            tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
-            tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
-    if NEED_ATT:  # one partial per lane, summed by the caller
-        tl.store(part_att + lane[:, None] * CK + ck[None, :], att_acc,
-                 mask=valid[:, None] & ckm[None, :])
+            d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+        if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
+            att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
+                          other=0).to(ACC)  # [R, 1, CK]
+        for off in range(0, max_len, BLOCK_E):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]
+            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64, as every offset
+            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+            if HAS_EDGE or HAS_VEDGE or GALPHA:
+                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+            else:
+                eid = k
+            score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                          emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                          HAS_EDGE, ACC, BLOCK_CK)
+            p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
+            vmask = emask[:, :, None] & (cv3 < CV)
+            if SHARE_V:
+                v = xs
+            else:
+                v = tl.load(value + (src * H + h2)[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
+            if HAS_VEDGE:
+                if SHARE_VE:
+                    v = v + xe
+                else:
+                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                    other=0).to(ACC)
+            dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
+            if DROPOUT:
+                keep = tl.rand(rng_seed, k * H + h2) >= p_drop
+                drop = tl.where(keep, keep_scale, 0.0)
+                a = p * drop
+                dp = dp * drop
+            else:
+                a = p
+            if GALPHA:
+                dp = dp + tl.load(grad_alpha + eid * H + h2, mask=emask, other=0).to(ACC)
+            ds = p * (dp - row_delta[:, None])  # softmax backward, [R, E]
+            eoff = k * H + h2
+            tl.store(a_buf + eoff, a, mask=emask)
+            if NEED_VEDGE:
+                tl.store(d_vedge + (eid * H + h2)[:, :, None] * CV + cv3, a[:, :, None] * g, mask=vmask)
+            if KIND == 0:
+                dz = ds * tl.where(z > 0, 1.0, slope)
+                tl.store(ds_buf + eoff, dz, mask=emask)
+                d_acc += tl.sum(dz, 1)
+                if NEED_EDGE:
+                    tl.store(d_edge + eid * H + h2, dz, mask=emask)
+            elif KIND == 1:
+                tl.store(ds_buf + eoff, ds, mask=emask)
+                dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
+                d_acc += tl.sum(dz, 1)
+                if NEED_ATT:
+                    att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
+                if NEED_EDGE:
+                    tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
+                             mask=emask[:, :, None] & (ck3 < CK))
+            else:
+                tl.store(ds_buf + eoff, ds, mask=emask)
+                d_acc += tl.sum(ds[:, :, None] * z, 1)  # dq_i, scaled below
+                if NEED_EDGE:
+                    tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
+                             mask=emask[:, :, None] & (ck3 < CK))
+        prow = slot * H + h
+        if NEED_DST:
+            if KIND == 0:
+                tl.store(d_dst + orow, d_acc, mask=final)
+                tl.store(part_dst + prow, d_acc, mask=piece)
+            else:
+                if KIND == 2:
+                    d_acc = d_acc * scale
+                km = ckm[None, :]
+                tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
+                tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
+    if NEED_ATT:  # one partial per lane of each program, summed by the caller
+        ck = tl.arange(0, BLOCK_CK)
+        slot = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        tl.store(part_att + slot[:, None] * CK + ck[None, :], att_acc, mask=(ck < CK)[None, :])
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_src_kernel(
-    item_row, item_start, item_len, item_slot, first, n_items,
+    item_row, item_start, item_len, item_slot, bounds,
     csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
     ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
 ):
-    lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-        item_row, item_start, item_len, item_slot, first, n_items, H, BLOCK_R)
-    slope = tl.load(coef + 1).to(ACC)
-    h2 = h[:, None]
-    orow = row * H + h  # this lane's source node and head
-    cv = tl.arange(0, BLOCK_CV)
-    cvm = cv < CV
-    cv3 = cv[None, None, :]
-    ck = tl.arange(0, BLOCK_CK)
-    ckm = ck < CK
-    ck3 = ck[None, None, :]
-    dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
-    if KIND == 0:
-        ds_acc = tl.zeros([BLOCK_R], ACC)
-    else:
-        ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-    if KIND == 1:
-        rmask = valid[:, None, None] & (ck3 < CK)
-        att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)  # [R, 1, CK]
-        xs = tl.load(s_src + orow[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)
-    for off in range(0, max_len, BLOCK_E):
-        pos = off + tl.arange(0, BLOCK_E)[None, :]
-        emask = pos < length[:, None]
-        t = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSC positions, int64
-        k = tl.load(csc_edge + t, mask=emask, other=0).to(tl.int64)  # CSR positions
-        i = tl.load(csc_dst + t, mask=emask, other=0).to(tl.int64)  # destinations
-        if NEED_VALUE:
-            a = tl.load(a_buf + k * H + h2, mask=emask, other=0)
-            gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
-                         mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
-            dv_acc += tl.sum(a[:, :, None] * gi, 1)
-        if NEED_SRC:
-            ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
-            if KIND == 0:
-                ds_acc += tl.sum(ds, 1)
-            else:
-                cmask = emask[:, :, None] & (ck3 < CK)
-                xd = tl.load(s_dst + (i * H + h2)[:, :, None] * CK + ck3, mask=cmask,
-                             other=0).to(ACC)
-                if KIND == 1:
-                    z = xs + xd
-                    if HAS_EDGE:
-                        eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
-                        z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * CK + ck3, mask=cmask,
-                                        other=0).to(ACC)
-                    ds_acc += tl.sum(ds[:, :, None] * att * tl.where(z > 0, 1.0, slope), 1)
-                else:
-                    ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
-    prow = slot * H + h
-    if NEED_VALUE:
-        vm = cvm[None, :]
-        tl.store(d_value + orow[:, None] * CV + cv[None, :], dv_acc, mask=final[:, None] & vm)
-        tl.store(part_value + prow[:, None] * CV + cv[None, :], dv_acc, mask=piece[:, None] & vm)
-    if NEED_SRC:
+    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        slope = tl.load(coef + 1).to(ACC)
+        h2 = h[:, None]
+        orow = row * H + h  # this lane's source node and head
+        cv = tl.arange(0, BLOCK_CV)
+        cvm = cv < CV
+        cv3 = cv[None, None, :]
+        ck = tl.arange(0, BLOCK_CK)
+        ckm = ck < CK
+        ck3 = ck[None, None, :]
+        dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
         if KIND == 0:
-            tl.store(d_src + orow, ds_acc, mask=final)
-            tl.store(part_src + prow, ds_acc, mask=piece)
+            ds_acc = tl.zeros([BLOCK_R], ACC)
         else:
-            if KIND == 2:
-                ds_acc = ds_acc * tl.load(coef).to(ACC)
-            km = ckm[None, :]
-            tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
-            tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
+            ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+        if KIND == 1:
+            rmask = valid[:, None, None] & (ck3 < CK)
+            att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)  # [R, 1, CK]
+            xs = tl.load(s_src + orow[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)
+        for off in range(0, max_len, BLOCK_E):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]
+            t = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSC positions, int64
+            k = tl.load(csc_edge + t, mask=emask, other=0).to(tl.int64)  # CSR positions
+            i = tl.load(csc_dst + t, mask=emask, other=0).to(tl.int64)  # destinations
+            if NEED_VALUE:
+                a = tl.load(a_buf + k * H + h2, mask=emask, other=0)
+                gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
+                             mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
+                dv_acc += tl.sum(a[:, :, None] * gi, 1)
+            if NEED_SRC:
+                ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
+                if KIND == 0:
+                    ds_acc += tl.sum(ds, 1)
+                else:
+                    cmask = emask[:, :, None] & (ck3 < CK)
+                    xd = tl.load(s_dst + (i * H + h2)[:, :, None] * CK + ck3, mask=cmask,
+                                 other=0).to(ACC)
+                    if KIND == 1:
+                        z = xs + xd
+                        if HAS_EDGE:
+                            eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
+                            z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * CK + ck3, mask=cmask,
+                                            other=0).to(ACC)
+                        ds_acc += tl.sum(ds[:, :, None] * att * tl.where(z > 0, 1.0, slope), 1)
+                    else:
+                        ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
+        prow = slot * H + h
+        if NEED_VALUE:
+            vm = cvm[None, :]
+            tl.store(d_value + orow[:, None] * CV + cv[None, :], dv_acc, mask=final[:, None] & vm)
+            tl.store(part_value + prow[:, None] * CV + cv[None, :], dv_acc, mask=piece[:, None] & vm)
+        if NEED_SRC:
+            if KIND == 0:
+                tl.store(d_src + orow, ds_acc, mask=final)
+                tl.store(part_src + prow, ds_acc, mask=piece)
+            else:
+                if KIND == 2:
+                    ds_acc = ds_acc * tl.load(coef).to(ACC)
+                km = ckm[None, :]
+                tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
+                tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
 
 
 # ---------------------------------------------------------------------------
@@ -719,8 +841,8 @@ class _FusedAttention(torch.autograd.Function):
         items = plan.dst_items
         out = torch.empty(N_dst, H, CV, dtype=value.dtype, device=dev)
         lse = torch.empty(N_dst, H, dtype=acc, device=dev)
-        part_out = torch.empty(items.num_pieces, H, CV, dtype=acc, device=dev)
-        part_lse = torch.empty(items.num_pieces, H, dtype=acc, device=dev)
+        part_out = torch.empty(items.max_pieces, H, CV, dtype=acc, device=dev)
+        part_lse = torch.empty(items.max_pieces, H, dtype=acc, device=dev)
         coef = _params(meta, dev)
         dummy = value
         consts = _consts(meta, s_dst, s_edge, value_edge)
@@ -730,7 +852,7 @@ class _FusedAttention(torch.autograd.Function):
                     _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                     out, lse, part_out, part_lse, _or(meta.seed, dummy), meta.p, H, CK, CV,
                     DROPOUT=meta.p > 0, **consts)
-            _merge_softmax(out, lse, part_out, part_lse, items)
+            _merge(out, part_out, items, H, lse, part_lse)
             alpha = None
             if meta.need_alpha:
                 alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
@@ -789,39 +911,33 @@ class _FusedAttention(torch.autograd.Function):
         d_edge = torch.empty_like(s_edge) if need_edge else None
         d_dst = torch.empty_like(s_dst) if need_dst else None
         items = plan.dst_items
-        part_dst = torch.empty(items.num_pieces, H, *([CK] if meta.kind else []), dtype=acc,
+        part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind else []), dtype=acc,
                                device=dev) if need_dst else None
         width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-        # GATv2's att gradient: one partial per (item, head) lane, summed after each
-        # launch; launches are cut so that the partials stay within max(E·H, _ATT_PARTIALS)
-        att_lanes = max(H, max(E * H, _ATT_PARTIALS) // max(CK, 1))
-        part_att = torch.empty(att_lanes, CK, dtype=acc, device=dev) if need_att else None
-        d_att = torch.zeros(H, CK, dtype=acc, device=dev) if need_att else None
-
-        def add_att(lanes: int) -> None:
-            d_att.add_(part_att[:lanes].view(-1, H, CK).sum(0))
+        # GATv2's att gradient: one [CK] partial per lane of each program (a fixed
+        # number, whatever the graph), summed once after the launches
+        part_att = torch.empty(_att_partials(width, H, dev), CK, dtype=acc, device=dev) \
+            if need_att else None
         with _device(value):
             _launch(_bwd_dst_kernel, items, H, width,
                     lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                     _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                     g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
                     _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
-                    _or(part_dst, dummy), _or(part_att, dummy), _or(meta.seed, dummy), meta.p,
-                    H, CK, CV,
-                    max_lanes=att_lanes if need_att else None, after=add_att if need_att else None,
-                    DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
+                    _or(part_dst, dummy), _or(meta.seed, dummy), meta.p, H, CK, CV,
+                    part_att=_or(part_att, dummy), DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                     NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
             if need_dst:
-                _merge_sums(d_dst, part_dst, items)
+                _merge(d_dst, part_dst, items, H)
             need_value, need_src = need[1], need[3]
             d_value = d_src = None
             if need_value or need_src:
                 sitems = plan.src_items
                 d_value = torch.empty_like(value) if need_value else None
                 d_src = torch.empty_like(s_src) if need_src else None
-                part_value = torch.empty(sitems.num_pieces, H, CV, dtype=acc, device=dev) \
+                part_value = torch.empty(sitems.max_pieces, H, CV, dtype=acc, device=dev) \
                     if need_value else None
-                part_src = torch.empty(sitems.num_pieces, H, *([CK] if meta.kind else []),
+                part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
                                        dtype=acc, device=dev) if need_src else None
                 _launch(_bwd_src_kernel, sitems, H, width,
                         lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
@@ -832,10 +948,10 @@ class _FusedAttention(torch.autograd.Function):
                         NEED_SRC=need_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
                         BLOCK_CV=consts["BLOCK_CV"])
                 if need_value:
-                    _merge_sums(d_value, part_value, sitems)
+                    _merge(d_value, part_value, sitems, H)
                 if need_src:
-                    _merge_sums(d_src, part_src, sitems)
-        d_att = d_att.to(s_att.dtype) if need_att else None
+                    _merge(d_src, part_src, sitems, H)
+        d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype) if need_att else None
         return None, d_value, d_vedge, d_src, d_dst, d_edge, d_att
 
 

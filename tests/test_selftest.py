@@ -62,12 +62,21 @@ def test_selftest_end_to_end(tmp_path, capsys, monkeypatch):
 
 
 # Each mutation breaks one part of the Triton path; the self-test must go red.
+def _skip_merge(monkeypatch, softmax: bool):
+    merge = _triton._merge
+
+    def skipping(out, part, items, H, lse=None, part_lse=None):
+        if (lse is not None) != softmax:
+            merge(out, part, items, H, lse, part_lse)
+    monkeypatch.setattr(_triton, "_merge", skipping)
+
+
 def _skip_split_merge(monkeypatch):  # forward: a hub's pieces are never combined
-    monkeypatch.setattr(_triton, "_merge_softmax", lambda *args: None)
+    _skip_merge(monkeypatch, softmax=True)
 
 
 def _skip_gradient_merge(monkeypatch):  # backward only: a hub's gradient pieces are dropped
-    monkeypatch.setattr(_triton, "_merge_sums", lambda *args: None)
+    _skip_merge(monkeypatch, softmax=False)
 
 
 def _unseeded_dropout(monkeypatch):  # a dropout mask torch.manual_seed does not fix

@@ -119,9 +119,15 @@ def test_split_hubs_and_gpu_tiles(kind, monkeypatch):
     out_hub = torch.stack([torch.full((50,), 7), torch.arange(50) % n])  # out-hub 7
     ei = torch.cat([ei, out_hub.to(DEVICE)], dim=1)
     plan = GraphPlan(ei, num_nodes=n)
+    monkeypatch.setattr(_triton, "_PROGRAMS_INTERPRETER", 3)  # several blocks per program
     tplan = _triton._plan(plan)
-    assert tplan.dst_items.num_pieces > 0 and tplan.src_items.num_pieces > 0
-    assert len(tplan.dst_items.buckets) >= 2 and len(tplan.src_items.buckets) == 3
+
+    def buckets(items):  # items per length bucket, and split rows
+        b = items.bounds.tolist()
+        return [hi - lo for lo, hi in zip(b[:3], b[1:4], strict=True)], b[4]
+    (dst_counts, dst_splits), (src_counts, src_splits) = map(buckets, (tplan.dst_items, tplan.src_items))
+    assert dst_splits > 0 and src_splits > 0
+    assert sum(c > 0 for c in dst_counts) >= 2 and all(c > 0 for c in src_counts)
     E = ei.size(1)
     score = make_score(kind, n, n, E, H, C, edge=True, dtype=torch.float32, device=DEVICE)
     v = torch.randn(n, H, C, device=DEVICE, requires_grad=True)
@@ -268,30 +274,51 @@ def test_low_precision_bound(kind, dtype):
 # Scheduling and declines (plain PyTorch, fast).
 # ---------------------------------------------------------------------------
 def test_schedule_covers_every_edge_once_longest_first():
-    deg = torch.tensor([0, 3, 40, 1, 0, 17, 5, 300, 2])
+    deg = torch.tensor([0, 3, 40, 1, 0, 17, 5, 300, 2, 129])
     ptr = torch.cat([torch.zeros(1, dtype=torch.long), deg.cumsum(0)])
-    items = _triton._build_schedule(ptr, 64)
+    E = int(ptr[-1])
+    items = _triton._build_schedule(ptr, E, 64)
+    # sizes from (N, E) alone: room for N + E // 64 items, E // 65 split rows
+    assert items.length.numel() == deg.numel() + E // 64 and items.max_split == min(10, E // 65)
     length, start, row = items.length.long(), items.start.long(), items.row.long()
-    assert (length[:-1] >= length[1:]).all()  # longest first
+    assert (length[:-1] >= length[1:]).all()  # longest first, the unused room (-1) last
+    bounds = items.bounds.tolist()
+    W = bounds[3]
+    assert (length[:W] >= 0).all() and (length[W:] == -1).all()
     assert length.max() <= 64
-    covered = torch.zeros(int(ptr[-1]), dtype=torch.long)
-    for r, s, n in zip(row.tolist(), start.tolist(), length.tolist(), strict=True):
+    covered = torch.zeros(E, dtype=torch.long)
+    for r, s, n in zip(row[:W].tolist(), start[:W].tolist(), length[:W].tolist(), strict=True):
         assert ptr[r] <= s and s + n <= ptr[r + 1]
         covered[s:s + n] += 1
     assert (covered == 1).all()
-    assert sorted(set(row.tolist())) == list(range(deg.numel()))  # empty rows too
-    # the 300-edge row is split into 5 pieces with their own slots, the rest are whole
-    assert items.split_rows.tolist() == [7] and items.num_pieces == 5
-    assert sorted(items.slot[items.slot >= 0].tolist()) == list(range(5))
-    assert items.split_counts.tolist() == [5]
-    # buckets tile the items in order, each with the tile width its lengths need
-    first = 0
-    for b_first, count, block_e in items.buckets:
-        assert b_first == first
-        seg = length[b_first:b_first + count]
-        assert seg.max() <= block_e or block_e == 64
-        first += count
-    assert first == row.numel()
+    assert sorted(set(row[:W].tolist())) == list(range(deg.numel()))  # empty rows too
+    # the 300-edge row is 5 pieces and the 129-edge row 3, with consecutive slots in
+    # row order; the other rows are whole
+    assert bounds[4] == 2
+    assert items.split_row[:2].tolist() == [7, 9]
+    assert items.split_first[:2].tolist() == [0, 5] and items.split_count[:2].tolist() == [5, 3]
+    assert sorted(items.slot[items.slot >= 0].tolist()) == list(range(8))
+    for r, first, count in ((7, 0, 5), (9, 5, 3)):
+        assert sorted(items.slot[:W][row[:W] == r].tolist()) == list(range(first, first + count))
+    assert items.max_pieces >= 8
+    # bucket b holds items bounds[b] : bounds[b + 1], each longer than the next bucket's bound
+    assert bounds[0] == 0 and bounds[:4] == sorted(bounds[:4])
+    upper = 64
+    for b, (lo, _) in enumerate(_triton._BUCKETS):
+        seg = length[bounds[b]:bounds[b + 1]]
+        assert ((seg > lo) & (seg <= upper)).all()
+        upper = lo
+
+
+def test_one_launch_per_distinct_edge_tile(monkeypatch):
+    """Buckets whose edge tiles are clamped to one width at wide channels run as
+    one launch (the GPU's tile budget)."""
+    monkeypatch.setattr(_triton, "_TILE_INTERPRETER", _triton._TILE)
+    widths = {w: _triton._bucket_launches(w) for w in (8, 64, 256)}
+    for launches in widths.values():
+        assert launches[0][0] == 0 and launches[-1][1] == len(_triton._BUCKETS)
+        assert all(a[1] == b[0] and a[2] != b[2] for a, b in zip(launches, launches[1:], strict=False))
+    assert len(widths[8]) == 3 and len(widths[256]) < 3
 
 
 def test_unsupported_calls_raise_with_the_reason():

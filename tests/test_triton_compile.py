@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"_fwd_kernel", "_alpha_kernel", "_keep_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"}
+KERNELS = {"_fwd_kernel", "_alpha_kernel", "_keep_kernel", "_bwd_dst_kernel", "_bwd_src_kernel",
+           "_merge_kernel"}
 pytest.importorskip("triton")
 
 

@@ -77,13 +77,15 @@ def recorder(monkeypatch):
     return make
 
 
-def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_launches=0, att_floor=0):
+def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_rows=0):
     """docs/gpu.md's formula: (forward bytes, backward bytes, largest temporary)
-    of one call, excluding its inputs and the graph's plan."""
+    of one call, excluding its inputs and the graph's plan. ``P`` and ``Q`` are the
+    partial-result slots of split rows and columns (fixed by the graph's sizes),
+    ``att_rows`` the rows of GATv2's ``att`` partials (fixed by the grid)."""
     s = torch.empty((), dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4
     W = 1 if kind == "gat" else C  # per-node score width
-    merge_f = 4 * P * H * (C + 2) * a
+    merge_f = P * H * (C + 1) * a  # split rows' partial (out, lse)
     fwd = N * H * C * s + N * H * a + (E * H * s if alpha else 0) + merge_f + 8
     # the inputs' gradients, in their dtype (GATv2 with edge features, the
     # Transformer's with its edge term also added to the values) — and
@@ -92,26 +94,20 @@ def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_launches=0, att_floor=0):
     grads = {"gat": 2 * N * H + E * H + N * H * C,  # a_src, a_dst, a_edge, value
              "gatv2": 3 * N * H * C + E * H * C + H * C + N * H * C,  # x_src, value, x_dst, e, att
              "dot": 3 * N * H * C + 2 * E * H * C + E * H * C}[kind] * s  # q, k, v, e, u
-    merge_b = 3 * (P * H * W + Q * H * (C + W)) * a  # split rows' and columns' partial sums
-    # GATv2's att gradient: per-lane partials (at most max(E·H, att_floor)
-    # elements), summed into [H, C] after each of the backward's launches
-    att_partials = max(E * H, att_floor) * a if kind == "gatv2" else 0
-    att = att_partials + (att_launches + 2) * H * C * a if kind == "gatv2" else 0
+    merge_b = (P * H * W + Q * H * (C + W)) * a  # split rows' and columns' partial sums
+    # GATv2's att gradient: one partial per lane of each program, summed into [H, C]
+    att_partials = att_rows * C * a if kind == "gatv2" else 0
+    att = att_partials + H * C * a if kind == "gatv2" else 0
     galpha = (N * H + 2 * E * H) * a if alpha else 0
     bwd = 2 * E * H * a + grads + merge_b + att + galpha
     largest_temp = max(E * H * a, att_partials)
     return fwd, bwd, largest_temp
 
 
-@pytest.mark.parametrize("att_floor", [0, None], ids=["att-chunked", "att-floor"])
 @pytest.mark.parametrize("alpha", [False, True], ids=["out", "alpha"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_allocations_follow_the_memory_model(kind, alpha, att_floor, recorder, monkeypatch):
+def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch):
     monkeypatch.setattr(_triton, "_SPLIT", 32)  # split rows and columns, as hubs are
-    if att_floor is None:  # the library's floor: this graph's att launches are not cut
-        att_floor = _triton._ATT_PARTIALS
-    else:  # as if the graph were large: GATv2's att launches cut at E·H partials
-        monkeypatch.setattr(_triton, "_ATT_PARTIALS", att_floor)
     n, H, C, dtype = 60, 2, 8, torch.bfloat16
     ei = hub_graph(n, 100)
     ei = torch.cat([ei, torch.stack([torch.full((70,), 5), torch.arange(70) % n])], 1)
@@ -122,8 +118,8 @@ def test_allocations_follow_the_memory_model(kind, alpha, att_floor, recorder, m
     value_edge = score.edge if kind == "dot" else None
     graph_attention(score, value, plan, n, value_edge=value_edge, backend="triton")  # derive the plan
     tplan = _triton._plan(plan)
-    P, Q = tplan.dst_items.num_pieces, tplan.src_items.num_pieces
-    assert P > 0 and Q > 0
+    P, Q = tplan.dst_items.max_pieces, tplan.src_items.max_pieces
+    assert int(tplan.dst_items.bounds[4]) > 0 and int(tplan.src_items.bounds[4]) > 0
     inputs = [t for t in (*score.tensors(), value, value_edge) if t is not None]
 
     rec = recorder(inputs)
@@ -132,6 +128,9 @@ def test_allocations_follow_the_memory_model(kind, alpha, att_floor, recorder, m
                               return_attention=alpha)
     out, att = res if alpha else (res, None)
     fwd = rec.allocs
+    # the forward: one launch per distinct edge tile, one merge of the split rows
+    launches = len(_triton._bucket_launches(C))
+    assert rec.launches == launches + 1 + (1 if alpha else 0)  # (+ the weights' kernel)
     outs = [out] + ([att] if alpha else [])
     grads = [torch.randn(t.shape, dtype=t.dtype) for t in outs]
     known = inputs + outs + grads
@@ -139,14 +138,10 @@ def test_allocations_follow_the_memory_model(kind, alpha, att_floor, recorder, m
     with rec:
         torch.autograd.grad(outs, inputs, grads)
     bwd = rec.allocs
-    att_lanes = max(H, max(E * H, att_floor) // C)  # as _FusedAttention.backward cuts launches
-    step = max(1, att_lanes // H)
-    launches = sum(-(-count // step) if kind == "gatv2" else 1
-                   for _, count, _ in tplan.dst_items.buckets)
-    assert (launches > len(tplan.dst_items.buckets)) == (kind == "gatv2" and att_floor == 0)
-    assert rec.launches == launches + len(tplan.src_items.buckets)
-    f_model, b_model, largest = model(kind, n, E, H, C, dtype, P, Q, alpha=alpha,
-                                      att_launches=launches, att_floor=att_floor)
+    # the backward: both directions' launches and three merges (destination, value, source)
+    assert rec.launches == 2 * launches + 3
+    att_rows = _triton._att_partials(C, H, torch.device("cpu"))
+    f_model, b_model, largest = model(kind, n, E, H, C, dtype, P, Q, alpha=alpha, att_rows=att_rows)
     f_bytes = sum(b for *_, b in fwd)
     b_bytes = sum(b for _, _, b in bwd)
     assert f_bytes <= f_model, (f_bytes, f_model, fwd)
@@ -182,8 +177,16 @@ def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
         return out.sum() + att.sum()
 
     call().backward()  # derives the plan's layout and the kernels' schedule
+    merged = []  # whether each merge of split pieces was the forward's softmax merge
+    merge = _triton._merge
+
+    def counted(out, part, items, H, lse=None, part_lse=None):
+        if items.max_split:  # (a graph this size can have split rows: the merge launches)
+            merged.append(lse is not None)
+        merge(out, part, items, H, lse, part_lse)
+    monkeypatch.setattr(_triton, "_merge", counted)
     with AtenOps() as ops:
         loss = call()
         loss.backward()
     assert not [op for op in ops.names if op.startswith(HOST_SYNCS)]
-    assert any("segment_reduce" in op for op in ops.names)  # split rows were merged
+    assert merged == [True, False, False, False]  # forward, then 3 gradients
