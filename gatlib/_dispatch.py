@@ -225,9 +225,6 @@ class TritonKernel(Kernel):
 
     def supports(self, call: AttentionCall) -> Optional[str]:
         reason = self.available(call.device) or _fused_context(call)
-        if reason is None and torch.compiler.is_compiling():
-            reason = ("torch.compile traces the call, and the Triton kernels are not yet "
-                      "operators it can keep")
         if reason is None and torch.jit.is_tracing():
             reason = "torch.jit.trace of the Triton kernels has not been tried"
         if reason is None and call.edge_weight is not None:
@@ -242,7 +239,7 @@ class TritonKernel(Kernel):
         from . import _triton
 
         return _triton.attention(call.score, call.value, call.plan, call.value_edge, call.p,
-                                 call.need_alpha, _record._LOG.get())
+                                 call.need_alpha)
 
 
 def _interpreting() -> bool:

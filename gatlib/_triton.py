@@ -46,13 +46,15 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
+from . import _record
 from ._core import EdgeScore, reference_grads
 from ._plan import GraphPlan, Layout, index_dtype
 
@@ -259,7 +261,7 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, part_att: Optio
         lanes = _rows_per_program(block_e, width)
         extra = {} if part_att is None else {"part_att": part_att[offset:]}
         offset += programs * lanes
-        kernel[(programs,)](items.row, items.start, items.length, items.slot, items.bounds,
+        wrap_triton(kernel)[(programs,)](items.row, items.start, items.length, items.slot, items.bounds,
                             *args, B_LO=lo, B_HI=hi, BLOCK_R=lanes, BLOCK_E=block_e,
                             num_warps=_warps(width, consts["ACC"]), **extra, **consts)
 
@@ -282,7 +284,7 @@ def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Te
     lanes = max(1, min(_tile()[1], _tile()[0] // block_c))
     lanes = 1 << (lanes.bit_length() - 1)
     softmax = lse is not None
-    _merge_kernel[(_programs(out.device, H),)](
+    wrap_triton(_merge_kernel)[(_programs(out.device, H),)](
         items.bounds, items.split_row, items.split_first, items.split_count, part,
         part_lse if softmax else part, out, lse if softmax else out, H, C,
         SOFTMAX=softmax, ACC=_tl_acc(part.dtype), BLOCK_R=lanes, BLOCK_C=block_c)
@@ -748,13 +750,12 @@ def _bwd_src_kernel(
 
 
 # ---------------------------------------------------------------------------
-# Autograd function and entry point.
+# Operators, autograd and entry point.
 # ---------------------------------------------------------------------------
 @dataclass
 class _Meta:
     """The non-tensor arguments of one fused call."""
 
-    plan: _Plan
     kind: int
     H: int
     CK: int  # channels of the scorer's per-node terms (1 for GAT)
@@ -762,14 +763,61 @@ class _Meta:
     scale: float
     slope: float
     p: float  # dropout probability, 0 when inactive
-    seed: Optional[Tensor]  # [1] int64 on the kernels' device; None without dropout
     need_alpha: bool
     alpha_dtype: torch.dtype
     acc: torch.dtype  # accumulation dtype: float32, or float64 for float64 inputs
     share_v: bool  # value is the scorer's x_src (GATv2 layers)
     share_ve: bool  # value_edge is the scorer's edge term (Transformer layers)
-    coo: Tuple[Tensor, Tensor]  # the graph's (src, dst) in edge-list order
-    log: Optional[list]  # gatlib.record_kernels() list active at forward time
+
+
+def _meta(kind: int, scale: float, slope: float, p: float, need_alpha: bool,
+          alpha_dtype: torch.dtype, share_v: bool, share_ve: bool, ins) -> _Meta:
+    value, s_src = ins[0], ins[2]
+    acc = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
+    return _Meta(kind, value.size(1), 1 if kind == 0 else s_src.size(-1), value.size(-1), scale, slope,
+                 p, need_alpha, alpha_dtype, acc, share_v, share_ve)
+
+
+class _Graph(NamedTuple):
+    """What the kernels read of a graph, as the operators take it: the CSR and
+    CSC layouts and the two schedules (:func:`_graph_tensors` flattens it)."""
+
+    ptr: Tensor
+    src: Tensor  # [E] CSR order
+    dst: Tensor  # [E] CSR order
+    perm: Tensor  # [E] edge-list position of each CSR position
+    csc_edge: Tensor  # [E] CSR position of each CSC position
+    csc_dst: Tensor
+    csr_eid: Tensor  # perm in the kernels' index dtype
+    csc_eid: Tensor  # edge-list position of each CSC position
+    dst_items: _Schedule
+    src_items: _Schedule
+
+    @property
+    def num_dst(self) -> int:
+        return self.ptr.numel() - 1
+
+    @property
+    def num_edges(self) -> int:
+        return self.src.numel()
+
+
+def _graph_tensors(tp: _Plan) -> List[Tensor]:
+    lay = tp.layout
+    # (csr_eid is perm in the kernels' index dtype, often perm itself: derived again)
+    return [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_edge, lay.csc_dst, tp.csc_eid,
+            *_schedule_tensors(tp.dst_items), *_schedule_tensors(tp.src_items)]
+
+
+def _schedule_tensors(s: _Schedule) -> List[Tensor]:
+    return [s.row, s.start, s.length, s.slot, s.bounds, s.split_row, s.split_first, s.split_count]
+
+
+def _graph_of(ts: List[Tensor]) -> _Graph:
+    ptr, src, dst, perm, csc_edge, csc_dst, csc_eid = ts[:7]
+    max_pieces = _schedule_sizes(0, src.numel(), _SPLIT)[2]
+    return _Graph(ptr, src, dst, perm, csc_edge, csc_dst, perm.to(src.dtype), csc_eid,
+                  _Schedule(*ts[7:15], max_pieces), _Schedule(*ts[15:23], max_pieces))
 
 
 def _tl_acc(dtype: torch.dtype):
@@ -780,10 +828,14 @@ def _device(t: Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _params(meta: _Meta, device: torch.device) -> Tensor:
-    """``[scale, negative_slope, 1 / (1 - p)]`` in the accumulation dtype."""
+def _params(meta: _Meta, like: Tensor) -> Tensor:
+    """``[scale, negative_slope, 1 / (1 - p)]`` in the accumulation dtype, on
+    ``like``'s device (a fresh constant while an operator is traced: a cached
+    fake or functional tensor must not outlive the trace)."""
     keep = 1.0 / (1.0 - meta.p) if meta.p > 0 else 1.0
-    return _params_tensor(meta.scale, meta.slope, keep, meta.acc, device)
+    if type(like) is not torch.Tensor:
+        return torch.tensor([meta.scale, meta.slope, keep], dtype=meta.acc, device=like.device)
+    return _params_tensor(meta.scale, meta.slope, keep, meta.acc, like.device)
 
 
 @functools.lru_cache(maxsize=64)
@@ -794,8 +846,107 @@ def _params_tensor(scale: float, slope: float, keep: float, dtype: torch.dtype,
     return torch.tensor([scale, slope, keep], dtype=dtype, device=device)
 
 
+def _operator(name: str, fake):
+    """Define ``gatlib::<name>``: a ``triton_op`` (its launches go through
+    ``wrap_triton``, so ``torch.compile`` sees the kernels and its fake
+    implementation is the function itself), or, under Triton's interpreter, whose
+    kernels read data and which ``wrap_triton`` leaves unwrapped, a ``custom_op``
+    with the shapes-only ``fake``."""
+    def define(fn):
+        if _interpreted():
+            op = torch.library.custom_op(f"gatlib::{name}", fn, mutates_args=())
+            op.register_fake(fake)
+            return op
+        return torch.library.triton_op(f"gatlib::{name}", fn, mutates_args=())
+    return define
+
+
+def _fake_forward(value, value_edge, s_src, s_dst, s_edge, s_att, seed, graph, kind, scale, slope,
+                  p, need_alpha, alpha_dtype, share_v, share_ve):
+    num_dst, E = graph[0].numel() - 1, graph[1].numel()
+    H = value.size(1)
+    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    acc = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
+    alpha = value.new_empty(E, H, dtype=alpha_dtype) if need_alpha else value.new_empty(0)
+    return (value.new_empty(num_dst, H, value.size(2)), alpha, value.new_empty(num_dst, H, dtype=acc))
+
+
+@_operator("triton_attention", _fake_forward)
+def _attention_op(value: Tensor, value_edge: Optional[Tensor], s_src: Tensor, s_dst: Optional[Tensor],
+                  s_edge: Optional[Tensor], s_att: Optional[Tensor], seed: Optional[Tensor],
+                  graph: List[Tensor], kind: int, scale: float, slope: float, p: float,
+                  need_alpha: bool, alpha_dtype: torch.dtype, share_v: bool,
+                  share_ve: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H])``
+    of one call (:class:`_FusedAttention` has the maths); ``graph`` as
+    :func:`_graph_tensors` flattens it."""
+    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    meta = _meta(kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve, ins)
+    return _forward(meta, _graph_of(graph), *ins, seed)
+
+
+def _fake_backward(grad_out, grad_alpha, value, value_edge, s_src, s_dst, s_edge, s_att, seed, out,
+                   lse, alpha, graph, kind, scale, slope, p, share_v, share_ve, need):
+    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    return [torch.empty_like(t) if n and t is not None else value.new_empty(0)
+            for t, n in zip(ins, need, strict=True)]
+
+
+@_operator("triton_attention_backward", _fake_backward)
+def _attention_backward_op(grad_out: Optional[Tensor], grad_alpha: Optional[Tensor], value: Tensor,
+                           value_edge: Optional[Tensor], s_src: Tensor, s_dst: Optional[Tensor],
+                           s_edge: Optional[Tensor], s_att: Optional[Tensor], seed: Optional[Tensor],
+                           out: Tensor, lse: Tensor, alpha: Tensor, graph: List[Tensor], kind: int,
+                           scale: float, slope: float, p: float, share_v: bool, share_ve: bool,
+                           need: List[bool]) -> List[Tensor]:
+    """The gradients of the forward operator's six float inputs (``value``, ...,
+    ``s_att``) from those of ``out`` and ``alpha``; an empty tensor for each one
+    ``need`` does not ask for."""
+    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    meta = _meta(kind, scale, slope, p, alpha.numel() > 0, alpha.dtype, share_v, share_ve, ins)
+    grads = _backward(meta, _graph_of(graph), need, grad_out, grad_alpha, *ins, seed, out, lse, alpha)
+    return [g if g is not None else value.new_empty(0) for g in grads]
+
+
+def _setup_context(ctx, inputs, output):
+    *ins, seed, graph, kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve = inputs
+    out, alpha, lse = output
+    ctx.args = (kind, scale, slope, p, share_v, share_ve)
+    ctx.num_graph = len(graph)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*ins, seed, out, lse, alpha, *graph)
+
+
+def _grads(ctx, grad_out: Optional[Tensor], grad_alpha: Optional[Tensor]) -> List[Optional[Tensor]]:
+    """The gradients of the six float inputs (``None`` where not needed): the
+    backward operator's, or the reference's where they must be differentiable."""
+    saved = ctx.saved_tensors
+    ins, seed, out, lse, alpha, graph = saved[:6], saved[6], saved[7], saved[8], saved[9], saved[10:]
+    need = ctx.needs_input_grad[:6]
+    kind, scale, slope, p, share_v, share_ve = ctx.args
+    if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
+        _record.log("triton.backward:reference")
+        return _reference_backward(kind, scale, slope, p, seed, _graph_of(list(graph)), ins, need,
+                                   grad_out, grad_alpha)
+    grads = torch.ops.gatlib.triton_attention_backward.default(
+        grad_out, grad_alpha, *ins, seed, out, lse, alpha, list(graph), kind, scale, slope, p,
+        share_v, share_ve, list(need))
+    return [g if n else None for g, n in zip(grads, need, strict=True)]
+
+
+def _op_backward(ctx, grad_out, grad_alpha, _grad_lse):
+    return (*_grads(ctx, grad_out, grad_alpha), None, [None] * ctx.num_graph, *([None] * 8))
+
+
+_attention_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
 class _FusedAttention(torch.autograd.Function):
-    r"""Fused attention over CSR segments (one head shown; ``D`` the dropout mask).
+    r""":func:`_attention_op` with its backward, the graph's tensors last and one
+    by one (as the fused CPU kernel's: ``torch.func.grad`` cannot differentiate the
+    bare operator in torch 2.13; ``torch.compile`` traces this function into the
+    same two operators). Fused attention over CSR segments (one head shown; ``D`` the dropout mask).
 
     Forward, per destination ``i`` (online softmax over tiles of in-edges)::
 
@@ -832,148 +983,149 @@ class _FusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(meta: _Meta, value, value_edge, s_src, s_dst, s_edge, s_att):
-        _log(meta.log, "triton")
-        plan, lay = meta.plan, meta.plan.layout
-        H, CK, CV, dev = meta.H, meta.CK, meta.CV, value.device
-        acc = meta.acc
-        N_dst, E = lay.num_dst, lay.num_edges
-        items = plan.dst_items
-        out = torch.empty(N_dst, H, CV, dtype=value.dtype, device=dev)
-        lse = torch.empty(N_dst, H, dtype=acc, device=dev)
-        part_out = torch.empty(items.max_pieces, H, CV, dtype=acc, device=dev)
-        part_lse = torch.empty(items.max_pieces, H, dtype=acc, device=dev)
-        coef = _params(meta, dev)
-        dummy = value
-        consts = _consts(meta, s_dst, s_edge, value_edge)
-        with _device(value):
-            _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
-                    lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
-                    _or(s_att, dummy), value, _or(value_edge, dummy), coef,
-                    out, lse, part_out, part_lse, _or(meta.seed, dummy), meta.p, H, CK, CV,
-                    DROPOUT=meta.p > 0, **consts)
-            _merge(out, part_out, items, H, lse, part_lse)
-            alpha = None
-            if meta.need_alpha:
-                alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
-                if E:
-                    # independent (edge, head) lanes: as many as fill the tile
-                    block_k = min(1024, max(1, _tile()[0] // consts["BLOCK_CK"]))
-                    _alpha_kernel[(triton.cdiv(E * H, block_k),)](
-                        lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
-                        _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
-                        KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
-                        ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
-                        num_warps=_warps(consts["BLOCK_CK"], consts["ACC"]))
-        return out, alpha, lse
+    def forward(value, value_edge, s_src, s_dst, s_edge, s_att, seed, kind, scale, slope, p,
+                need_alpha, alpha_dtype, share_v, share_ve, *graph):
+        return torch.ops.gatlib.triton_attention.default(
+            value, value_edge, s_src, s_dst, s_edge, s_att, seed, list(graph), kind, scale, slope,
+            p, need_alpha, alpha_dtype, share_v, share_ve)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        meta, *ins = inputs
-        out, alpha, lse = output
-        ctx.meta = meta
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(*ins, out, lse, alpha)
+        _setup_context(ctx, (*inputs[:7], inputs[15:], *inputs[7:15]), output)
 
     @staticmethod
     def backward(ctx, grad_out, grad_alpha, _grad_lse):
-        meta = ctx.meta
-        value, value_edge, s_src, s_dst, s_edge, s_att, out, lse, alpha = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
-            _log(meta.log, "triton.backward:reference")
-            return (None, *_reference_backward(meta, ctx.saved_tensors[:6], ctx.needs_input_grad[1:],
-                                               grad_out, grad_alpha))
-        _log(meta.log, "triton.backward")
-        plan, lay = meta.plan, meta.plan.layout
-        H, CK, CV, dev, acc = meta.H, meta.CK, meta.CV, value.device, meta.acc
-        E = lay.num_edges
-        need = ctx.needs_input_grad  # (meta, value, value_edge, s_src, s_dst, s_edge, s_att)
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        g = grad_out.contiguous()
-        galpha = grad_alpha is not None
-        delta_alpha = None
-        if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
-            grad_alpha = grad_alpha.contiguous()
-            ag = grad_alpha.to(acc, copy=True).mul_(alpha).index_select(0, lay.perm)  # [E, H], CSR
-            delta_alpha = torch.segment_reduce(ag, "sum", offsets=lay.ptr, unsafe=True)  # [N_dst, H]
-        consts = _consts(meta, s_dst, s_edge, value_edge)
-        dummy = value
-        coef = _params(meta, dev)
-        a_buf = torch.empty(E, H, dtype=acc, device=dev)
-        ds_buf = torch.empty(E, H, dtype=acc, device=dev)
-        need_vedge = value_edge is not None and need[2]
-        need_edge = s_edge is not None and need[5]
-        need_dst = s_dst is not None and need[4]
-        need_att = s_att is not None and need[6]
-        d_vedge = torch.empty_like(value_edge) if need_vedge else None
-        d_edge = torch.empty_like(s_edge) if need_edge else None
-        d_dst = torch.empty_like(s_dst) if need_dst else None
-        items = plan.dst_items
-        part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind else []), dtype=acc,
-                               device=dev) if need_dst else None
-        width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-        # GATv2's att gradient: one [CK] partial per lane of each program (a fixed
-        # number, whatever the graph), summed once after the launches
-        part_att = torch.empty(_att_partials(width, H, dev), CK, dtype=acc, device=dev) \
-            if need_att else None
-        with _device(value):
-            _launch(_bwd_dst_kernel, items, H, width,
-                    lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
-                    _or(s_att, dummy), value, _or(value_edge, dummy), coef,
-                    g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
-                    _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
-                    _or(part_dst, dummy), _or(meta.seed, dummy), meta.p, H, CK, CV,
-                    part_att=_or(part_att, dummy), DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
-                    NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
-            if need_dst:
-                _merge(d_dst, part_dst, items, H)
-            need_value, need_src = need[1], need[3]
-            d_value = d_src = None
-            if need_value or need_src:
-                sitems = plan.src_items
-                d_value = torch.empty_like(value) if need_value else None
-                d_src = torch.empty_like(s_src) if need_src else None
-                part_value = torch.empty(sitems.max_pieces, H, CV, dtype=acc, device=dev) \
-                    if need_value else None
-                part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
-                                       dtype=acc, device=dev) if need_src else None
-                _launch(_bwd_src_kernel, sitems, H, width,
-                        lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
-                        _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
-                        _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
-                        _or(part_src, dummy), H, CK, CV,
-                        KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
-                        NEED_SRC=need_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
-                        BLOCK_CV=consts["BLOCK_CV"])
-                if need_value:
-                    _merge(d_value, part_value, sitems, H)
-                if need_src:
-                    _merge(d_src, part_src, sitems, H)
-        d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype) if need_att else None
-        return None, d_value, d_vedge, d_src, d_dst, d_edge, d_att
+        return (*_grads(ctx, grad_out, grad_alpha), *([None] * (9 + ctx.num_graph)))
 
 
-def _reference_backward(meta: _Meta, ins, need, g_out, g_alpha):
+def _forward(meta: _Meta, graph: _Graph, value, value_edge, s_src, s_dst, s_edge, s_att, seed):
+    _record.log("triton")
+    plan = lay = graph
+    H, CK, CV, dev = meta.H, meta.CK, meta.CV, value.device
+    acc = meta.acc
+    N_dst, E = lay.num_dst, lay.num_edges
+    items = plan.dst_items
+    out = torch.empty(N_dst, H, CV, dtype=value.dtype, device=dev)
+    lse = torch.empty(N_dst, H, dtype=acc, device=dev)
+    part_out = torch.empty(items.max_pieces, H, CV, dtype=acc, device=dev)
+    part_lse = torch.empty(items.max_pieces, H, dtype=acc, device=dev)
+    coef = _params(meta, value)
+    dummy = value
+    consts = _consts(meta, s_dst, s_edge, value_edge)
+    with _device(value):
+        _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
+                lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
+                _or(s_att, dummy), value, _or(value_edge, dummy), coef,
+                out, lse, part_out, part_lse, _or(seed, dummy), meta.p, H, CK, CV,
+                DROPOUT=meta.p > 0, **consts)
+        _merge(out, part_out, items, H, lse, part_lse)
+        alpha = value.new_empty(0)  # (an operator returns tensors only)
+        if meta.need_alpha:
+            alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
+            if E:
+                # independent (edge, head) lanes: as many as fill the tile
+                block_k = min(1024, max(1, _tile()[0] // consts["BLOCK_CK"]))
+                wrap_triton(_alpha_kernel)[(triton.cdiv(E * H, block_k),)](
+                    lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
+                    _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
+                    KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
+                    ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
+                    num_warps=_warps(consts["BLOCK_CK"], consts["ACC"]))
+    return out, alpha, lse
+
+
+def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, value_edge, s_src,
+              s_dst, s_edge, s_att, seed, out, lse, alpha):
+    _record.log("triton.backward")
+    plan = lay = graph
+    H, CK, CV, dev, acc = meta.H, meta.CK, meta.CV, value.device, meta.acc
+    E = lay.num_edges
+    # need: (value, value_edge, s_src, s_dst, s_edge, s_att)
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    g = grad_out.contiguous()
+    # (no weights were returned: their [0] placeholder may get a [0] gradient)
+    galpha = grad_alpha is not None and alpha.numel() > 0
+    grad_alpha = grad_alpha if galpha else None
+    delta_alpha = None
+    if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
+        grad_alpha = grad_alpha.contiguous()
+        ag = grad_alpha.to(acc, copy=True).mul_(alpha).index_select(0, lay.perm)  # [E, H], CSR
+        delta_alpha = torch.segment_reduce(ag, "sum", offsets=lay.ptr, unsafe=True)  # [N_dst, H]
+    consts = _consts(meta, s_dst, s_edge, value_edge)
+    dummy = value
+    coef = _params(meta, value)
+    a_buf = torch.empty(E, H, dtype=acc, device=dev)
+    ds_buf = torch.empty(E, H, dtype=acc, device=dev)
+    need_vedge = value_edge is not None and need[1]
+    need_edge = s_edge is not None and need[4]
+    need_dst = s_dst is not None and need[3]
+    need_att = s_att is not None and need[5]
+    d_vedge = torch.empty_like(value_edge) if need_vedge else None
+    d_edge = torch.empty_like(s_edge) if need_edge else None
+    d_dst = torch.empty_like(s_dst) if need_dst else None
+    items = plan.dst_items
+    part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind else []), dtype=acc,
+                           device=dev) if need_dst else None
+    width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
+    # GATv2's att gradient: one [CK] partial per lane of each program (a fixed
+    # number, whatever the graph), summed once after the launches
+    part_att = torch.empty(_att_partials(width, H, dev), CK, dtype=acc, device=dev) \
+        if need_att else None
+    with _device(value):
+        _launch(_bwd_dst_kernel, items, H, width,
+                lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
+                _or(s_att, dummy), value, _or(value_edge, dummy), coef,
+                g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
+                _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
+                _or(part_dst, dummy), _or(seed, dummy), meta.p, H, CK, CV,
+                part_att=_or(part_att, dummy), DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
+                NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
+        if need_dst:
+            _merge(d_dst, part_dst, items, H)
+        need_value, need_src = need[0], need[2]
+        d_value = d_src = None
+        if need_value or need_src:
+            sitems = plan.src_items
+            d_value = torch.empty_like(value) if need_value else None
+            d_src = torch.empty_like(s_src) if need_src else None
+            part_value = torch.empty(sitems.max_pieces, H, CV, dtype=acc, device=dev) \
+                if need_value else None
+            part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
+                                   dtype=acc, device=dev) if need_src else None
+            _launch(_bwd_src_kernel, sitems, H, width,
+                    lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
+                    _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
+                    _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
+                    _or(part_src, dummy), H, CK, CV,
+                    KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
+                    NEED_SRC=need_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
+                    BLOCK_CV=consts["BLOCK_CV"])
+            if need_value:
+                _merge(d_value, part_value, sitems, H)
+            if need_src:
+                _merge(d_src, part_src, sitems, H)
+    d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype) if need_att else None
+    return [d_value, d_vedge, d_src, d_dst, d_edge, d_att]
+
+
+def _reference_backward(kind: int, scale: float, slope: float, p: float, seed: Optional[Tensor],
+                        graph: _Graph, ins, need, g_out, g_alpha) -> List[Optional[Tensor]]:
     """Differentiable gradients of the same call: the reference's, on the edge list
     with the kernels' dropout mask. Builds ``[E, H, C]`` tensors, as the reference does."""
     value, value_edge, s_src, s_dst, s_edge, s_att = ins
     drop = None
-    if meta.p > 0:
-        keep = _keep_mask(meta.plan, value.size(1), meta.p, meta.seed)
-        drop = keep.to(meta.acc) * (1.0 / (1.0 - meta.p))
-    src, dst = meta.coo
-    g = reference_grads(_KIND_NAMES[meta.kind], meta.scale, meta.slope,
-                        (s_src, s_dst, s_edge, s_att, value, value_edge), src, dst,
-                        meta.plan.layout.num_dst, drop, (g_out, g_alpha),
+    if p > 0:
+        acc = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
+        keep = _keep_mask(graph.csr_eid, value.size(1), p, seed)
+        drop = keep.to(acc) * (1.0 / (1.0 - p))
+    perm = graph.perm.long()
+    src = torch.empty_like(perm).index_copy_(0, perm, graph.src.long())  # edge-list order
+    dst = torch.empty_like(perm).index_copy_(0, perm, graph.dst.long())
+    g = reference_grads(_KIND_NAMES[kind], scale, slope, (s_src, s_dst, s_edge, s_att, value, value_edge),
+                        src, dst, graph.num_dst, drop, (g_out, g_alpha),
                         (need[2], need[3], need[4], need[5], need[0], need[1]))
     return [g[4], g[5], g[0], g[1], g[2], g[3]]  # in the order of forward's inputs
-
-
-def _log(log: Optional[list], entry: str) -> None:
-    if log is not None:
-        log.append(entry)
 
 
 def _or(t: Optional[Tensor], default: Tensor) -> Tensor:
@@ -1031,7 +1183,7 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
 
 
 def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
-              p: float, need_alpha: bool, log: Optional[list]) -> Tuple[Tensor, Optional[Tensor]]:
+              p: float, need_alpha: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """Fused attention (see :class:`_FusedAttention`) of a call :func:`unsupported` accepts.
 
     Args:
@@ -1041,7 +1193,6 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         value_edge: optional ``[E, H, C]`` per-edge value term.
         p: attention dropout probability in effect (0 outside training).
         need_alpha: also return the ``[E, H]`` weights (before dropout).
-        log: the :func:`gatlib.record_kernels` list, if one is active.
 
     Returns:
         ``(out [N_dst, H, C], alpha [E, H] or None)`` with ``out`` in
@@ -1050,35 +1201,45 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     kind = _KINDS[score.kind]
     s_src, s_dst, s_edge, s_att = score.tensors()
     tensors = (value, value_edge, s_src, s_dst, s_edge, s_att)
-    N_src, H, CV = value.shape
-    CK = 1 if kind == 0 else s_src.size(-1)
     share_v = kind == 1 and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
     seed = _draw_seed(value.device) if p > 0 else None
-    floats = [t for t in tensors if t is not None]
-    acc = torch.float64 if any(t.dtype == torch.float64 for t in floats) else torch.float32
     score_tensors = [t for t in (s_src, s_dst, s_edge, s_att) if t is not None]
     alpha_dtype = score_tensors[0].dtype
     for t in score_tensors[1:]:
         alpha_dtype = torch.promote_types(alpha_dtype, t.dtype)
-    meta = _Meta(_plan(plan), kind, H, CK, CV, float(score.scale), float(score.negative_slope),
-                 float(p), seed, need_alpha, alpha_dtype, acc, share_v, share_ve, plan.coo(), log)
-    ins = [t.contiguous() if t is not None else None for t in tensors]
-    if share_v:
-        ins[2] = ins[0]
-    if share_ve:
-        ins[4] = ins[1]
-    out, alpha, _ = _FusedAttention.apply(meta, *ins)
-    return out, alpha
+    # One tensor passed twice (GATv2's x_src is its value, the Transformer's edge
+    # term its value's edge term): a view for each repeat, which torch.compile can trace as an autograd function's
+    # input and whose gradient reaches the tensor.
+    ins = [t.contiguous() if t is not None else None for t in _distinct(list(tensors))]
+    graph = _graph_tensors(_plan(plan))
+    args = (*ins, seed, kind, float(score.scale), float(score.negative_slope), float(p), need_alpha,
+            alpha_dtype, share_v, share_ve)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins):
+        out, alpha, _ = _FusedAttention.apply(*args, *graph)
+    else:  # nothing to differentiate: the operator alone (as the fused CPU kernel)
+        out, alpha, _ = torch.ops.gatlib.triton_attention.default(*ins, seed, graph, *args[7:])
+    return out, (alpha if need_alpha else None)
 
 
-def _keep_mask(plan: _Plan, heads: int, p: float, seed: Tensor) -> Tensor:
-    E = plan.layout.num_edges
-    keep = torch.zeros(E, heads, dtype=torch.int8, device=plan.csr_eid.device)
+def _distinct(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    seen, out = set(), []
+    for t in tensors:
+        if t is not None and id(t) in seen:
+            t = t.view_as(t)
+        elif t is not None:
+            seen.add(id(t))
+        out.append(t)
+    return out
+
+
+def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
+    E = csr_eid.numel()
+    keep = torch.zeros(E, heads, dtype=torch.int8, device=csr_eid.device)
     if E:
         with _device(keep):
-            _keep_kernel[(triton.cdiv(E * heads, 1024),)](plan.csr_eid, E, keep, seed, float(p),
-                                                          heads, BLOCK_K=1024)
+            wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](csr_eid, E, keep, seed, float(p),
+                                                                       heads, BLOCK_K=1024)
     return keep.bool()
 
 
@@ -1086,4 +1247,4 @@ def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: Tensor) -> Te
     """The ``[E, H]`` bool mask of kept attention weights that the fused kernels
     apply for ``seed`` (a ``[1]`` int64 tensor on the graph's device, as drawn
     for each call), in edge-list order — for tests and debugging."""
-    return _keep_mask(_plan(plan), heads, p, seed)
+    return _keep_mask(_plan(plan).csr_eid, heads, p, seed)

@@ -211,7 +211,7 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
                      for k, v in selftest._inputs("gatv2", False, ei.size(1), "cpu", seed).items()}
                 plan = gatlib.GraphPlan(ei, num_nodes=n)
                 out, _ = _triton.attention(selftest._score("gatv2", t), t["value"], plan, None,
-                                           0.5, False, None)
+                                           0.5, False)
                 torch.autograd.grad(out.sum(), list(t.values()))
         print(len(keys[0]), len(keys[1]), len(keys[1] - keys[0]))
     """)

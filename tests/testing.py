@@ -237,18 +237,36 @@ def count_sorts(monkeypatch):
 
 # The ops that read a tensor's value back to the host (item(), bool(tensor), nonzero, ...).
 HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
-              "aten.is_nonzero", "aten.equal")
+              "aten.is_nonzero", "aten.equal", "aten.item")
+
+
+# Operators whose implementation the modes below look into: the Triton kernels'
+# operators run their ATen ops on the GPU, where a value read would break a
+# captured graph (the fused CPU operators' own reads are no device sync).
+LOOK_INSIDE = "gatlib::triton_"
+
+
+def _run_op(mode, func, args, kwargs):
+    """``func(*args, **kwargs)``, with an operator of :data:`LOOK_INSIDE` run by
+    its Python implementation under ``mode``, so that its own ops are seen."""
+    name = func.name() if hasattr(func, "name") else ""
+    if name.startswith(LOOK_INSIDE):
+        from torch._library.custom_ops import OPDEFS
+
+        with mode:
+            return OPDEFS[name]._init_fn(*args, **(kwargs or {}))
+    return func(*args, **(kwargs or {}))
 
 
 class NoHostSync(TorchDispatchMode):
     """Fails on the first op inside the block that reads a tensor's value back to
-    the host (:data:`HOST_SYNCS`): what a CUDA graph cannot capture. An operator's
-    own implementation runs below the mode and is not seen."""
+    the host (:data:`HOST_SYNCS`): what a CUDA graph cannot capture. The Triton
+    operators' own ops are seen (:data:`LOOK_INSIDE`), the fused CPU operators' not."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if str(func).startswith(HOST_SYNCS):
             raise AssertionError(f"{func} reads a value back to the host")
-        return func(*args, **(kwargs or {}))
+        return _run_op(self, func, args, kwargs)
 
 
 class OpCalls(TorchDispatchMode):
@@ -271,7 +289,8 @@ class OpCalls(TorchDispatchMode):
 
 
 class AtenOps(TorchDispatchMode):
-    """The names of the aten ops run inside the block (``with AtenOps() as ops``)."""
+    """The names of the ops run inside the block (``with AtenOps() as ops``),
+    the Triton operators' own included (:data:`LOOK_INSIDE`)."""
 
     def __init__(self):
         super().__init__()
@@ -279,4 +298,4 @@ class AtenOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return _run_op(self, func, args, kwargs)

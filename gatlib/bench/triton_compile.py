@@ -237,7 +237,7 @@ def capture(cases: Iterable[Case]) -> List[Spec]:
                 torch.manual_seed(0)
                 score, value, value_edge = _case_tensors(case, n, E)
                 out, alpha = _triton.attention(score, value, plan, value_edge, 0.1 if case.dropout else 0.0,
-                                               case.alpha, None)
+                                               case.alpha)
                 loss = out.float().sum() + (alpha.float().sum() if case.alpha else 0)
                 loss.backward()
                 if case.dropout:  # the mask the double backward regenerates
