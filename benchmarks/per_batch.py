@@ -4,7 +4,7 @@
 
 Mini-batch training hands a layer a new, small graph on every call, so nothing
 derived from a graph can be reused: gatlib builds its plan (checks, CSR/CSC
-layout, self-loops, the fused kernel's head layout) inside each call. PyG's
+layout, self-loops) inside each call. PyG's
 ``NeighborLoader`` samples subgraphs of a synthetic graph with OGB's sizes
 (fan-outs as PyG's and DGL's ogbn-products examples); for each batch size, the
 same pre-sampled batches cycle through PyG's layer and gatlib's — as users
@@ -14,8 +14,8 @@ and backward of the input features, timed in interleaved rounds: "PyG / auto"
 is the ratio of the medians, "per round" the median of each round's ratio (the
 more robust of the two on a machine whose speed drifts). The fused and
 reference columns show where auto's size rule should switch. What a fused call
-derives from its graph (the plan with self-loops, its CSR and head layout) is
-timed alone.
+derives from its graph (the plan with self-loops, its CSR/CSC layout) is timed
+alone.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import time
 import torch
 
 from gatlib import GraphPlan
-from gatlib import _fused_cpu
 from gatlib.bench import report, synthetic
 from gatlib.bench.compare import LAYERS, build_pair
 from gatlib.bench.measure import time_interleaved
@@ -60,14 +59,12 @@ def _layer_call(module, batches):
     return fn
 
 
-def _plan_ms(batches, heads: int, channels: int) -> float:
+def _plan_ms(batches) -> float:
     """Milliseconds per batch to derive what a fused call needs from a new graph:
-    the checked plan with self-loops, its CSR/CSC layout and, from 2^19
-    ``[E, H, C]`` entries, the head layout."""
+    the checked plan with self-loops and its CSR/CSC layout."""
     def derive():
         for x, ei in batches:
-            plan = GraphPlan(ei, num_nodes=x.size(0)).with_self_loops()
-            _fused_cpu.kernel_layout(plan, heads, channels)
+            GraphPlan(ei, num_nodes=x.size(0)).with_self_loops().layout()
 
     derive()
     t0 = time.perf_counter()
@@ -118,7 +115,7 @@ def main() -> None:
         e = statistics.mean(ei.size(1) for _, ei in batches)
         fns = {name: _layer_call(m, batches) for name, m in modules.items()}
         t = time_interleaved(fns, torch.device("cpu"), args.repeats, warmup=2, min_block_s=0.3)
-        plan_ms = _plan_ms(batches, H, C)
+        plan_ms = _plan_ms(batches)
         ms = {k: (1e3 * v["median_s"] if v["status"] == "ok" else None) for k, v in t.items()}
         # The rounds run A B B A, so each round's PyG and fused blocks are neighbours
         # in time: the median of per-round ratios cancels the machine's slow drift,

@@ -1,15 +1,14 @@
 """What a GraphPlan costs to build, step by step, and what it holds.
 
-    python benchmarks/plan_cost.py --graph arxiv-like --heads 4 --json benchmarks/results/plan_cost_arxiv-like_cpu.json
+    python benchmarks/plan_cost.py --graph arxiv-like --json benchmarks/results/plan_cost_arxiv-like_cpu.json
 
 A layer given a plain ``[2, E]`` tensor builds all of this on every call; given
 a :class:`gatlib.GraphPlan`, on its first call only. Each step is timed alone
 (median of ``--repeats`` runs after one warm-up, on fresh objects each time):
 checking and copying the edge list; the CSR/CSC layout of unsorted and of
 destination-sorted input; the self-loop'ed twin's edge list and layout (sorted
-directly, and merged into an existing base layout); the fused CPU kernel's head
-layout; and everything a GATConv call derives. The plan's bytes are reported
-beside the edge list's own.
+directly, and merged into an existing base layout), the last being everything a
+GATConv call derives. The plan's bytes are reported beside the edge list's own.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import time
 import torch
 
 from gatlib import GraphPlan
-from gatlib import _fused_cpu
 from gatlib.bench import report, synthetic
 
 
@@ -38,7 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--graph", default="arxiv-like", help="a gatlib.bench.synthetic preset or synthetic:N:E:F")
-    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
@@ -50,7 +47,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     g = synthetic.synthetic_graph(args.graph)
-    ei, N, H = g.edge_index, g.x.size(0), args.heads
+    ei, N = g.edge_index, g.x.size(0)
     ei_sorted = ei[:, ei[1].argsort(stable=True)]
     base = GraphPlan(ei, num_nodes=N)
     base.layout()
@@ -60,13 +57,9 @@ def main() -> None:
         plan._layout = base.layout()
         plan.with_self_loops().layout()
 
-    def everything():  # what GATConv(..., heads=H) derives from a fresh plan
-        _fused_cpu.head_layout(GraphPlan(ei, num_nodes=N).with_self_loops(), H)
-
     def plan(edges=ei):
         return GraphPlan(edges, num_nodes=N)
 
-    looped = base.with_self_loops().layout()
     steps = {
         "check and copy the edge list": plan,
         "CSR/CSC layout, unsorted input (2 sorts)": lambda: plan().layout(),
@@ -74,8 +67,6 @@ def main() -> None:
         "self-loops: edge list": lambda: plan().with_self_loops(),
         "self-loops: edge list + layout, sorted directly": lambda: plan().with_self_loops().layout(),
         "self-loops: edge list + layout, merged into the base": loops_merged,
-        f"fused CPU head layout, H={H}": lambda: _fused_cpu._build_head_layout(looped, H),
-        f"all a GATConv(heads={H}) call derives": everything,
     }
     rows, results = [], {}
     for name, fn in steps.items():
@@ -83,10 +74,10 @@ def main() -> None:
         results[name] = s
         rows.append([name, f"{s * 1e3:.1f}"])
     plan = GraphPlan(ei, num_nodes=N)
-    _fused_cpu.head_layout(plan.with_self_loops(), H)
+    plan.with_self_loops().layout()  # all a GATConv call derives
     sizes = {"edge list [2, E] int64 (MiB)": ei.numel() * 8 / 2**20,
              "plan after a GATConv call (MiB)": plan.nbytes / 2**20}
-    print(f"{args.graph}: N={N:,}, E={ei.size(1):,} (+{N:,} self-loops), H={H}, "
+    print(f"{args.graph}: N={N:,}, E={ei.size(1):,} (+{N:,} self-loops), "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
     print(report.format_table(["step", "ms"], rows, align="<>"))
     print(report.format_table(["held", "MiB"], [[k, f"{v:,.1f}"] for k, v in sizes.items()], align="<>"))
@@ -94,7 +85,7 @@ def main() -> None:
         report.write_json(args.json, {
             "command": report.command_line(), "environment": report.environment("cpu"),
             "graph": {"name": args.graph, "num_nodes": N, "num_edges": ei.size(1)},
-            "heads": H, "repeats": args.repeats, "seconds": results, "mib": sizes})
+            "repeats": args.repeats, "seconds": results, "mib": sizes})
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import gatlib
-from gatlib import GraphPlan, _fused_cpu
+from gatlib import GraphPlan
 from gatlib.bench import report, synthetic
 from gatlib.bench.measure import proc_status
 
@@ -115,16 +115,14 @@ def main() -> None:
     def plan():
         if args.graph_input == "tensor":  # each layer derives its own plan in its call
             state["num_edges"] = state["edge_index"].size(1)
-            state["plan"], state["block_csr"], state["plan_gib"] = state.pop("edge_index"), None, None
+            state["plan"], state["plan_gib"] = state.pop("edge_index"), None
             return
         ei = state.pop("edge_index")
         state["num_edges"] = ei.size(1)
         graph = GraphPlan(ei, num_nodes=state["x"].size(0))
         del ei  # the plan holds its own copy
-        looped = graph.with_self_loops()  # what GATConv attends over
-        lay = looped.layout()
+        graph.with_self_loops().layout()  # what GATConv attends over
         state["plan"] = graph
-        state["block_csr"] = {H: _fused_cpu._use_block_csr(lay, H, C) for H, C in ((1, 47), (4, 32))}
         state["plan_gib"] = round(graph.nbytes / GiB, 3)
 
     def forward():
@@ -156,14 +154,11 @@ def main() -> None:
         "num_features": x.size(1), "classes": args.classes, "model": "GAT3 (4x32, 4x32, 1x47)",
         "dropout": args.dropout, "graph_input": args.graph_input,
         "phases": phases, "peak_rss_gib": peak, "plan_gib": state["plan_gib"],
-        "block_csr": (None if state["block_csr"] is None
-                      else {str(k): v for k, v in state["block_csr"].items()}),
         "kernels": list(dict.fromkeys(state["kernels"])),
         "step_seconds": round(sum(r["seconds"] for r in phases[2:]), 2),
         **report.environment(torch.device("cpu")),
     }
-    print(f"plan {res['plan_gib']} GiB; block CSR used (heads: yes/no) {res['block_csr']}; "
-          f"kernels {res['kernels']}")
+    print(f"plan {res['plan_gib']} GiB; kernels {res['kernels']}")
     print(f"training step (forward + backward + optimiser): {res['step_seconds']} s; "
           f"process peak {peak} GiB")
     if args.json:

@@ -283,7 +283,8 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         reference is faster, the fused kernel's layouts and operator
         #         calls costing more than its memory saving is worth (NOTES,
         #         "Operators"). "torch" also where fused cannot run
-        #         (torch.func vmap/jvp, forward-mode AD, non-float dtypes).
+        #         (torch.func vmap/jvp, forward-mode AD, non-float dtypes, its
+        #         compiled passes not buildable here: no C++ compiler).
         #         Under torch.jit.trace: "torch", whose trace is aten ops that
         #         torch.jit.save can write (a fused kernel records as one Python
         #         op, which replays in this process only).
@@ -293,7 +294,7 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         at a small fraction of its memory, and about as fast on Cora,
         #         where both are launch-bound, at a fraction of it (NOTES, "GPU
         #         path"; docs/benchmarks.md);
-        #         where it cannot run (no triton, torch.compile, torch.func
+        #         where it cannot run (no triton, torch.func
         #         vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
         #         over 1024 channels, non-float dtypes): "torch".
         #   Other devices: "torch".

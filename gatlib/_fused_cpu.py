@@ -3,29 +3,22 @@ r"""Fused sparse attention for CPU tensors: nothing ``[E, H, C]`` is kept for ba
 PyG's attention layers gather source features into ``[E, H, C]`` messages and
 autograd keeps them (and their products) until backward: gigabytes on a graph
 with millions of edges. This kernel keeps only node tensors ``[N, H, C]`` and
-per-edge statistics ``[E, H]``:
+per-edge statistics ``[E, H]``, and runs its sparse work as compiled row
+passes (:mod:`gatlib._native`) over the plan's CSR and CSC, each reading one
+``H*C`` source row per edge for all heads:
 
-* the weighted sum ``out_i = sum_j alpha_ij v_j`` and its transpose in
-  backward are sparse-dense products (SpMM) with the graph as a CSR matrix;
-* per-edge dot products (``q_i·k_j`` of the Transformer, ``<g_i, v_j>`` of
-  every backward) are sampled dense-dense products (SDDMM) on the same CSR;
-* what does not factor into node terms (the GATv2 score, ``[E, H, C]`` edge
-  features) runs over blocks of edges of :data:`_CHUNK_BYTES` and is recomputed
-  in backward instead of being saved.
+* the softmax and the weighted sum ``out_i = sum_j alpha_ij v_j`` in one walk
+  of the CSR, and in backward ``<g_i, v_j>`` and ``sum_i a_ij g_i`` together in
+  one walk of the CSC, which reads each ``g_i`` once per edge;
+* the Transformer's ``q_i·k_j`` and its gradients as sampled dot products and
+  weighted sums over the same CSR/CSC;
+* GATv2's score ``att · leaky_relu(x_j + y_i)``, which does not factor into node
+  terms, computed per edge inside its walk and again in backward;
+* what reads ``[E, H, C]`` edge features into the values or the dot score runs
+  over blocks of edges of :data:`_CHUNK_BYTES` with torch ops.
 
-All ``H`` heads share one sparse matrix of shape ``[N_dst*H, N_src*H]``
-(:class:`_HeadLayout`), whose dense operands are ``[N, H, C]`` tensors viewed
-as ``[N*H, C]`` without a copy: the heads of a source are adjacent in memory,
-so one gather serves all of them (measured faster than one product per head
-on a head-major copy, benchmarks/NOTES.md). Per-edge tensors are kept ``[E, H]``
-in the destination-sorted (CSR) edge order of the plan's
-:class:`~gatlib._plan.Layout` and are permuted to the block order only around
-the sparse kernels. The head layout is derived once per plan and head count
-and lives on the plan (:meth:`gatlib.GraphPlan.derived`). It costs five index
-entries per edge and head; where that would exceed :data:`BLOCK_CSR_MAX_BYTES`
-(ogbn-products: ~9.4 GiB at H = 4) the same products run over edge blocks of
-the plan's own CSR/CSC instead: slower (benchmarks/NOTES.md, "The training step
-itself"), but with no index of their own.
+Per-edge tensors are ``[E, H]`` in the destination-sorted (CSR) edge order of
+the plan's :class:`~gatlib._plan.Layout`.
 
 A call is two ``torch.library`` operators, ``gatlib::fused_cpu_attention`` and
 its backward ``gatlib::fused_cpu_attention_backward``, whose inputs are tensors
@@ -37,27 +30,25 @@ differentiable backward is asked for (``create_graph=True``: gradient
 penalties, ``torch.func.grad``), it differentiates the reference
 implementation of the same call instead, so second-order gradients are exact.
 Autocast is switched off inside: the kernel picks its own precision (float32
-accumulation for float16/bfloat16, as the reference does; torch's CPU sparse
-kernels have no half-precision path).
+accumulation for float16/bfloat16, as the reference does).
 
-Edge blocks run on one Python thread per intra-op thread with single-threaded
-ops (:func:`_for_blocks`); the kernel never changes a process-wide setting.
+The row passes run on ATen's intra-op threads; edge blocks run on one Python
+thread per intra-op thread with single-threaded ops (:func:`_for_blocks`); the
+kernel never changes a process-wide setting.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-import warnings
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _record
+from . import _native, _record
 from ._core import EdgeScore, _acc_dtype, reference_grads
-from ._plan import GraphPlan, Layout, index_dtype
+from ._plan import GraphPlan, Layout
 
 # Transient per-edge blocks ([chunk, H, C] in the compute dtype) stay this small:
 # large enough that Python overhead per block is noise, small enough to stay in
@@ -67,244 +58,6 @@ _CHUNK_BYTES = 1 << 20
 _MIN_PART_EDGES = 4096
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-# ---------------------------------------------------------------------------
-# Graph layout over heads, and the sparse kernels.
-# ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _HeadLayout:
-    """The graph as one block-diagonal CSR over all heads, plus its transpose.
-
-    Row ``i*H + h`` of the ``[N_dst*H, N_src*H]`` matrix holds head ``h`` of
-    destination ``i``'s in-edges at columns ``j*H + h``; its entries sit at
-    ``H*ptr[i] + h*deg(i) + k`` for the ``k``-th in-edge. An ``[N, H, C]``
-    tensor is then the ``[N*H, C]`` dense operand as it is, and one MKL call
-    covers all heads. ``t_*`` is the same for the transpose (rows ``j*H + h``,
-    out-edges of ``j`` in the CSC order of the :class:`Layout`).
-    """
-
-    lay: Layout
-    heads: int
-    ptr: Optional[Tensor] = None  # [N_dst*H + 1]
-    col: Optional[Tensor] = None  # [E*H]  j*H + h of each block entry
-    bh2eh: Optional[Tensor] = None  # [E*H]  block entry -> e*H + h, e the edge's CSR position
-    eh2bh: Optional[Tensor] = None  # [E*H]  e*H + h -> block entry (inverse of bh2eh)
-    t_ptr: Optional[Tensor] = None  # [N_src*H + 1]
-    t_col: Optional[Tensor] = None  # [E*H]  i*H + h of each transposed entry
-    t2eh: Optional[Tensor] = None  # [E*H]  transposed entry -> e*H + h
-
-    @property
-    def blocked(self) -> bool:
-        """Whether the block CSR exists (else the products run over edge blocks)."""
-        return self.ptr is not None
-
-
-def _block_positions(ptr: Tensor, row: Tensor, heads: int) -> Tensor:
-    """Block position ``H*ptr[r] + h*deg(r) + k`` of the ``k``-th entry of row ``r``, head ``h``.
-
-    ``ptr`` int64 ``[R + 1]`` offsets, ``row`` int64 ``[E]`` sorted row of each entry.
-    Returns int64 ``[E*H]`` (entry-major).
-    """
-    E = row.numel()
-    start = ptr.index_select(0, row)  # [E]
-    deg = ptr.diff().index_select(0, row)  # [E]
-    base = start.mul_(heads - 1).add_(torch.arange(E))  # H*ptr[r] + k
-    return (base[:, None] + torch.arange(heads) * deg[:, None]).view(-1)
-
-
-def _block_ptr(ptr: Tensor, heads: int) -> Tensor:
-    """``[R*H + 1]`` offsets of the block rows ``r*H + h``."""
-    hs = torch.arange(heads, dtype=ptr.dtype)
-    starts = (heads * ptr[:-1])[:, None] + hs * ptr.diff()[:, None]  # [R, H]
-    return torch.cat([starts.reshape(-1), ptr[-1:] * heads])
-
-
-def _build_head_layout(lay: Layout, heads: int) -> _HeadLayout:
-    tensors = torch.ops.gatlib.fused_cpu_head_layout.default(
-        lay.ptr, lay.src, lay.dst, lay.csc_ptr, lay.csc_edge, lay.csc_dst, lay.num_src, heads)
-    return _HeadLayout(lay, heads, *tensors)
-
-
-@torch.library.custom_op("gatlib::fused_cpu_head_layout", mutates_args=(), device_types="cpu")
-def _head_layout_op(ptr: Tensor, src: Tensor, dst: Tensor, csc_ptr: Tensor, csc_edge: Tensor,
-                    csc_dst: Tensor, num_src: int, heads: int) -> List[Tensor]:
-    """The seven index tensors of the :class:`_HeadLayout` (its fields after
-    ``heads``) of a :class:`Layout`'s CSR and CSC, for ``heads`` heads. An
-    operator, so that ``torch.compile`` keeps the construction as one call
-    instead of compiling its index arithmetic."""
-    H, E = heads, src.numel()
-    num_dst = ptr.numel() - 1
-    idt = index_dtype(E * H, (num_src + 1) * H, (num_dst + 1) * H)
-    hs = torch.arange(H, dtype=idt)
-
-    def scatter(pos: Tensor, values: Tensor) -> Tensor:  # out[pos] = values (pos int64)
-        return torch.empty(E * H, dtype=idt).index_copy_(0, pos, values.reshape(-1).to(idt))
-
-    eh2bh = _block_positions(ptr.long(), dst.long(), H)  # [E*H]
-    src = src.to(idt)
-    # Transpose: rows are sources, entries their out-edges in CSC order.
-    cedge = csc_edge.to(idt)
-    tpos = _block_positions(csc_ptr.long(), src.index_select(0, cedge).long(), H)
-    return [_block_ptr(ptr.to(idt), H),                       # ptr
-            scatter(eh2bh, src[:, None] * H + hs),            # col
-            scatter(eh2bh, torch.arange(E * H, dtype=idt)),   # bh2eh
-            eh2bh.to(idt),                                    # eh2bh
-            _block_ptr(csc_ptr.to(idt), H),                   # t_ptr
-            scatter(tpos, csc_dst.to(idt)[:, None] * H + hs),  # t_col
-            scatter(tpos, cedge[:, None] * H + hs)]           # t2eh
-
-
-@_head_layout_op.register_fake
-def _(ptr, src, dst, csc_ptr, csc_edge, csc_dst, num_src, heads):
-    H, E = heads, src.numel()
-    num_dst = ptr.numel() - 1
-    idt = index_dtype(E * H, (num_src + 1) * H, (num_dst + 1) * H)
-    eh = src.new_empty(E * H, dtype=idt)
-    return [src.new_empty(num_dst * H + 1, dtype=idt), eh, torch.empty_like(eh),
-            torch.empty_like(eh), src.new_empty(num_src * H + 1, dtype=idt), torch.empty_like(eh),
-            torch.empty_like(eh)]
-
-
-def block_csr_bytes(lay: Layout, heads: int) -> int:
-    """Bytes of the index tensors of the :class:`_HeadLayout` of ``lay`` for ``heads``."""
-    H, E = heads, lay.num_edges
-    idt = index_dtype(E * H, (lay.num_src + 1) * H, (lay.num_dst + 1) * H)
-    size = torch.empty((), dtype=idt).element_size()
-    return size * (5 * E * H + (lay.num_src + lay.num_dst + 2) * H)
-
-
-def _use_block_csr(lay: Layout, heads: int, channels: int) -> bool:
-    """Whether the sparse products use the block CSR (:class:`_HeadLayout`): they
-    do unless the graph has fewer than :data:`BLOCK_CSR_MIN_ENTRIES` edges times
-    heads times channels or its index tensors exceed :data:`BLOCK_CSR_MAX_BYTES`;
-    otherwise the products run over edge blocks with the plan's own CSR/CSC."""
-    return (lay.num_edges * heads * channels >= BLOCK_CSR_MIN_ENTRIES
-            and block_csr_bytes(lay, heads) <= BLOCK_CSR_MAX_BYTES)
-
-
-# The block CSR costs 5 index entries per edge and head (arxiv-like, H=4: 196 MiB;
-# ogbn-products: ~9.4 GiB) and makes the sparse products faster than the edge
-# blocks (measured on the arxiv-like graph: benchmarks/NOTES.md, "The training
-# step itself"). Above this size the edge blocks run instead.
-BLOCK_CSR_MAX_BYTES = 1 << 30
-# Below this many [E, H, C] entries building the block CSR costs more than it
-# saves: such a graph's products run over edge blocks (one block, when small).
-# Measured on GATConv forward+backward through a new plan (H=4, C=64,
-# NeighborLoader subgraphs): without the block CSR was faster at 1,818 edges,
-# with it at 3,600 (benchmarks/NOTES.md, "Second round").
-BLOCK_CSR_MIN_ENTRIES = 1 << 19
-
-
-def kernel_layout(plan: GraphPlan, heads: int, channels: int) -> _HeadLayout:
-    """What the kernel runs on for ``heads`` x ``channels`` values: the plan's block
-    CSR where :func:`_use_block_csr` allows it, else only the plan's
-    :class:`Layout` (edge-block products)."""
-    lay = plan.layout()
-    if _use_block_csr(lay, heads, channels):
-        return head_layout(plan, heads)
-    return _HeadLayout(lay, heads)
-
-
-def head_layout(plan: GraphPlan, heads: int) -> _HeadLayout:
-    """The plan's :class:`_HeadLayout` for ``heads`` heads (built once, kept on the plan)."""
-    return plan.derived(("fused_cpu.heads", heads), lambda: _build_head_layout(plan.layout(), heads))
-
-
-def _csr(ptr: Tensor, col: Tensor, values: Tensor, shape: Tuple[int, int]) -> Tensor:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "sparse CSR support is in beta state"
-        return torch.sparse_csr_tensor(ptr, col, values, shape, check_invariants=False)
-
-
-def _spmm(hl: _HeadLayout, weight: Tensor, dense: Tensor, transpose: bool = False) -> Tensor:
-    """``out_i = sum_j weight_ij dense_j`` per head (``transpose``: ``out_j = sum_i ...``).
-
-    Args:
-        weight: ``[E, H]`` per-edge weights in CSR edge order.
-        dense: ``[N_src, H, C]`` (``[N_dst, H, C]`` when ``transpose``).
-
-    Returns:
-        ``[N_dst, H, C]`` (``[N_src, H, C]`` when ``transpose``).
-    """
-    lay, H = hl.lay, hl.heads
-    C = dense.size(-1)
-    rows, cols = (lay.num_src, lay.num_dst) if transpose else (lay.num_dst, lay.num_src)
-    if not hl.blocked:
-        return _spmm_edges(lay, weight, dense, transpose)
-    if transpose:
-        a = _csr(hl.t_ptr, hl.t_col, weight.view(-1).index_select(0, hl.t2eh), (rows * H, cols * H))
-    else:
-        a = _csr(hl.ptr, hl.col, weight.view(-1).index_select(0, hl.bh2eh), (rows * H, cols * H))
-    # beta=0 into an uninitialised result (beta=0 ignores its contents, NaN included):
-    # `a @ dense` zero-fills a result and copies the product into it, two extra
-    # passes over it (a large share of the product on the arxiv-like graph:
-    # benchmarks/NOTES.md, v3)
-    out = torch.empty(rows * H, C, dtype=dense.dtype)
-    torch.addmm(out, a, dense.reshape(cols * H, C), beta=0, out=out)
-    return out.view(rows, H, C)
-
-
-def _spmm_edges(lay: Layout, weight: Tensor, dense: Tensor, transpose: bool) -> Tensor:
-    """:func:`_spmm` over edge blocks: gather ``[n, H, C]`` rows of ``dense``, scale
-    them by their edge's weights and add them into their rows of the result. The
-    transpose walks the edges in CSC order, so each part owns its source rows."""
-    H, C = dense.shape[1:]
-    row_bytes = H * C * dense.element_size()
-    if not transpose:
-        out = dense.new_zeros(lay.num_dst, H, C)
-
-        def block(e0, e1, part):
-            x = dense.index_select(0, lay.src[e0:e1])  # [n, H, C]
-            _add_row_sums(out, x.mul_(weight[e0:e1].to(x.dtype).unsqueeze(-1)), lay, e0, e1)
-
-        _for_blocks(lay, row_bytes, block)
-        return out
-    out = dense.new_zeros(lay.num_src, H, C)
-    if _one_block(lay, row_bytes):  # one thread, one pass: no need for the CSC walk
-        x = dense.index_select(0, lay.dst)
-        return out.index_add_(0, lay.src, x.mul_(weight.to(x.dtype).unsqueeze(-1)))
-
-    def block(e0, e1, part):
-        edges = lay.csc_edge[e0:e1]
-        x = dense.index_select(0, lay.csc_dst[e0:e1])  # [n, H, C]
-        x.mul_(weight.index_select(0, edges).to(x.dtype).unsqueeze(-1))
-        r = lay.src.index_select(0, edges)  # non-decreasing
-        i0 = int(r[0])
-        out[i0:int(r[-1]) + 1].index_add_(0, (r - i0).long(), x)  # (see _add_row_sums)
-
-    _for_blocks(lay, row_bytes, block, lay.csc_ptr)
-    return out
-
-
-def _sddmm(hl: _HeadLayout, a: Tensor, b: Tensor, scale: float = 1.0) -> Tensor:
-    """``scale * <a_i, b_j>`` for every edge ``j -> i`` and head.
-
-    Args:
-        a: ``[N_dst, H, C]``; b: ``[N_src, H, C]``.
-
-    Returns:
-        ``[E, H]`` in CSR edge order.
-    """
-    lay, H = hl.lay, hl.heads
-    C, E = a.size(-1), lay.num_edges
-    if not hl.blocked or E * H > lay.num_dst * lay.num_src * H * H:
-        # No block CSR, or more entries than the matrix has cells (duplicate edges
-        # on a tiny graph, which sampled_addmm rejects): take the edge blocks.
-        out = a.new_empty(E, H)
-
-        def block(e0, e1, part):
-            torch.linalg.vecdot(a.index_select(0, lay.dst[e0:e1]),
-                                b.index_select(0, lay.src[e0:e1]), out=out[e0:e1])
-
-        _for_blocks(lay, H * C * a.element_size(), block)
-        return out if scale == 1.0 else out.mul_(scale)
-    # sampled_addmm reads the pattern's values even with beta=0 (NaN * 0 = NaN): zeros.
-    pattern = _csr(hl.ptr, hl.col, a.new_zeros(E * H), (lay.num_dst * H, lay.num_src * H))
-    # b.t() is a view: the kernel wants rows of b contiguous, which they are.
-    vals = torch.sparse.sampled_addmm(pattern, a.reshape(-1, C), b.reshape(-1, C).t(),
-                                      beta=0.0, alpha=scale).values()  # [E*H] block order
-    return vals.index_select(0, hl.eh2bh).view(E, H)
 
 
 # ---------------------------------------------------------------------------
@@ -441,17 +194,6 @@ def _scatter_rows(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None
 # ---------------------------------------------------------------------------
 # Stages 2 and 3: softmax and aggregation (shared by every score kind).
 # ---------------------------------------------------------------------------
-def _row_softmax(e: Tensor, lay: Layout, need_lse: bool = True) -> Tuple[Tensor, Tensor]:
-    """Softmax of ``e`` ``[E, H]`` (CSR order) over each destination's in-edges,
-    in place (``e`` becomes the weights), and its log-normaliser ``lse [N_dst, H]``
-    (``alpha_ij = exp(e_ij - lse_i)``), or an empty tensor without ``need_lse``."""
-    m = torch.segment_reduce(e, "max", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    _per_edge_(e, m, lay, lambda eb, mb: eb.sub_(mb).exp_())  # every entry <= 1
-    den = torch.segment_reduce(e, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H], >= 1 where used
-    _per_edge_(e, den, lay, Tensor.div_)
-    return e, (den.log_().add_(m) if need_lse else den.new_empty(0))
-
-
 def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
     """The softmax weights again from the scores ``e`` (consumed) and ``lse``."""
     return _per_edge_(e, lse, lay, lambda eb, lb: eb.sub_(lb).exp_())
@@ -472,26 +214,34 @@ def _per_edge_(x: Tensor, node: Tensor, lay: Layout, fn: Callable[[Tensor, Tenso
     return x
 
 
-def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayout,
+def _edge_weights(drop: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """The ``[E, H]`` multipliers as the row passes read them: contiguous, in the
+    compute dtype (a dropout mask built as ``bool * float`` is float32)."""
+    return None if drop is None else drop.to(dtype).contiguous()
+
+
+def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], lay: Layout,
                        drop: Optional[Tensor], need_lse: bool = True
                        ) -> Tuple[Tensor, Tensor, Tensor]:
     r"""Forward of stages 2 and 3, all heads at once (``e`` is consumed)::
 
-        m_i      = max_j e_ij                                     # segment max  [N_dst, H]
-        alpha_ij = exp(e_ij - m_i) / sum_k exp(e_ik - m_i)        # [E, H]
-        a_ij     = alpha_ij * drop_ij                             # drop = keep / (1 - p)
-        out_i    = sum_j a_ij v_j                                 # SpMM, block CSR
-                 + sum_j a_ij u_ij                                # edge blocks of _CHUNK_BYTES
+        for each destination i (one walk of the CSR):
+            m_i      = max_j e_ij                                 # [H]
+            alpha_ij = exp(e_ij - m_i) / sum_k exp(e_ik - m_i)    # in place of e
+            out_i    = sum_j alpha_ij drop_ij v_j                 # one v row per edge
+        out_i += sum_j a_ij u_ij                                  # edge blocks of _CHUNK_BYTES
 
-    ``e``, ``drop`` ``[E, H]`` in CSR order; ``u`` ``[E, H, C]`` in edge-list order.
-    Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])``.
+    ``e``, ``drop`` (``keep / (1 - p)``, times edge weights) ``[E, H]`` in CSR
+    order; ``u`` ``[E, H, C]`` in edge-list order.
+    Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])`` with
+    ``lse_i = m_i + log sum_k exp(e_ik - m_i)`` (empty unless ``need_lse``).
     """
-    lay = hl.lay
-    alpha, lse = _row_softmax(e, lay, need_lse)  # [E, H], [N_dst, H] (or empty)
-    a = alpha if drop is None else alpha * drop
-    out = _spmm(hl, a, v)  # [N_dst, H, C]
+    drop = _edge_weights(drop, v.dtype)
+    out, lse = _native.ops().softmax_aggregate(lay.ptr, lay.src, e, drop, v, need_lse)
+    alpha = e
     if u is not None:
         H, C = v.shape[1:]
+        a = alpha if drop is None else alpha * drop  # [E, H]
 
         def block(e0, e1, part):
             ub = u.index_select(0, lay.perm[e0:e1]).to(out.dtype)  # [n, H, C]
@@ -501,28 +251,31 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], hl: _HeadLayou
     return out, alpha, lse
 
 
-def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, need_u,
+def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, lay, drop, need_v, need_u,
                                 need_drop=False):
     r"""Backward of :func:`_softmax_aggregate`, with ``g_i = dL/dout_i`` and
     ``ga_ij = dL/dalpha_ij`` (alpha is an output too)::
 
-        dalpha_ij = drop_ij * <g_i, v_j + u_ij> + ga_ij           # SDDMM (+ edge blocks)
-        delta_i   = sum_j alpha_ij dalpha_ij                      # = <g_i, out_i> without ga
-        de_ij     = alpha_ij * (dalpha_ij - delta_i)              # softmax gradient
-        dv_j      = sum_i a_ij g_i                                # SpMM, transposed block CSR
-        du_ij     = a_ij g_i                                      # [E, H, C] because u is
-        ddrop_ij  = alpha_ij * <g_i, v_j + u_ij>                  # when drop carries edge weights
+        for each source j (one walk of the CSC), each out-edge j -> i:
+            dot_ij = <g_i, v_j>                                   # one g row per edge
+            dv_j  += a_ij g_i                                     # the same row
+        dot_ij   += <g_i, u_ij>;  du_ij = a_ij g_i                # edge blocks, where u is
+        dalpha_ij = drop_ij * dot_ij + ga_ij
+        de_ij     = alpha_ij * (dalpha_ij - sum_k alpha_ik dalpha_ik)   # one walk of the CSR
+        ddrop_ij  = alpha_ij * dot_ij                             # when drop carries edge weights
 
-    Returns ``(de [E, H] CSR order, dv or None, du or None, ddrop or None)``.
+    with ``a = alpha * drop``. Returns ``(de [E, H] CSR order, dv or None, du or
+    None, ddrop or None)``.
     """
-    lay = hl.lay
+    drop = _edge_weights(drop, alpha.dtype)
     a = alpha if drop is None else alpha * drop  # [E, H]
     # [E, H] temporaries are few: at ogbn-products' scale each is 2 GB (H=4, float32)
-    d_alpha = None if g_alpha is None else g_alpha.clone()  # [E, H]
+    d_alpha = None if g_alpha is None else g_alpha.clone(memory_format=torch.contiguous_format)
     dv = du = d_drop = None
     if g_out is not None:
         g = g_out.contiguous()  # [N_dst, H, C]
-        dot = _sddmm(hl, g, v)  # [E, H]  <g_i, v_j>
+        dot, dv = _native.ops().sddmm_spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, a, g, v, need_v)
+        dv = dv if need_v else None
         if u is not None:
             H, C = g.shape[1:]
             if need_u:
@@ -542,37 +295,20 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, hl, drop, need_v, n
             dot.mul_(drop)
         d_alpha = dot if d_alpha is None else d_alpha.add_(dot)
         del dot
-        if need_v:
-            dv = _spmm(hl, a, g, transpose=True)  # [N_src, H, C]
     a = None  # an [E, H] less during the softmax gradient (a cell of block(): not del'd)
-    return _softmax_grad(d_alpha, alpha, lay), dv, du, d_drop
-
-
-def _softmax_grad(d_alpha: Optional[Tensor], alpha: Tensor, lay: Layout) -> Tensor:
-    """``de_ij = alpha_ij * (dalpha_ij - delta_i)``, ``delta_i = sum_j alpha_ij dalpha_ij``:
-    the softmax's gradient, in place of ``d_alpha`` (``None``: zero)."""
-    ad = torch.zeros_like(alpha) if d_alpha is None else d_alpha.mul_(alpha)  # [E, H]
-    delta = torch.segment_reduce(ad, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
-    row_bytes = ad.size(1) * ad.element_size()
-    if _one_block(lay, row_bytes) and not torch.is_grad_enabled():  # all edges at once
-        return ad.sub_(delta.index_select(0, lay.dst).mul_(alpha))
-
-    def block(e0, e1, part):
-        ad[e0:e1].sub_(delta.index_select(0, lay.dst[e0:e1]).mul_(alpha[e0:e1]))
-
-    _for_blocks(lay, row_bytes, block)
-    return ad
+    if d_alpha is None:
+        return torch.zeros_like(alpha), dv, du, d_drop
+    return _native.ops().softmax_backward(lay.ptr, alpha, d_alpha), dv, du, d_drop
 
 
 # ---------------------------------------------------------------------------
 # Stage 1: the score of each kind, forward and backward. Inputs are the
 # score's (src, dst, edge, att); per-edge inputs are in edge-list order.
 # ---------------------------------------------------------------------------
-def _gat_forward(s, t, w, att, hl, scale, slope) -> Tensor:
+def _gat_forward(s, t, w, att, lay, scale, slope) -> Tensor:
     r"""GAT: ``e_ij = leaky_relu(z_ij)``, ``z_ij = s_j + t_i + w_ij`` from ``[*, H]``
     node terms (gathers of ``[*, H]`` rows, CSR order), in edge blocks: the only
     ``[E, H]`` tensor is the result."""
-    lay = hl.lay
     row_bytes = s.size(1) * s.element_size()
     if _one_block(lay, row_bytes):
         return F.leaky_relu_(_gat_z(s, t, w, lay, 0, lay.num_edges), slope)
@@ -600,7 +336,7 @@ def _gat_z(s, t, w, lay, e0, e1) -> Tensor:
     return z
 
 
-def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
+def _gat_backward(de, s, t, w, att, lay, scale, slope, need):
     r"""With ``de_ij = dL/de_ij`` and ``z`` recomputed (cheap, ``[E, H]``)::
 
         dz_ij = de_ij * (1 if z_ij > 0 else slope)
@@ -608,10 +344,8 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
         dt_i  = sum_j dz_ij                     # segment sum in CSR order
         dw_ij = dz_ij                           # back to the edge-list order
     """
-    lay = hl.lay
     row_bytes = de.size(1) * de.element_size()
-    whole = _one_block(lay, row_bytes)
-    if whole:
+    if _one_block(lay, row_bytes):
         dz = torch.ops.aten.leaky_relu_backward(de, _gat_z(s, t, w, lay, 0, lay.num_edges), slope,
                                                 False)
     else:
@@ -623,100 +357,59 @@ def _gat_backward(de, s, t, w, att, hl, scale, slope, need):
 
         _for_blocks(lay, row_bytes, block)
     ds = dt = dw = None
-    if need[0] and whole:
-        ds = s.new_zeros(lay.num_src, dz.size(1)).index_add_(0, lay.src, dz)
-    elif need[0]:  # each source's out-edges, walked in CSC order: no [E, H] gather
-        ds = s.new_zeros(lay.num_src, dz.size(1))
-
-        def block(e0, e1, part):
-            edges = lay.csc_edge[e0:e1]
-            r = lay.src.index_select(0, edges)  # non-decreasing
-            i0 = int(r[0])
-            ds[i0:int(r[-1]) + 1].index_add_(0, (r - i0).long(), dz.index_select(0, edges))
-
-        _for_blocks(lay, row_bytes, block, lay.csc_ptr)
+    if need[0]:  # each source's out-edges, walked in CSC order
+        ds = _native.ops().segment_sum(lay.csc_ptr, lay.csc_edge, dz)  # [N_src, H]
     if need[1]:
-        dt = torch.segment_reduce(dz, "sum", offsets=lay.ptr, axis=0)  # [N_dst, H]
+        dt = _native.ops().segment_sum(lay.ptr, lay.ptr.new_empty(0), dz)  # [N_dst, H]
     if need[2]:
         dw = torch.empty_like(dz).index_copy_(0, lay.perm, dz)
     return ds, dt, dw, None
 
 
-def _gatv2_z(x, y, w, lay, e0, e1) -> Tensor:
-    z = x.index_select(0, lay.src[e0:e1])  # [n, H, C]
-    z += y.index_select(0, lay.dst[e0:e1])
-    if w is not None:
-        z += w.index_select(0, lay.perm[e0:e1]).to(z.dtype)
-    return z
+def _edge_rows(w: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """``[E, H, C]`` edge features as the row passes read them: contiguous, in the
+    compute dtype (a copy only for half-precision or strided inputs)."""
+    return None if w is None else w.to(dtype).contiguous()
 
 
-def _gatv2_forward(x, y, w, att, hl, scale, slope) -> Tensor:
-    r"""GATv2: ``e_ij = att · leaky_relu(x_j + y_i + w_ij)``, in edge blocks. The
-    score does not factor into node terms, so ``z`` exists only one block of
-    :data:`_CHUNK_BYTES` at a time and is recomputed in backward::
+def _gatv2_forward(x, y, w, att, lay, scale, slope) -> Tensor:
+    r"""GATv2: ``e_ij = att · leaky_relu(x_j + y_i + w_ij)``, per edge in one walk
+    of the CSR: the score does not factor into node terms, so ``z`` never exists
+    beyond one edge and is recomputed in backward."""
+    return _native.ops().gatv2_score(lay.ptr, lay.src, lay.perm, x, y, _edge_rows(w, x.dtype),
+                                     att.contiguous(), slope)  # [E, H]
 
-        for each block B of CSR edges:
-            z_ij = x_j + y_i + w_ij             # [|B|, H, C] transient
-            e_ij = sum_c att_c leaky_relu(z_ij)_c
+
+def _gatv2_backward(de, x, y, w, att, lay, scale, slope, need):
+    r"""Two walks, each recomputing ``z_ij = x_j + y_i + w_ij``::
+
+        dz_ij  = de_ij * att * (1 if z_ij > 0 else slope)      # [H, C] per edge
+        CSR walk (destinations i): dy_i = sum_j dz_ij,  dw_ij = dz_ij,
+                                   datt = sum_ij de_ij leaky_relu(z_ij)
+        CSC walk (sources j):      dx_j = sum_i dz_ij
     """
-    lay = hl.lay
-    H, C = att.shape
-    e = x.new_empty(lay.num_edges, H)  # [E, H]
-
-    def block(e0, e1, part):
-        z = _gatv2_z(x, y, w, lay, e0, e1)  # [n, H, C]
-        torch.linalg.vecdot(F.leaky_relu_(z, slope), att, out=e[e0:e1])
-
-    _for_blocks(lay, H * C * x.element_size(), block)
-    return e
-
-
-def _gatv2_backward(de, x, y, w, att, hl, scale, slope, need):
-    r"""Per block again::
-
-        z_ij    = x_j + y_i + w_ij              # recomputed
-        dz_ij   = de_ij * att * (1 if z_ij > 0 else slope)   # [|B|, H, C]
-        dy_i   += sum_j dz_ij                   # index_add_ into the block's rows
-        dx_j   += dz_ij                         # index_add_ over sources
-        dw_ij   = dz_ij
-        datt   += sum_ij de_ij leaky_relu(z_ij)
-    """
-    lay = hl.lay
-    H, C = att.shape
-    parts = _num_parts(lay)
-    # sources are shared between parts: one accumulator each
-    dx = [torch.zeros_like(x) for _ in range(parts)] if need[0] else None
-    dy = torch.zeros_like(y) if need[1] else None
-    dw = torch.empty_like(w) if need[2] and w is not None else None
-    datt = [torch.zeros_like(att) for _ in range(parts)] if need[3] else None
-
-    def block(e0, e1, part):
-        z = _gatv2_z(x, y, w, lay, e0, e1)  # [n, H, C]
-        g = de[e0:e1, :, None] * att  # [n, H, C]  dL/d leaky_relu(z)
-        if datt is not None:
-            datt[part] += torch.einsum("nh,nhc->hc", de[e0:e1], F.leaky_relu(z, slope))
-        # g * (1 if z > 0 else slope) in one pass (measured much faster than where()
-        # with broadcasting; benchmarks/NOTES.md)
-        dz = torch.ops.aten.leaky_relu_backward(g, z, slope, False)  # [n, H, C]
-        if dy is not None:
-            _add_row_sums(dy, dz, lay, e0, e1)
-        if dx is not None:
-            dx[part].index_add_(0, lay.src[e0:e1].long(), dz)  # (see _add_row_sums)
-        if dw is not None:
-            _scatter_rows(dw, dz, lay, e0, e1)
-
-    _for_blocks(lay, H * C * x.element_size(), block)
-    return (None if dx is None else _sum_(dx)), dy, dw, (None if datt is None else _sum_(datt))
+    ops, empty = _native.ops(), lay.ptr.new_empty(0)
+    w = _edge_rows(w, x.dtype)
+    att = att.contiguous()
+    de = de.contiguous()
+    dx = dy = dw = datt = None
+    if need[1] or need[2] or need[3]:
+        dy, dw, datt = ops.gatv2_grad(lay.ptr, lay.src, empty, lay.perm, y, x, w, att, de, slope,
+                                      need[2] and w is not None, need[3])
+    if need[0]:
+        dx = ops.gatv2_grad(lay.csc_ptr, lay.csc_dst, lay.csc_edge, lay.perm, x, y, w, att, de,
+                            slope, False, False)[0]
+    return (dx, dy if need[1] else None, dw if need[2] and w is not None else None,
+            datt if need[3] else None)
 
 
-def _dot_forward(k, q, w, att, hl, scale, slope) -> Tensor:
+def _dot_forward(k, q, w, att, lay, scale, slope) -> Tensor:
     r"""Scaled dot product ``e_ij = scale * <q_i, k_j + w_ij>``::
 
-        e_ij  = scale * <q_i, k_j>              # SDDMM, block CSR
+        e_ij  = scale * <q_i, k_j>              # one walk of the CSR, a k row per edge
               + scale * <q_i, w_ij>             # edge blocks of _CHUNK_BYTES
     """
-    lay = hl.lay
-    e = _sddmm(hl, q, k, scale)  # [E, H]
+    e = _native.ops().sddmm(lay.ptr, lay.src, lay.ptr.new_empty(0), q, k, scale)  # [E, H]
     if w is not None:
         H, C = q.shape[1:]
 
@@ -729,17 +422,17 @@ def _dot_forward(k, q, w, att, hl, scale, slope) -> Tensor:
     return e
 
 
-def _dot_backward(de, k, q, w, att, hl, scale, slope, need):
+def _dot_backward(de, k, q, w, att, lay, scale, slope, need):
     r"""With ``de_ij = dL/de_ij``::
 
-        dq_i  = scale * sum_j de_ij (k_j + w_ij)  # SpMM (+ edge blocks)
-        dk_j  = scale * sum_i de_ij q_i           # SpMM, transposed block CSR
+        dq_i  = scale * sum_j de_ij (k_j + w_ij)  # a walk of the CSR (+ edge blocks)
+        dk_j  = scale * sum_i de_ij q_i           # a walk of the CSC
         dw_ij = scale * de_ij q_i                 # [E, H, C] because w is
     """
-    lay = hl.lay
+    ops = _native.ops()
     ds = de * scale  # [E, H]
-    dk = _spmm(hl, ds, q, transpose=True) if need[0] else None  # [N_src, H, C]
-    dq = _spmm(hl, ds, k) if need[1] else None  # [N_dst, H, C]
+    dk = ops.spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, ds, q) if need[0] else None  # [N_src, H, C]
+    dq = ops.spmm(lay.ptr, lay.src, lay.ptr.new_empty(0), ds, k) if need[1] else None  # [N_dst, H, C]
     dw = None
     if w is not None and (dq is not None or need[2]):
         H, C = q.shape[1:]
@@ -768,24 +461,17 @@ _SCORES = {
 # ---------------------------------------------------------------------------
 # The operators: forward and backward of one call, and their autograd.
 # ---------------------------------------------------------------------------
-def layout_tensors(hl: _HeadLayout) -> List[Tensor]:
-    """The index tensors of ``hl`` as the operators take them, in one list: the
-    CSR ``(ptr, src, dst, perm)``, the CSC ``(csc_ptr, csc_edge, csc_dst)`` and,
-    where the products run on the block CSR, its seven tensors (the fields of
-    :class:`_HeadLayout` in order)."""
-    lay = hl.lay
-    tensors = [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_ptr, lay.csc_edge, lay.csc_dst]
-    if hl.blocked:
-        tensors += [hl.ptr, hl.col, hl.bh2eh, hl.eh2bh, hl.t_ptr, hl.t_col, hl.t2eh]
-    return tensors
+def layout_tensors(lay: Layout) -> List[Tensor]:
+    """The index tensors of ``lay`` as the operators take them, in one list: the
+    CSR ``(ptr, src, dst, perm)`` and the CSC ``(csc_ptr, csc_edge, csc_dst)``."""
+    return [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_ptr, lay.csc_edge, lay.csc_dst]
 
 
-def _head_layout_of(layout: Sequence[Tensor], num_src: int, heads: int) -> _HeadLayout:
-    """The :class:`_HeadLayout` that :func:`layout_tensors` flattened."""
-    ptr, src, dst, perm, csc_ptr, csc_edge, csc_dst = layout[:7]
-    lay = Layout(ptr=ptr, src=src, dst=dst, perm=perm, num_src=num_src, num_dst=ptr.numel() - 1,
-                 csc=(csc_ptr, csc_edge, csc_dst))
-    return _HeadLayout(lay, heads, *layout[7:])
+def _layout_of(layout: Sequence[Tensor], num_src: int) -> Layout:
+    """The :class:`Layout` that :func:`layout_tensors` flattened."""
+    ptr, src, dst, perm, csc_ptr, csc_edge, csc_dst = layout
+    return Layout(ptr=ptr, src=src, dst=dst, perm=perm, num_src=num_src, num_dst=ptr.numel() - 1,
+                  csc=(csc_ptr, csc_edge, csc_dst))
 
 
 def _no_autocast():
@@ -817,10 +503,10 @@ def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: O
     [E, H]`` in CSR order and ``lse [N_dst, H]`` (``[0]`` unless ``keep_lse``).
     """
     _record.log("fused")
-    hl = _head_layout_of(layout, num_src, value.size(1))
+    lay = _layout_of(layout, num_src)
     with _no_autocast():
-        e = _SCORES[kind][0](s_src, s_dst, s_edge, s_att, hl, scale, slope)  # [E, H]
-        return _softmax_aggregate(e, value, value_edge, hl, drop, keep_lse)
+        e = _SCORES[kind][0](s_src, s_dst, s_edge, s_att, lay, scale, slope)  # [E, H]
+        return _softmax_aggregate(e, value, value_edge, lay, drop, keep_lse)
 
 
 @_attention_op.register_fake
@@ -854,17 +540,17 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
     does not ask for (and for an absent input).
     """
     _record.log("fused.backward")
-    hl = _head_layout_of(_full_layout(kept_layout), num_src, value.size(1))
+    lay = _layout_of(_full_layout(kept_layout), num_src)
     with _no_autocast():
         alpha = saved
         if recompute:
-            e = _gat_forward(s_src, s_dst, s_edge, s_att, hl, scale, slope)
-            alpha = _recomputed_alpha(e, saved, hl.lay)
+            e = _gat_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)
+            alpha = _recomputed_alpha(e, saved, lay)
         de, dv, du, d_drop = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
-                                                         hl, drop, need[4], need[5], need[6])
+                                                         lay, drop, need[4], need[5], need[6])
         score_grads = (None,) * 4
         if any(need[:4]):
-            score_grads = _SCORES[kind][1](de, s_src, s_dst, s_edge, s_att, hl, scale, slope,
+            score_grads = _SCORES[kind][1](de, s_src, s_dst, s_edge, s_att, lay, scale, slope,
                                            need[:4])
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge, drop)
     # what was asked for and is zero (no gradient flowed to it) as zeros, what was
@@ -884,21 +570,21 @@ def _(kind, scale, slope, g_out, g_alpha, s_src, s_dst, s_edge, s_att, value, va
 def _kept_layout(layout: Sequence[Tensor], edge_order: bool) -> List[Tensor]:
     """What backward keeps of a forward's :func:`layout_tensors`: the CSR's ``ptr``
     and ``src``, the CSC's ``csc_ptr`` and ``csc_edge``, ``perm`` where per-edge
-    inputs are read in edge-list order (``edge_order``; else an empty tensor),
-    and the block CSR. The destinations in either order are derived again
+    inputs are read in edge-list order (``edge_order``; else an empty tensor).
+    The destinations in either order are derived again
     (:func:`_full_layout`): kept, they would be a second copy of the edges per
     layer from forward to backward (at ogbn-products' scale 1 GB each, int32)."""
-    ptr, src, dst, perm, csc_ptr, csc_edge, csc_dst, *block = layout
-    return [ptr, src, csc_ptr, csc_edge, perm if edge_order else perm.new_empty(0), *block]
+    ptr, src, dst, perm, csc_ptr, csc_edge, csc_dst = layout
+    return [ptr, src, csc_ptr, csc_edge, perm if edge_order else perm.new_empty(0)]
 
 
 def _full_layout(kept: Sequence[Tensor]) -> List[Tensor]:
     """:func:`layout_tensors` again from what :func:`_kept_layout` kept."""
-    ptr, src, csc_ptr, csc_edge, perm, *block = kept
+    ptr, src, csc_ptr, csc_edge, perm = kept
     num_dst = ptr.numel() - 1
     dst = torch.repeat_interleave(torch.arange(num_dst, dtype=src.dtype, device=src.device),
                                   ptr.diff(), output_size=src.numel())  # [E] CSR order
-    return [ptr, src, dst, perm, csc_ptr, csc_edge, dst.index_select(0, csc_edge), *block]
+    return [ptr, src, dst, perm, csc_ptr, csc_edge, dst.index_select(0, csc_edge)]
 
 
 def _save(ctx, args, tensors, layout, num_src, keep_lse, output) -> None:
@@ -1025,6 +711,9 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
             return f"the fused CPU kernel runs on CPU tensors; got a tensor on {t.device}"
         if t.dtype not in FLOATS:
             return f"the fused CPU kernel computes in {', '.join(map(str, FLOATS))}; got {t.dtype}"
+    reason = _native.unavailable()  # builds the compiled passes on the first call
+    if reason is not None:
+        return f"the fused CPU kernel cannot run here: {reason}"
     return None
 
 
@@ -1054,15 +743,14 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(score_dtype if value.dtype == score_dtype
                      else torch.promote_types(score_dtype, value.dtype))
-    H, C = value.shape[1], value.shape[2]
-    E = plan.num_edges
-    hl = kernel_layout(plan, H, C)
+    H, E = value.shape[1], plan.num_edges
+    lay = plan.layout()
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one
-        drop = (torch.rand(E, H, dtype=acc) >= p) * (1.0 / (1.0 - p) if p < 1 else 0.0)
+        drop = ((torch.rand(E, H, dtype=acc) >= p) * (1.0 / (1.0 - p) if p < 1 else 0.0)).to(acc)
     if edge_weight is not None:  # one multiplier per edge and head, in the kernel's edge order
-        w = edge_weight.to(acc).index_select(0, hl.lay.perm).unsqueeze(1)  # [E, 1]
-        drop = w.expand(E, H) if drop is None else drop * w
+        w = edge_weight.to(acc).index_select(0, lay.perm).unsqueeze(1)  # [E, 1]
+        drop = w.expand(E, H).contiguous() if drop is None else drop * w
     # Node-sized inputs in the compute dtype, contiguous (an upcast of them is cheap),
     # and GAT's [E, H] edge term too; [E, H, C] edge tensors are cast per block.
     cast = [t if t is None or (t.dtype == acc and t.is_contiguous()) else t.to(acc).contiguous()
@@ -1071,7 +759,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     s_edge = cast[4] if score.kind == "gat" else s_edge
     ins = _distinct((s_src, s_dst, s_edge, s_att, v, value_edge, drop))
     args = (score.kind, float(score.scale), float(score.negative_slope), *ins)
-    layout, recompute = layout_tensors(hl), _recomputes_alpha(score.kind, E, H)
+    layout, recompute = layout_tensors(lay), _recomputes_alpha(score.kind, E, H)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins):
         out, alpha, _ = _FusedAttention.apply(*args, plan.num_src, recompute, *layout)
     else:  # nothing to differentiate: the operator alone (and torch.compile traces no
@@ -1081,5 +769,5 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     out = out if out.dtype == value.dtype else out.to(value.dtype)
     if not need_alpha:
         return out, None
-    alpha = torch.empty_like(alpha).index_copy(0, hl.lay.perm, alpha)  # back to the edge-list order
+    alpha = torch.empty_like(alpha).index_copy(0, lay.perm, alpha)  # back to the edge-list order
     return out, alpha.to(score_dtype)

@@ -1,6 +1,7 @@
 """The fused CPU kernel (gatlib._fused_cpu): gradcheck and gradgradcheck of its
-autograd function, its head layout against a direct construction, dropout, the
-layers, and the point of it: no [E, H, C] tensor saved for backward.
+autograd function, opcheck of its operators, dropout, the layers, and the point
+of it: no [E, H, C] tensor saved for backward. (Its compiled row passes one by
+one: test_fused_cpu_passes.py.)
 (Agreement with the reference over graphs, dtypes and heads is in test_core.py.)"""
 import pytest
 import torch
@@ -15,37 +16,23 @@ from testing import (KINDS, LAYERS, OpCalls, hub_graph, leaves, make_score,
                      random_graph)
 
 
-@pytest.fixture(params=["one_block", "tiny_blocks", "edge_products", "small_layout"])
+@pytest.fixture(params=["large", "tiny_blocks", "small_layout"])
 def blocks(request, monkeypatch):
-    """Run with the default edge blocks; with blocks of a few edges on two
-    threads, so that destination rows straddle block boundaries and sources are
-    shared between threads even on small graphs; with the sparse products over
-    such edge blocks instead of the block CSR (graphs whose block CSR would
-    exceed fc.BLOCK_CSR_MAX_BYTES), the head layout never built; and as a small
-    graph runs when asked for explicitly ("small_layout": no block CSR, one edge
-    block, the layout of a small graph). The first two build the block CSR even
-    on these small graphs, and GAT recomputes its weights in backward; in the
-    last two it saves them, as on every small graph. The first three build their
-    layouts as for large graphs (int32 indices, CSC view with the CSR).
+    """Run as a large graph runs ("large": int32 indices, the CSC built with the
+    CSR, GAT recomputing its weights in backward, one edge block); with blocks of
+    a few edges on two threads ("tiny_blocks"), so that destination rows straddle
+    block boundaries and sources are shared between threads even on small graphs
+    (the edge-feature terms run in blocks); and as a small graph runs
+    ("small_layout": int64 indices, CSC derived when read, the weights saved).
 
     Returns the mode."""
     mode = request.param
     if mode != "small_layout":
         monkeypatch.setattr(_plan, "SMALL_EDGES", 0)
-    if mode in ("one_block", "tiny_blocks"):  # and GAT recomputes alpha (else it saves it)
-        monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES", 0)
-        monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)
-    if mode in ("tiny_blocks", "edge_products"):
+        monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)  # GAT recomputes alpha
+    if mode == "tiny_blocks":
         monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
         monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
-    if mode in ("edge_products", "small_layout"):
-        monkeypatch.setattr(fc, "BLOCK_CSR_MIN_ENTRIES" if mode == "small_layout" else "BLOCK_CSR_MAX_BYTES",
-                            1 << 62 if mode == "small_layout" else 0)
-
-        def no_block_csr(*args):
-            raise AssertionError("the block CSR was built")
-
-        monkeypatch.setattr(fc, "_build_head_layout", no_block_csr)
     return mode
 
 
@@ -63,14 +50,13 @@ def fused_inputs(kind, edge, n_src=6, n_dst=5, H=2, C=2, p=0.0, seed=4, weighted
     (explainer masks) and needs a gradient."""
     ei = small_graph(n_src, n_dst)
     plan = GraphPlan(ei, size=(n_src, n_dst))
-    hl = fc.kernel_layout(plan, H, C)
     E = ei.size(1)
     s = make_score(kind, n_src, n_dst, E, H, C, edge=edge, seed=seed)
     g = torch.Generator().manual_seed(seed)
     v = torch.randn(n_src, H, C, dtype=torch.float64, generator=g, requires_grad=True)
     ve = torch.randn(E, H, C, dtype=torch.float64, generator=g, requires_grad=True) if edge else None
     head = (kind, float(s.scale), float(s.negative_slope))
-    tail = (n_src, fc._recomputes_alpha(kind, E, H), *fc.layout_tensors(hl))
+    tail = (n_src, fc._recomputes_alpha(kind, E, H), *fc.layout_tensors(plan.layout()))
     return head, [*s.tensors(), v, ve, drop_input(E, H, p, weighted, g)], tail
 
 
@@ -148,8 +134,6 @@ def test_operators_pass_opcheck(kind, edge, recompute):
              num_src, need)
     torch.library.opcheck(torch.ops.gatlib.fused_cpu_attention_backward.default, bargs)
     lay = layout
-    torch.library.opcheck(torch.ops.gatlib.fused_cpu_head_layout.default,
-                          (lay[0], lay[1], lay[2], lay[4], lay[5], lay[6], num_src, 2))
     torch.library.opcheck(torch.ops.gatlib.csr_layout.default, (lay[1], lay[2], num_src, 5, True))
 
 
@@ -170,36 +154,6 @@ def test_second_order_through_a_layer_matches_the_reference():
         assert log[0] == backend
     for a, b in zip(grads["fused"], grads["torch"], strict=True):
         torch.testing.assert_close(a, b)
-
-
-# ---------------------------------------------------------------------------
-# The head layout
-# ---------------------------------------------------------------------------
-@pytest.mark.parametrize("H", [1, 3])
-def test_head_layout_against_a_direct_construction(H):
-    """Entry of (edge k of row i, head h) at H*ptr[i] + h*deg(i) + k, column j*H + h;
-    the transpose likewise over sources in CSC order."""
-    ei = torch.cat([random_graph(7, 30, num_dst=5, seed=2), torch.tensor([[1, 1], [2, 2]])], dim=1)
-    plan = GraphPlan(ei, size=(7, 5))
-    hl = fc.head_layout(plan, H)
-    lay = plan.layout()
-    ptr, src = lay.ptr.tolist(), lay.src.tolist()
-    col, bh2eh = [None] * (len(src) * H), [None] * (len(src) * H)
-    for i in range(5):
-        deg = ptr[i + 1] - ptr[i]
-        for h in range(H):
-            for k in range(deg):
-                b = H * ptr[i] + h * deg + k
-                col[b] = src[ptr[i] + k] * H + h
-                bh2eh[b] = (ptr[i] + k) * H + h
-    assert hl.col.tolist() == col and hl.bh2eh.tolist() == bh2eh
-    assert hl.eh2bh[hl.bh2eh.long()].tolist() == list(range(len(col)))
-    dense = torch.zeros(5 * H, 7 * H)
-    dense[torch.repeat_interleave(torch.arange(5 * H), hl.ptr.diff().long()), hl.col.long()] += 1
-    dense_t = torch.zeros(7 * H, 5 * H)
-    dense_t[torch.repeat_interleave(torch.arange(7 * H), hl.t_ptr.diff().long()), hl.t_col.long()] += 1
-    assert torch.equal(dense_t, dense.t())
-    assert plan.derived(("fused_cpu.heads", H), lambda: None) is hl  # kept on the plan
 
 
 # ---------------------------------------------------------------------------
@@ -312,41 +266,13 @@ def test_layers_save_no_edge_sized_feature_tensor(layer):
     assert max(t.numel() for t in saved) < E * H * C // 2
 
 
-def test_block_csr_is_built_only_between_its_bounds(monkeypatch):
-    """The head layout (block CSR) is built for graphs with at least
-    BLOCK_CSR_MIN_ENTRIES edges times heads times channels whose index fits
-    BLOCK_CSR_MAX_BYTES; small graphs (which run whole) and huge ones run the
-    edge-block products. Every case agrees with the reference."""
-    built = []
-    real = fc._build_head_layout
-    monkeypatch.setattr(fc, "_build_head_layout", lambda *a: built.append(a[1]) or real(*a))
-    H, C, n = 4, 64, 300
-    x = torch.randn(n, 8)
-    torch.manual_seed(0)
-    fused = gatlib.GATConv(8, C, heads=H, backend="fused")
-    ref = gatlib.GATConv(8, C, heads=H, backend="torch")
-    ref.load_state_dict(fused.state_dict())
-    small = random_graph(n, 1700, seed=1)  # (1700 + 300 loops) * 4 * 64 < 2**19 entries
-    large = random_graph(n, 1800, seed=2)  # (1800 + 300) * 4 * 64 >= 2**19
-    assert fc.BLOCK_CSR_MIN_ENTRIES == 2**19
-    for ei, expect in ((small, []), (large, [H])):
-        built.clear()
-        torch.testing.assert_close(fused(x, ei), ref(x, ei), rtol=1e-4, atol=1e-5)
-        assert built == expect
-    monkeypatch.setattr(fc, "BLOCK_CSR_MAX_BYTES", fc.block_csr_bytes(
-        gatlib.GraphPlan(large, num_nodes=n).with_self_loops().layout(), H) - 1)
-    built.clear()
-    torch.testing.assert_close(fused(x, large), ref(x, large), rtol=1e-4, atol=1e-5)
-    assert built == []
-
-
 def test_gat_keeps_lse_not_alpha_from_recompute_min_entries_on():
     """GAT saves its [N, H] log-normaliser instead of the [E, H] weights on graphs of
     RECOMPUTE_MIN_ENTRIES edges times heads or more (and saves the weights below),
     with the same result and gradients as the reference either way; the forward
     operator computes the log-normaliser only where backward reads it."""
     H, C, n = 4, 8, 300
-    assert fc.RECOMPUTE_MIN_ENTRIES == 2**16 and fc.BLOCK_CSR_MIN_ENTRIES == 2**19
+    assert fc.RECOMPUTE_MIN_ENTRIES == 2**16
     for E, keeps_alpha in ((100, True), (17000, False)):  # (E + n loops) * H vs 2**16
         ei = random_graph(n, E, seed=5)
         x = torch.randn(n, 8, requires_grad=True)
@@ -410,7 +336,6 @@ def test_backward_keeps_one_copy_of_the_edges(edge_dim, monkeypatch):
     features, and the offsets — not the destinations in either order, and no copy
     of the edge list, even given a raw edge_index (whose plan dies with the call)."""
     monkeypatch.setattr(_plan, "SMALL_EDGES", 0)  # the layout of a large graph: int32 indices
-    monkeypatch.setattr(fc, "BLOCK_CSR_MAX_BYTES", 0)  # and no block CSR (as at ogbn-products' scale)
     n = 200
     ei = random_graph(n, 3000, seed=7, self_loops=False)
     E = ei.size(1)

@@ -5,7 +5,7 @@ import torch
 
 import gatlib
 
-from testing import LAYERS, kernels, hub_graph, random_graph
+from testing import LAYERS, OpCalls, kernels, hub_graph, random_graph
 
 def build(layer, backend, in_ch=8, out=4, heads=2, **kw):
     torch.manual_seed(0)
@@ -144,28 +144,23 @@ def test_value_dropout_drops_aggregated_features_only(layer, backend):
     torch.testing.assert_close(got[kept], (value / (1 - p))[kept], rtol=1e-5, atol=1e-6)
 
 
-def test_a_plan_derives_its_graph_structure_once(monkeypatch):
-    """With a GraphPlan, self-loops, the CSR/CSC layout and the fused kernel's head
-    layout are built in the first call and reused; with a tensor, every call
-    derives them afresh (nothing is cached on the tensor)."""
-    from gatlib import _fused_cpu
-
-    built = []
-    real = _fused_cpu._build_head_layout
-    monkeypatch.setattr(_fused_cpu, "_build_head_layout", lambda *a: built.append(1) or real(*a))
-    monkeypatch.setattr(_fused_cpu, "BLOCK_CSR_MIN_ENTRIES", 0)  # the head layout on a small graph
+def test_a_plan_derives_its_graph_structure_once():
+    """With a GraphPlan, self-loops and the CSR/CSC layout are built in the first
+    call and reused; with a tensor, every call derives them afresh (nothing is
+    cached on the tensor)."""
     n = 20
     ei = random_graph(n, 60, seed=7)
     plan = gatlib.GraphPlan(ei, num_nodes=n)
     m = build("GATConv", "fused")
     x = torch.randn(n, 8)
-    out1, (e1, _) = m(x, plan, return_attention_weights=True)
-    out2, (e2, _) = m(x, plan, return_attention_weights=True)
-    assert len(built) == 1 and plan.with_self_loops() is plan.with_self_loops()
-    assert e1 is not e2 and torch.equal(e1, e2)  # a new tensor each time
-    out3 = m(x, ei)
-    out4 = m(x, ei)
-    assert len(built) == 3
+    with OpCalls("gatlib.csr_layout.default") as built:
+        out1, (e1, _) = m(x, plan, return_attention_weights=True)
+        out2, (e2, _) = m(x, plan, return_attention_weights=True)
+        assert len(built) == 1 and plan.with_self_loops() is plan.with_self_loops()
+        assert e1 is not e2 and torch.equal(e1, e2)  # a new tensor each time
+        out3 = m(x, ei)
+        out4 = m(x, ei)
+        assert len(built) == 3
     for o in (out2, out3, out4):
         torch.testing.assert_close(o, out1)
 

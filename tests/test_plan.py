@@ -227,4 +227,4 @@ def test_nbytes_counts_what_the_plan_derived(monkeypatch):
     assert plan.nbytes == 2 * E * 8 + 4 * (2 * (n + 1) + 4 * E) + 8 * E
     before = plan.nbytes
     gatlib.GATConv(4, 3, heads=2, backend="fused")(torch.randn(n, 4), plan)
-    assert plan.nbytes > before  # + the self-loop'ed twin and its head layout
+    assert plan.nbytes > before  # + the self-loop'ed twin and its layout

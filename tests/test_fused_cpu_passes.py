@@ -1,0 +1,219 @@
+"""The fused CPU kernel's compiled row passes (gatlib/csrc/fused_cpu.cpp), each
+against the same computation written with torch ops on the edge list: float32
+and float64, int32 and int64 indices, destinations without in-edges, a hub, and
+on enough rows that they run over several threads (with the same result for
+any thread count). How the dispatcher treats a build that fails is at the end."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gatlib
+from gatlib import _native, _plan
+
+from testing import hub_graph, random_graph
+
+ops = _native.ops()
+DTYPES = [torch.float32, torch.float64]
+IDS = ["float32", "float64"]
+
+
+@pytest.fixture(params=["int64", "int32"])
+def graph(request, monkeypatch):
+    """``(layout, src, dst)``: 1,500 sources into 1,200 destinations (the last 200
+    without in-edges) with a hub of 3,000 in-edges and repeated edges, its
+    layout's indices of the parameter's dtype; ``src``/``dst`` int64, CSR order."""
+    monkeypatch.setattr(_plan, "SMALL_EDGES", 0 if request.param == "int32" else 1 << 62)
+    ei = torch.cat([random_graph(1500, 20000, num_dst=1000, seed=3),
+                    hub_graph(1000, 3000, hub=7)[:, :3000], random_graph(1500, 50, num_dst=1000, seed=3)],
+                   dim=1)
+    lay = gatlib.GraphPlan(ei, size=(1500, 1200)).layout()
+    assert str(lay.src.dtype) == f"torch.{request.param}"
+    return lay, lay.src.long(), lay.dst.long()
+
+
+def tol(dtype):
+    # float32: sums over a hub of 3,000 edges or all 23,000 (the att gradient) in another order
+    return dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+
+
+def rows(n, H, C, dtype, seed):
+    return torch.randn(n, H, C, dtype=dtype, generator=torch.Generator().manual_seed(seed))
+
+
+def softmax_ref(e, dst, n):
+    """Softmax of ``e [E, H]`` over each destination's in-edges, and its log-normaliser."""
+    m = torch.full((n, e.size(1)), -torch.inf, dtype=e.dtype).scatter_reduce(
+        0, dst[:, None].expand_as(e), e, "amax")
+    x = (e - m[dst]).exp()
+    s = torch.zeros(n, e.size(1), dtype=e.dtype).index_add_(0, dst, x)
+    return x / s[dst], s.log() + m
+
+
+def with_threads(n, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("with_drop", [False, True], ids=["", "drop"])
+def test_softmax_aggregate(graph, dtype, with_drop):
+    lay, src, dst = graph
+    E, H, C = src.numel(), 3, 8
+    e = torch.randn(E, H, dtype=dtype) * 4
+    v = rows(1500, H, C, dtype, 1)
+    drop = torch.rand(E, H, dtype=dtype) if with_drop else None
+    alpha_ref, lse_ref = softmax_ref(e, dst, 1200)
+    a = alpha_ref * drop if with_drop else alpha_ref
+    out_ref = torch.zeros(1200, H, C, dtype=dtype).index_add_(0, dst, a[..., None] * v[src])
+    alpha = e.clone()
+    out, lse = ops.softmax_aggregate(lay.ptr, lay.src, alpha, drop, v, True)
+    torch.testing.assert_close(alpha, alpha_ref, **tol(dtype))
+    torch.testing.assert_close(out, out_ref, **tol(dtype))
+    torch.testing.assert_close(lse[:1000], lse_ref[:1000], **tol(dtype))
+    assert torch.all(out[1000:] == 0) and torch.all(lse[1000:] == -torch.inf)  # no in-edges
+    assert ops.softmax_aggregate(lay.ptr, lay.src, e.clone(), drop, v, False)[1].numel() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_spmm_and_sddmm_both_ways(graph, dtype):
+    """The CSR walk (rows are destinations) and the CSC walk (rows are sources,
+    weights read at the CSR positions ``csc_edge``)."""
+    lay, src, dst = graph
+    E, H, C = src.numel(), 2, 5
+    w = torch.randn(E, H, dtype=dtype)
+    xs, xd = rows(1500, H, C, dtype, 1), rows(1200, H, C, dtype, 2)
+    empty = lay.ptr.new_empty(0)
+    torch.testing.assert_close(ops.spmm(lay.ptr, lay.src, empty, w, xs),
+                               torch.zeros(1200, H, C, dtype=dtype).index_add_(0, dst, w[..., None] * xs[src]),
+                               **tol(dtype))
+    torch.testing.assert_close(ops.spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, w, xd),
+                               torch.zeros(1500, H, C, dtype=dtype).index_add_(0, src, w[..., None] * xd[dst]),
+                               **tol(dtype))
+    torch.testing.assert_close(ops.sddmm(lay.ptr, lay.src, empty, xd, xs, 0.5),
+                               0.5 * (xd[dst] * xs[src]).sum(-1), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_sddmm_spmm_is_both_products_of_the_backward(graph, dtype):
+    lay, src, dst = graph
+    E, H, C = src.numel(), 3, 4
+    a = torch.rand(E, H, dtype=dtype)
+    g, v = rows(1200, H, C, dtype, 1), rows(1500, H, C, dtype, 2)
+    dot, dv = ops.sddmm_spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, a, g, v, True)
+    torch.testing.assert_close(dot, (g[dst] * v[src]).sum(-1), **tol(dtype))
+    torch.testing.assert_close(dv, torch.zeros(1500, H, C, dtype=dtype).index_add_(0, src, a[..., None] * g[dst]),
+                               **tol(dtype))
+    dot2, dv2 = ops.sddmm_spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, a, g, v, False)
+    assert torch.equal(dot2, dot) and dv2.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+@pytest.mark.parametrize("edge", [False, True], ids=["", "edge"])
+def test_gatv2_score_and_its_gradient(graph, dtype, edge):
+    """Score and both walks of the gradient against autograd of the formula
+    ``e = att · leaky_relu(x_j + y_i + w_ij)`` (``w`` in edge-list order)."""
+    lay, src, dst = graph
+    E, H, C, slope = src.numel(), 2, 6, 0.2
+    x = rows(1500, H, C, dtype, 1).requires_grad_()
+    y = rows(1200, H, C, dtype, 2).requires_grad_()
+    att = torch.randn(H, C, dtype=dtype, requires_grad=True)
+    w = rows(E, H, C, dtype, 3).requires_grad_() if edge else None
+    z = x[src] + y[dst] + (w[lay.perm] if edge else 0)
+    e_ref = (F.leaky_relu(z, slope) * att).sum(-1)
+    e = ops.gatv2_score(lay.ptr, lay.src, lay.perm, x.detach(), y.detach(),
+                        None if w is None else w.detach(), att.detach(), slope)
+    torch.testing.assert_close(e, e_ref.detach(), **tol(dtype))
+    de = torch.randn(E, H, dtype=dtype)
+    leaves = [x, y, att] + ([w] if edge else [])
+    want = torch.autograd.grad(e_ref, leaves, de)
+    dw = None if w is None else w.detach()
+    dy, dw_got, datt = ops.gatv2_grad(lay.ptr, lay.src, lay.ptr.new_empty(0), lay.perm, y.detach(),
+                                      x.detach(), dw, att.detach(), de, slope, edge, True)
+    dx = ops.gatv2_grad(lay.csc_ptr, lay.csc_dst, lay.csc_edge, lay.perm, x.detach(), y.detach(), dw,
+                        att.detach(), de, slope, False, False)[0]
+    for got, ref in zip([dx, dy, datt] + ([dw_got] if edge else []), want, strict=True):
+        torch.testing.assert_close(got, ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_softmax_backward_and_segment_sum(graph, dtype):
+    lay, src, dst = graph
+    E, H = src.numel(), 3
+    alpha = softmax_ref(torch.randn(E, H, dtype=dtype), dst, 1200)[0]
+    d = torch.randn(E, H, dtype=dtype)
+    delta = torch.zeros(1200, H, dtype=dtype).index_add_(0, dst, alpha * d)
+    want = alpha * (d - delta[dst])
+    got = ops.softmax_backward(lay.ptr, alpha, d.clone())
+    torch.testing.assert_close(got, want, **tol(dtype))
+    x = torch.randn(E, H, dtype=dtype)
+    torch.testing.assert_close(ops.segment_sum(lay.ptr, lay.ptr.new_empty(0), x),
+                               torch.zeros(1200, H, dtype=dtype).index_add_(0, dst, x), **tol(dtype))
+    torch.testing.assert_close(ops.segment_sum(lay.csc_ptr, lay.csc_edge, x),
+                               torch.zeros(1500, H, dtype=dtype).index_add_(0, src, x), **tol(dtype))
+
+
+def test_results_do_not_depend_on_the_thread_count(graph):
+    """Every pass gives bit-identical results on one thread and on two (each row
+    is summed by one thread in edge order; GATv2's att gradient is summed over
+    chunks set by the edge count, in chunk order)."""
+    lay, src, dst = graph
+    E, H, C = src.numel(), 2, 8
+    e, v, w = torch.randn(E, H), rows(1500, H, C, torch.float32, 1), torch.rand(E, H)
+    g, y, att = rows(1200, H, C, torch.float32, 2), rows(1200, H, C, torch.float32, 3), torch.randn(H, C)
+
+    def run():
+        empty = lay.ptr.new_empty(0)
+        return [*ops.softmax_aggregate(lay.ptr, lay.src, e.clone(), w, v, True),
+                *ops.sddmm_spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, w, g, v, True),
+                ops.gatv2_score(lay.ptr, lay.src, lay.perm, v, y, None, att, 0.2),
+                *ops.gatv2_grad(lay.ptr, lay.src, empty, lay.perm, y, v, None, att, w, 0.2, False, True)]
+
+    one, two = with_threads(1, run), with_threads(2, run)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_pass_rejects_rows_of_the_wrong_shape(graph):
+    lay = graph[0]
+    with pytest.raises(RuntimeError, match=r"v must be a contiguous \[\*, 2, 4\]"):
+        ops.softmax_aggregate(lay.ptr, lay.src, torch.randn(lay.num_edges, 2), None,
+                              torch.randn(1500, 4, 2).transpose(1, 2), False)
+
+
+# ---------------------------------------------------------------------------
+# Where the passes cannot be built
+# ---------------------------------------------------------------------------
+def test_a_failed_build_says_why(tmp_path, monkeypatch):
+    """A source that does not compile: the loader returns the compiler's error
+    instead of raising, and builds under $GATLIB_CACHE keyed by the CPU."""
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++;\n")
+    monkeypatch.setattr(_native, "SOURCE", bad)
+    monkeypatch.setenv("GATLIB_CACHE", str(tmp_path / "cache"))
+    reason = _native._load.__wrapped__()
+    assert reason is not None and "failed to build" in reason and "bad.cpp" in reason
+    assert _native.build_directory().parent == tmp_path / "cache" / "native"
+
+
+def test_without_the_passes_the_fused_kernel_is_unsupported_by_name(monkeypatch):
+    """Explicitly asked for, the fused kernel raises with the reason; "auto" takes
+    the reference, as it does for any call the fused kernel cannot run."""
+    monkeypatch.setattr(_native, "_load", lambda: "no compiler here")
+    n = 600
+    ei = random_graph(n, 20000, seed=1)  # (E + n) * H * C >= the auto size rule's 2**20
+    x = torch.randn(n, 8)
+    with pytest.raises(ValueError, match="fused CPU kernel cannot run here: no compiler here"):
+        gatlib.GATConv(8, 16, heads=4, backend="fused")(x, ei)
+    assert (ei.size(1) + n) * 4 * 16 >= gatlib._dispatch.FUSED_CPU_MIN_ENTRIES
+    with gatlib.record_kernels() as log:
+        gatlib.GATConv(8, 16, heads=4)(x, ei)
+    assert log == ["torch"]
+    monkeypatch.undo()
+    with gatlib.record_kernels() as log:
+        gatlib.GATConv(8, 16, heads=4)(x, ei)
+    assert log == ["fused"]
+
