@@ -22,6 +22,8 @@ namespace {
 using at::Tensor;
 
 // Rows per task: enough edges that a task outweighs its scheduling.
+constexpr int64_t PF = 8;  // edges ahead whose source row is prefetched
+
 int64_t grain(int64_t rows, int64_t edges, int64_t width) {
   const int64_t per_row = rows > 0 ? std::max<int64_t>(1, edges * width / rows) : 1;
   return std::max<int64_t>(1, (int64_t(1) << 15) / per_row);
@@ -72,6 +74,16 @@ inline void gatv2_edge_grad(T* __restrict o, T* __restrict dw, T* __restrict da,
   }
 }
 
+// Asks for a whole row of n values ahead of its use. An edge walk reads
+// scattered rows (and, walking the transpose, scattered [E, H] entries at the
+// edges' CSR positions), which the hardware prefetcher cannot predict; each
+// walk asks for what edge k + PF will read while it works on edge k.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(c + b);
+}
+
 void check_rows(const Tensor& t, const char* name, int64_t H, int64_t C) {
   TORCH_CHECK(t.dim() == 3 && t.size(1) == H && t.size(2) == C && t.is_contiguous(), name,
               " must be a contiguous [*, ", H, ", ", C, "] tensor; got ", t.sizes());
@@ -108,7 +120,7 @@ void softmax_aggregate_impl(const I* ptr, const I* col, T* e, const T* drop, con
       for (int64_t h = 0; h < H; ++h) s[h] = T(1) / s[h];
       for (int64_t k = k0; k < k1; ++k) {
         const T* vj = v + int64_t(col[k]) * HC;
-        if (k + 1 < k1) __builtin_prefetch(v + int64_t(col[k + 1]) * HC);
+        if (k + PF < E) prefetch_row(v + int64_t(col[k + PF]) * HC, HC);
         for (int64_t h = 0; h < H; ++h) {
           const T a = e[k * H + h] * s[h];
           e[k * H + h] = a;
@@ -152,7 +164,10 @@ void spmm_impl(const I* ptr, const I* col, const I* pos, const T* w, const T* de
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const int64_t p = pos != nullptr ? int64_t(pos[k]) : k;
         const T* x = dense + int64_t(col[k]) * HC;
-        if (k + 1 < ptr[r + 1]) __builtin_prefetch(dense + int64_t(col[k + 1]) * HC);
+        if (k + PF < E) {
+          prefetch_row(dense + int64_t(col[k + PF]) * HC, HC);
+          if (pos != nullptr) __builtin_prefetch(w + int64_t(pos[k + PF]) * H);
+        }
         for (int64_t h = 0; h < H; ++h) axpy(o + h * C, x + h * C, w[p * H + h], C);
       }
     }
@@ -186,7 +201,10 @@ void sddmm_impl(const I* ptr, const I* col, const I* pos, const T* a, const T* b
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const int64_t p = pos != nullptr ? int64_t(pos[k]) : k;
         const T* x = b + int64_t(col[k]) * HC;
-        if (k + 1 < ptr[r + 1]) __builtin_prefetch(b + int64_t(col[k + 1]) * HC);
+        if (k + PF < E) {
+          prefetch_row(b + int64_t(col[k + PF]) * HC, HC);
+          if (pos != nullptr) __builtin_prefetch(out + int64_t(pos[k + PF]) * H, 1);
+        }
         for (int64_t h = 0; h < H; ++h) out[p * H + h] = scale * dot(ar + h * C, x + h * C, C);
       }
     }
@@ -227,7 +245,11 @@ void sddmm_spmm_impl(const I* ptr, const I* col, const I* pos, const T* w, const
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const int64_t p = pos[k];
         const T* x = g + int64_t(col[k]) * HC;
-        if (k + 1 < ptr[r + 1]) __builtin_prefetch(g + int64_t(col[k + 1]) * HC);
+        if (k + PF < E) {
+          prefetch_row(g + int64_t(col[k + PF]) * HC, HC);
+          __builtin_prefetch(w + int64_t(pos[k + PF]) * H);
+          __builtin_prefetch(dot_out + int64_t(pos[k + PF]) * H, 1);
+        }
         for (int64_t h = 0; h < H; ++h) {
           dot_out[p * H + h] = dot(x + h * C, vr + h * C, C);
           if (o != nullptr) axpy(o + h * C, x + h * C, w[p * H + h], C);
@@ -270,7 +292,10 @@ void gatv2_score_impl(const I* ptr, const I* col, const int64_t* wpos, const T* 
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const T* xj = x + int64_t(col[k]) * HC;
         const T* wk = w != nullptr ? w + wpos[k] * HC : nullptr;
-        if (k + 1 < ptr[r + 1]) __builtin_prefetch(x + int64_t(col[k + 1]) * HC);
+        if (k + PF < E) {
+          prefetch_row(x + int64_t(col[k + PF]) * HC, HC);
+          if (w != nullptr) prefetch_row(w + wpos[k + PF] * HC, HC);
+        }
         for (int64_t h = 0; h < H; ++h)
           e[k * H + h] = wk != nullptr
               ? gatv2_edge<T, true>(att + h * C, xj + h * C, yr + h * C, wk + h * C, slope, C)
@@ -336,7 +361,13 @@ void gatv2_grad_impl(const I* ptr, const I* col, const I* pos, const int64_t* wp
         const T* b = other + int64_t(col[k]) * HC;
         const T* wk = w != nullptr ? w + wpos[p] * HC : nullptr;
         T* dwk = dw != nullptr ? dw + wpos[p] * HC : nullptr;
-        if (k + 1 < ptr[r + 1]) __builtin_prefetch(other + int64_t(col[k + 1]) * HC);
+        if (k + PF < E) {
+          prefetch_row(other + int64_t(col[k + PF]) * HC, HC);
+          const int64_t q = pos != nullptr ? int64_t(pos[k + PF]) : k + PF;
+          if (pos != nullptr) __builtin_prefetch(de + q * H);
+          if (w != nullptr) prefetch_row(w + wpos[q] * HC, HC);
+          if (dw != nullptr) prefetch_row(dw + wpos[q] * HC, HC);
+        }
         for (int64_t h = 0; h < H; ++h) {
           const int64_t o_h = h * C;
           const T g = de[p * H + h];
@@ -442,6 +473,7 @@ void segment_sum_impl(const I* ptr, const I* pos, const T* x, T* out, int64_t R,
       std::fill(o, o + H, T(0));
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const int64_t p = pos != nullptr ? int64_t(pos[k]) : k;
+        if (pos != nullptr && k + PF < E) __builtin_prefetch(x + int64_t(pos[k + PF]) * H);
         for (int64_t h = 0; h < H; ++h) o[h] += x[p * H + h];
       }
     }
