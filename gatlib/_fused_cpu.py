@@ -61,7 +61,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # ---------------------------------------------------------------------------
-# Edge blocks for what does not factor into node terms.
+# Edge blocks: GAT's [E, H] score terms and [E, H, C] edge features, in torch ops.
 # ---------------------------------------------------------------------------
 def _openmp_set_num_threads() -> Optional[Callable[[int], None]]:
     """``omp_set_num_threads`` of the OpenMP runtime torch runs on, or ``None``.

@@ -214,7 +214,7 @@ def test_without_the_passes_the_fused_kernel_is_unsupported_by_name(monkeypatch)
     the reference, as it does for any call the fused kernel cannot run."""
     monkeypatch.setattr(_native, "_load", lambda: "no compiler here")
     n = 600
-    ei = random_graph(n, 20000, seed=1)  # (E + n) * H * C >= the auto size rule's 2**20
+    ei = random_graph(n, 20000, seed=1)  # (E + n) * H * C >= the auto size rule's bound
     x = torch.randn(n, 8)
     with pytest.raises(ValueError, match="fused CPU kernel cannot run here: no compiler here"):
         gatlib.GATConv(8, 16, heads=4, backend="fused")(x, ei)
