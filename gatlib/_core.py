@@ -314,3 +314,18 @@ def reference_grads(
         for i, g in zip(wanted, got, strict=True):
             res[i] = g
     return res
+
+
+def distinct_inputs(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+    """``tensors`` with each repeat of one tensor (GATv2's source features are its
+    values too) replaced by a view of it, for the fused kernels' operators:
+    ``torch.compile`` cannot trace an autograd function given one tensor twice,
+    and a view's gradient reaches the tensor all the same."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is not None and id(t) in seen:
+            t = t.view_as(t)
+        elif t is not None:
+            seen.add(id(t))
+        out.append(t)
+    return out

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _native, _record
-from ._core import EdgeScore, _acc_dtype, reference_grads
+from ._core import EdgeScore, _acc_dtype, distinct_inputs, reference_grads
 from ._plan import GraphPlan, Layout
 
 # Transient per-edge blocks ([chunk, H, C] in the compute dtype) stay this small:
@@ -671,21 +671,6 @@ def _reference_backward(kind: str, scale: float, slope: float, ins: Sequence[Opt
     return [*grads, None][:7]
 
 
-def _distinct(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
-    """``tensors`` with each repeat of one tensor (GATv2's source features are its
-    values too) replaced by a view of it: ``torch.compile`` cannot trace an
-    autograd function given one tensor twice, and a view's gradient reaches the
-    tensor all the same."""
-    seen, out = set(), []
-    for t in tensors:
-        if t is not None and id(t) in seen:
-            t = t.view_as(t)
-        elif t is not None:
-            seen.add(id(t))
-        out.append(t)
-    return out
-
-
 def _recomputes_alpha(kind: str, num_edges: int, heads: int) -> bool:
     """Whether backward recomputes ``alpha`` from the saved ``lse`` (GAT, whose
     scores are cheap to recompute, on graphs of :data:`RECOMPUTE_MIN_ENTRIES` or
@@ -757,7 +742,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             for t in (s_src, s_dst, s_att, value, s_edge if score.kind == "gat" else None)]
     s_src, s_dst, s_att, v = cast[:4]
     s_edge = cast[4] if score.kind == "gat" else s_edge
-    ins = _distinct((s_src, s_dst, s_edge, s_att, v, value_edge, drop))
+    ins = distinct_inputs((s_src, s_dst, s_edge, s_att, v, value_edge, drop))
     args = (score.kind, float(score.scale), float(score.negative_slope), *ins)
     layout, recompute = layout_tensors(lay), _recomputes_alpha(score.kind, E, H)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins):

@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from . import _record
-from ._core import EdgeScore, reference_grads
+from ._core import EdgeScore, distinct_inputs, reference_grads
 from ._plan import GraphPlan, Layout, index_dtype
 
 # Longest run of edges one work item handles; longer rows are split.
@@ -1211,7 +1211,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     # One tensor passed twice (GATv2's x_src is its value, the Transformer's edge
     # term its value's edge term): a view for each repeat, which torch.compile can trace as an autograd function's
     # input and whose gradient reaches the tensor.
-    ins = [t.contiguous() if t is not None else None for t in _distinct(list(tensors))]
+    ins = [t.contiguous() if t is not None else None for t in distinct_inputs(list(tensors))]
     graph = _graph_tensors(_plan(plan))
     args = (*ins, seed, kind, float(score.scale), float(score.negative_slope), float(p), need_alpha,
             alpha_dtype, share_v, share_ve)
@@ -1220,17 +1220,6 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     else:  # nothing to differentiate: the operator alone (as the fused CPU kernel)
         out, alpha, _ = torch.ops.gatlib.triton_attention.default(*ins, seed, graph, *args[7:])
     return out, (alpha if need_alpha else None)
-
-
-def _distinct(tensors: List[Optional[Tensor]]) -> List[Optional[Tensor]]:
-    seen, out = set(), []
-    for t in tensors:
-        if t is not None and id(t) in seen:
-            t = t.view_as(t)
-        elif t is not None:
-            seen.add(id(t))
-        out.append(t)
-    return out
 
 
 def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
