@@ -63,7 +63,9 @@ class EdgeScore:
 
     ``att`` ``[H, C]`` is GATv2's attention vector; ``scale`` multiplies dot
     products; ``negative_slope`` is the LeakyReLU slope of GAT and GATv2.
-    ``dst`` may be ``None`` for GAT only; ``edge`` is always optional.
+    ``dst`` may be ``None`` for GAT only; ``edge`` is always optional. A
+    ``"dot"`` key may have one head ``[N_s, 1, C]`` that every query head
+    shares (input-space keys, :mod:`gatlib.layers`).
     """
 
     kind: str
@@ -114,6 +116,12 @@ class EdgeScore:
         scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else float(scale)
         return cls("dot", key, query, edge, None, scale, 0.0)
 
+    @property
+    def heads(self) -> int:
+        """``H``: the heads of the per-destination terms (of the query for
+        ``"dot"``, whose key may have one shared head), else of ``src``."""
+        return score_heads(self.kind, self.src, self.dst)
+
     def tensors(self) -> Tuple[Optional[Tensor], ...]:
         """``(src, dst, edge, att)``, the order backends pass them in."""
         return (self.src, self.dst, self.edge, self.att)
@@ -140,6 +148,12 @@ class EdgeScore:
         if self.edge is not None:
             k = k + self.edge
         return (self.dst.index_select(0, index) * k).sum(dim=-1) * self.scale  # [E, H]
+
+
+def score_heads(kind: str, src: Tensor, dst: Optional[Tensor]) -> int:
+    """``H`` of a score of ``kind`` over these terms (:attr:`EdgeScore.heads`):
+    what the kernels' operators read it from."""
+    return dst.size(1) if kind == "dot" else src.size(1)
 
 
 # ---------------------------------------------------------------------------
@@ -184,7 +198,8 @@ def segment_aggregate(
 
     Args:
         alpha: ``[E, H]`` weights.
-        value: ``[N_src, H, C]`` source values.
+        value: ``[N_src, H, C]`` source values, or ``[N_src, 1, C]`` shared by
+            every head (input-space aggregation).
         src, index: ``[E]`` source / destination of each edge.
         num_segments: number of destinations ``N_dst``.
         value_edge: optional ``[E, H, C]`` per-edge value term.
@@ -198,7 +213,7 @@ def segment_aggregate(
     if value_edge is not None:
         msg = msg + value_edge.to(acc)
     msg = msg * alpha.to(acc).unsqueeze(-1)
-    out = msg.new_zeros((num_segments,) + value.shape[1:])
+    out = msg.new_zeros((num_segments,) + msg.shape[1:])
     return out.index_add_(0, index, msg).to(value.dtype)
 
 

@@ -301,7 +301,7 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         over 1024 channels, non-float dtypes): "torch".
         #   Other devices: "torch".
         if dev == "cpu":
-            small = call.plan.num_edges * call.value.shape[1] * call.value.shape[2] < FUSED_CPU_MIN_ENTRIES
+            small = call.plan.num_edges * call.score.heads * call.value.shape[2] < FUSED_CPU_MIN_ENTRIES
             order = ("torch",) if small or torch.jit.is_tracing() else ("fused", "torch")
         else:
             order = ("triton", "torch") if dev == "cuda" else ("torch",)

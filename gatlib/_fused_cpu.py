@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _native, _record
-from ._core import EdgeScore, _acc_dtype, distinct_inputs, reference_grads
+from ._core import EdgeScore, _acc_dtype, distinct_inputs, reference_grads, score_heads
 from ._plan import GraphPlan, Layout
 
 # Transient per-edge blocks ([chunk, H, C] in the compute dtype) stay this small:
@@ -240,7 +240,7 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], lay: Layout,
     out, lse = _native.ops().softmax_aggregate(lay.ptr, lay.src, e, drop, v, need_lse)
     alpha = e
     if u is not None:
-        H, C = v.shape[1:]
+        H, C = out.shape[1:]
         a = alpha if drop is None else alpha * drop  # [E, H]
 
         def block(e0, e1, part):
@@ -431,7 +431,9 @@ def _dot_backward(de, k, q, w, att, lay, scale, slope, need):
     """
     ops = _native.ops()
     ds = de * scale  # [E, H]
-    dk = ops.spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, ds, q) if need[0] else None  # [N_src, H, C]
+    # [N_src, H, C], or [N_src, 1, C] summed over heads where the key has one shared head
+    dk = (ops.spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, ds, q, k.size(1) != q.size(1))
+          if need[0] else None)
     dq = ops.spmm(lay.ptr, lay.src, lay.ptr.new_empty(0), ds, k) if need[1] else None  # [N_dst, H, C]
     dw = None
     if w is not None and (dq is not None or need[2]):
@@ -496,8 +498,8 @@ def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: O
 
     (the stages: ``_gat_forward``, ``_gatv2_forward``, ``_dot_forward``, then
     :func:`_softmax_aggregate`). Inputs in the compute dtype: the score's
-    tensors (``s_edge`` in edge-list order), ``value [N_src, H, C]``,
-    ``value_edge [E, H, C]`` (edge-list order) and ``drop [E, H]`` (CSR order:
+    tensors (``s_edge`` in edge-list order), ``value [N_src, H, C]`` (or
+    ``[N_src, 1, C]``, shared by the heads), ``value_edge [E, H, C]`` (edge-list order) and ``drop [E, H]`` (CSR order:
     the dropout mask scaled by ``1 / (1 - p)``, times the edge weights if any),
     the graph as :func:`layout_tensors`. Returns ``out [N_dst, H, C]``, ``alpha
     [E, H]`` in CSR order and ``lse [N_dst, H]`` (``[0]`` unless ``keep_lse``).
@@ -513,7 +515,7 @@ def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: O
 def _(kind, scale, slope, s_src, s_dst, s_edge, s_att, value, value_edge, drop, layout, num_src,
       keep_lse):
     num_dst, E = layout[0].size(0) - 1, layout[1].size(0)
-    H, C = value.shape[1:]
+    H, C = score_heads(kind, s_src, s_dst), value.size(2)
     lse = value.new_empty(num_dst, H) if keep_lse else value.new_empty(0)
     return value.new_empty(num_dst, H, C), value.new_empty(E, H), lse
 
@@ -709,7 +711,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
 
     Args:
         score: the edge score.
-        value: ``[N_src, H, C]`` source values.
+        value: ``[N_src, H, C]`` source values (or ``[N_src, 1, C]`` shared by every head).
         plan: the graph.
         value_edge: optional ``[E, H, C]`` per-edge value term.
         p: attention dropout probability in effect (0 outside training).
@@ -728,7 +730,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
             score_dtype = torch.promote_types(score_dtype, t.dtype)
     acc = _acc_dtype(score_dtype if value.dtype == score_dtype
                      else torch.promote_types(score_dtype, value.dtype))
-    H, E = value.shape[1], plan.num_edges
+    H, E = score.heads, plan.num_edges
     lay = plan.layout()
     drop = None
     if p > 0:  # the mask is an input: backward (and a reference re-run) sees the same one

@@ -1188,7 +1188,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
 
     Args:
         score: the edge score.
-        value: ``[N_src, H, C]`` source values.
+        value: ``[N_src, H, C]`` source values (or ``[N_src, 1, C]`` shared by every head).
         plan: the graph; the kernels' schedule is kept on it.
         value_edge: optional ``[E, H, C]`` per-edge value term.
         p: attention dropout probability in effect (0 outside training).
@@ -1200,6 +1200,14 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     """
     kind = _KINDS[score.kind]
     s_src, s_dst, s_edge, s_att = score.tensors()
+    # A value (or a dot key) of one head that all heads share: each lane of these
+    # kernels reads one (row, head), so the shared rows are copied per head; the
+    # per-edge reads are C wide per head either way (the rule in gatlib.layers).
+    H = score.heads
+    if value.size(1) != H:
+        value = value.expand(-1, H, -1)
+    if kind == 2 and s_src.size(1) != H:
+        s_src = s_src.expand(-1, H, -1)
     tensors = (value, value_edge, s_src, s_dst, s_edge, s_att)
     share_v = kind == 1 and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0

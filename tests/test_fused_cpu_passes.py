@@ -122,6 +122,35 @@ def test_sddmm_spmm_is_both_products_of_the_backward(graph, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_a_source_operand_of_one_head_is_shared_by_every_head(graph, dtype):
+    """Input-space aggregation (gatlib.layers._input_space): values and keys
+    ``[N, 1, C]`` read by each of the H heads, and their gradients summed over the
+    heads into one row."""
+    lay, src, dst = graph
+    E, H, C = src.numel(), 3, 6
+    e, w = torch.randn(E, H, dtype=dtype) * 4, torch.randn(E, H, dtype=dtype)
+    x, q, g = rows(1500, 1, C, dtype, 1), rows(1200, H, C, dtype, 2), rows(1200, H, C, dtype, 3)
+    empty = lay.ptr.new_empty(0)
+    e64, w64, x64, q64, g64 = f64(e, w, x, q, g)
+    alpha_ref = softmax_ref(e64, dst, 1200)[0]
+    out = ops.softmax_aggregate(lay.ptr, lay.src, e.clone(), None, x, False)[0]
+    assert out.shape == (1200, H, C)
+    close(out, torch.zeros(1200, H, C, dtype=torch.float64).index_add_(0, dst, alpha_ref[..., None] * x64[src]))
+    close(ops.sddmm(lay.ptr, lay.src, empty, q, x, 0.5), 0.5 * (q64[dst] * x64[src]).sum(-1))
+    close(ops.spmm(lay.ptr, lay.src, empty, w, x),  # dq = sum_j w_ij k_j
+          torch.zeros(1200, H, C, dtype=torch.float64).index_add_(0, dst, w64[..., None] * x64[src]))
+    dk = ops.spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, w, q, True)  # dk = sum_i sum_h w_ij q_i
+    assert dk.shape == (1500, 1, C)
+    close(dk, torch.zeros(1500, C, dtype=torch.float64).index_add_(
+        0, src, (w64[..., None] * q64[dst]).sum(1)).unsqueeze(1))
+    dot, dv = ops.sddmm_spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, w, g, x, True)
+    assert dv.shape == (1500, 1, C)
+    close(dot, (g64[dst] * x64[src]).sum(-1))
+    close(dv, torch.zeros(1500, C, dtype=torch.float64).index_add_(
+        0, src, (w64[..., None] * g64[dst]).sum(1)).unsqueeze(1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 @pytest.mark.parametrize("edge", [False, True], ids=["", "edge"])
 def test_gatv2_score_and_its_gradient(graph, dtype, edge):
     """Score and both walks of the gradient against autograd of the formula

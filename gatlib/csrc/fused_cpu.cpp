@@ -1,7 +1,10 @@
 // Row-at-a-time sparse passes of the fused CPU attention kernel.
 //
 // Every tensor of features is [rows, H, C] contiguous: one edge's source row
-// is H*C adjacent values, read once for all heads. Per-edge tensors are
+// is H*C adjacent values, read once for all heads. A source operand may have
+// one head that all H heads share ([rows, 1, C]: input-space aggregation,
+// gatlib/layers.py); its row is then C values, and a gradient written for it
+// sums over the heads. Per-edge tensors are
 // [E, H] in the CSR edge order of the graph. Rows run in parallel on ATen's
 // intra-op pool; a row's result is written by the thread that owns the row,
 // so nothing is atomic and results do not depend on the thread count.
@@ -89,14 +92,21 @@ void check_rows(const Tensor& t, const char* name, int64_t H, int64_t C) {
               " must be a contiguous [*, ", H, ", ", C, "] tensor; got ", t.sizes());
 }
 
+// A source operand of H heads or of one head shared by all H: its heads (1 or H).
+int64_t check_shared_rows(const Tensor& t, const char* name, int64_t H, int64_t C) {
+  const int64_t heads = t.dim() == 3 && t.size(1) == 1 ? 1 : H;
+  check_rows(t, name, heads, C);
+  return heads;
+}
+
 // softmax_aggregate: for each destination row i (CSR), over its in-edges k:
 //   alpha_k = exp(e_k - m_i) / sum_k' exp(e_k' - m_i),  m_i = max_k e_k   (in place of e)
 //   out_i   = sum_k alpha_k * drop_k * v[col_k]
 //   lse_i   = m_i + log(sum_k exp(e_k - m_i))   (when lse is non-empty)
 template <typename T, typename I>
 void softmax_aggregate_impl(const I* ptr, const I* col, T* e, const T* drop, const T* v, T* out,
-                            T* lse, int64_t R, int64_t E, int64_t H, int64_t C) {
-  const int64_t HC = H * C;
+                            T* lse, int64_t R, int64_t E, int64_t H, int64_t C, int64_t HV) {
+  const int64_t HC = H * C, VC = HV * C, vh = HV == 1 ? 0 : C;
   at::parallel_for(0, R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
     std::vector<T> m(H), s(H);
     for (int64_t r = r0; r < r1; ++r) {
@@ -119,12 +129,12 @@ void softmax_aggregate_impl(const I* ptr, const I* col, T* e, const T* drop, con
         for (int64_t h = 0; h < H; ++h) lse[r * H + h] = std::log(s[h]) + m[h];
       for (int64_t h = 0; h < H; ++h) s[h] = T(1) / s[h];
       for (int64_t k = k0; k < k1; ++k) {
-        const T* vj = v + int64_t(col[k]) * HC;
-        if (k + PF < E) prefetch_row(v + int64_t(col[k + PF]) * HC, HC);
+        const T* vj = v + int64_t(col[k]) * VC;
+        if (k + PF < E) prefetch_row(v + int64_t(col[k + PF]) * VC, VC);
         for (int64_t h = 0; h < H; ++h) {
           const T a = e[k * H + h] * s[h];
           e[k * H + h] = a;
-          axpy(o + h * C, vj + h * C, drop != nullptr ? a * drop[k * H + h] : a, C);
+          axpy(o + h * C, vj + h * vh, drop != nullptr ? a * drop[k * H + h] : a, C);
         }
       }
     }
@@ -134,10 +144,10 @@ void softmax_aggregate_impl(const I* ptr, const I* col, T* e, const T* drop, con
 std::tuple<Tensor, Tensor> softmax_aggregate(const Tensor& ptr, const Tensor& col, Tensor e,
                                              const std::optional<Tensor>& drop, const Tensor& v,
                                              bool need_lse) {
-  const int64_t R = ptr.numel() - 1, E = col.numel(), H = v.size(1), C = v.size(2);
-  TORCH_CHECK(e.is_contiguous() && e.dim() == 2 && e.size(0) == E && e.size(1) == H,
+  const int64_t R = ptr.numel() - 1, E = col.numel(), H = e.size(1), C = v.size(2);
+  TORCH_CHECK(e.is_contiguous() && e.dim() == 2 && e.size(0) == E,
               "e must be a contiguous [E, H] tensor");
-  check_rows(v, "v", H, C);
+  const int64_t HV = check_shared_rows(v, "v", H, C);
   auto out = at::empty({R, H, C}, v.options());
   auto lse = need_lse ? at::empty({R, H}, v.options()) : at::empty({0}, v.options());
   AT_DISPATCH_FLOATING_TYPES(v.scalar_type(), "softmax_aggregate", [&] {
@@ -145,67 +155,70 @@ std::tuple<Tensor, Tensor> softmax_aggregate(const Tensor& ptr, const Tensor& co
       softmax_aggregate_impl<scalar_t, index_t>(
           ptr.data_ptr<index_t>(), col.data_ptr<index_t>(), e.data_ptr<scalar_t>(),
           drop ? drop->data_ptr<scalar_t>() : nullptr, v.data_ptr<scalar_t>(),
-          out.data_ptr<scalar_t>(), need_lse ? lse.data_ptr<scalar_t>() : nullptr, R, E, H, C);
+          out.data_ptr<scalar_t>(), need_lse ? lse.data_ptr<scalar_t>() : nullptr, R, E, H, C,
+          HV);
     });
   });
   return {out, lse};
 }
 
-// spmm: out_r = sum_{k in row r} w[pos_k] * dense[col_k], per head;
+// spmm: out_r = sum_{k in row r} w[pos_k] * dense[col_k], per head (dense may have
+// one shared head); with sum_heads, out_r has one head: the sum over the H heads.
 // pos_k = pos[k] where pos is non-empty (a CSC walk of CSR-ordered weights), else k.
 template <typename T, typename I>
 void spmm_impl(const I* ptr, const I* col, const I* pos, const T* w, const T* dense, T* out,
-               int64_t R, int64_t E, int64_t H, int64_t C) {
-  const int64_t HC = H * C;
-  at::parallel_for(0, R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
+               int64_t R, int64_t E, int64_t H, int64_t C, int64_t HD, int64_t HO) {
+  const int64_t DC = HD * C, OC = HO * C, dh = HD == 1 ? 0 : C, oh = HO == 1 ? 0 : C;
+  at::parallel_for(0, R, grain(R, E, H * C), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      T* o = out + r * HC;
-      std::fill(o, o + HC, T(0));
+      T* o = out + r * OC;
+      std::fill(o, o + OC, T(0));
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const int64_t p = pos != nullptr ? int64_t(pos[k]) : k;
-        const T* x = dense + int64_t(col[k]) * HC;
+        const T* x = dense + int64_t(col[k]) * DC;
         if (k + PF < E) {
-          prefetch_row(dense + int64_t(col[k + PF]) * HC, HC);
+          prefetch_row(dense + int64_t(col[k + PF]) * DC, DC);
           if (pos != nullptr) __builtin_prefetch(w + int64_t(pos[k + PF]) * H);
         }
-        for (int64_t h = 0; h < H; ++h) axpy(o + h * C, x + h * C, w[p * H + h], C);
+        for (int64_t h = 0; h < H; ++h) axpy(o + h * oh, x + h * dh, w[p * H + h], C);
       }
     }
   });
 }
 
 Tensor spmm(const Tensor& ptr, const Tensor& col, const Tensor& pos, const Tensor& w,
-            const Tensor& dense) {
-  const int64_t R = ptr.numel() - 1, E = col.numel(), H = dense.size(1), C = dense.size(2);
-  check_rows(dense, "dense", H, C);
-  auto out = at::empty({R, H, C}, dense.options());
+            const Tensor& dense, bool sum_heads) {
+  const int64_t R = ptr.numel() - 1, E = col.numel(), H = w.size(1), C = dense.size(2);
+  const int64_t HD = check_shared_rows(dense, "dense", H, C), HO = sum_heads ? 1 : H;
+  auto out = at::empty({R, HO, C}, dense.options());
   AT_DISPATCH_FLOATING_TYPES(dense.scalar_type(), "spmm", [&] {
     AT_DISPATCH_INDEX_TYPES(col.scalar_type(), "spmm", [&] {
       spmm_impl<scalar_t, index_t>(ptr.data_ptr<index_t>(), col.data_ptr<index_t>(),
                                    pos.numel() ? pos.data_ptr<index_t>() : nullptr,
                                    w.data_ptr<scalar_t>(), dense.data_ptr<scalar_t>(),
-                                   out.data_ptr<scalar_t>(), R, E, H, C);
+                                   out.data_ptr<scalar_t>(), R, E, H, C, HD, HO);
     });
   });
   return out;
 }
 
-// sddmm: out[pos_k] = scale * <a_r, b[col_k]> per head, for k in row r.
+// sddmm: out[pos_k] = scale * <a_r, b[col_k]> per head (b may have one shared
+// head), for k in row r.
 template <typename T, typename I>
 void sddmm_impl(const I* ptr, const I* col, const I* pos, const T* a, const T* b, T scale, T* out,
-                int64_t R, int64_t E, int64_t H, int64_t C) {
-  const int64_t HC = H * C;
+                int64_t R, int64_t E, int64_t H, int64_t C, int64_t HB) {
+  const int64_t HC = H * C, BC = HB * C, bh = HB == 1 ? 0 : C;
   at::parallel_for(0, R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* ar = a + r * HC;
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const int64_t p = pos != nullptr ? int64_t(pos[k]) : k;
-        const T* x = b + int64_t(col[k]) * HC;
+        const T* x = b + int64_t(col[k]) * BC;
         if (k + PF < E) {
-          prefetch_row(b + int64_t(col[k + PF]) * HC, HC);
+          prefetch_row(b + int64_t(col[k + PF]) * BC, BC);
           if (pos != nullptr) __builtin_prefetch(out + int64_t(pos[k + PF]) * H, 1);
         }
-        for (int64_t h = 0; h < H; ++h) out[p * H + h] = scale * dot(ar + h * C, x + h * C, C);
+        for (int64_t h = 0; h < H; ++h) out[p * H + h] = scale * dot(ar + h * C, x + h * bh, C);
       }
     }
   });
@@ -215,14 +228,14 @@ Tensor sddmm(const Tensor& ptr, const Tensor& col, const Tensor& pos, const Tens
              const Tensor& b, double scale) {
   const int64_t R = ptr.numel() - 1, E = col.numel(), H = a.size(1), C = a.size(2);
   check_rows(a, "a", H, C);
-  check_rows(b, "b", H, C);
+  const int64_t HB = check_shared_rows(b, "b", H, C);
   auto out = at::empty({E, H}, a.options());
   AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "sddmm", [&] {
     AT_DISPATCH_INDEX_TYPES(col.scalar_type(), "sddmm", [&] {
       sddmm_impl<scalar_t, index_t>(ptr.data_ptr<index_t>(), col.data_ptr<index_t>(),
                                     pos.numel() ? pos.data_ptr<index_t>() : nullptr,
                                     a.data_ptr<scalar_t>(), b.data_ptr<scalar_t>(),
-                                    scalar_t(scale), out.data_ptr<scalar_t>(), R, E, H, C);
+                                    scalar_t(scale), out.data_ptr<scalar_t>(), R, E, H, C, HB);
     });
   });
   return out;
@@ -231,17 +244,17 @@ Tensor sddmm(const Tensor& ptr, const Tensor& col, const Tensor& pos, const Tens
 // sddmm_spmm: both products of the aggregation's backward in one walk of the
 // transpose (rows r are sources, k their out-edges, pos_k the CSR position):
 //   dot[pos_k] = <g[col_k], v_r>          per head
-//   dv_r       = sum_k w[pos_k] g[col_k]  per head
+//   dv_r       = sum_k w[pos_k] g[col_k]  per head (summed over heads where v has one)
 // so each g row is read once per edge instead of twice.
 template <typename T, typename I>
 void sddmm_spmm_impl(const I* ptr, const I* col, const I* pos, const T* w, const T* g, const T* v,
-                     T* dot_out, T* dv, int64_t R, int64_t E, int64_t H, int64_t C) {
-  const int64_t HC = H * C;
+                     T* dot_out, T* dv, int64_t R, int64_t E, int64_t H, int64_t C, int64_t HV) {
+  const int64_t HC = H * C, VC = HV * C, vh = HV == 1 ? 0 : C;
   at::parallel_for(0, R, grain(R, E, 2 * HC), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const T* vr = v + r * HC;
-      T* o = dv != nullptr ? dv + r * HC : nullptr;
-      if (o != nullptr) std::fill(o, o + HC, T(0));
+      const T* vr = v + r * VC;
+      T* o = dv != nullptr ? dv + r * VC : nullptr;
+      if (o != nullptr) std::fill(o, o + VC, T(0));
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
         const int64_t p = pos[k];
         const T* x = g + int64_t(col[k]) * HC;
@@ -251,8 +264,8 @@ void sddmm_spmm_impl(const I* ptr, const I* col, const I* pos, const T* w, const
           __builtin_prefetch(dot_out + int64_t(pos[k + PF]) * H, 1);
         }
         for (int64_t h = 0; h < H; ++h) {
-          dot_out[p * H + h] = dot(x + h * C, vr + h * C, C);
-          if (o != nullptr) axpy(o + h * C, x + h * C, w[p * H + h], C);
+          dot_out[p * H + h] = dot(x + h * C, vr + h * vh, C);
+          if (o != nullptr) axpy(o + h * vh, x + h * C, w[p * H + h], C);
         }
       }
     }
@@ -264,16 +277,17 @@ std::tuple<Tensor, Tensor> sddmm_spmm(const Tensor& ptr, const Tensor& col, cons
                                       bool need_dv) {
   const int64_t R = ptr.numel() - 1, E = col.numel(), H = g.size(1), C = g.size(2);
   check_rows(g, "g", H, C);
-  check_rows(v, "v", H, C);
+  const int64_t HV = check_shared_rows(v, "v", H, C);
   auto dot_out = at::empty({E, H}, g.options());
-  auto dv = need_dv ? at::empty({R, H, C}, g.options()) : at::empty({0}, g.options());
+  auto dv = need_dv ? at::empty({R, HV, C}, g.options()) : at::empty({0}, g.options());
   AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "sddmm_spmm", [&] {
     AT_DISPATCH_INDEX_TYPES(col.scalar_type(), "sddmm_spmm", [&] {
       sddmm_spmm_impl<scalar_t, index_t>(ptr.data_ptr<index_t>(), col.data_ptr<index_t>(),
                                          pos.data_ptr<index_t>(), w.data_ptr<scalar_t>(),
                                          g.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                                          dot_out.data_ptr<scalar_t>(),
-                                         need_dv ? dv.data_ptr<scalar_t>() : nullptr, R, E, H, C);
+                                         need_dv ? dv.data_ptr<scalar_t>() : nullptr, R, E, H, C,
+                                         HV);
     });
   });
   return {dot_out, dv};
@@ -499,7 +513,7 @@ Tensor segment_sum(const Tensor& ptr, const Tensor& pos, const Tensor& x) {
 
 TORCH_LIBRARY(gatlib_cpu, m) {
   m.def("softmax_aggregate(Tensor ptr, Tensor col, Tensor(a!) e, Tensor? drop, Tensor v, bool need_lse) -> (Tensor, Tensor)");
-  m.def("spmm(Tensor ptr, Tensor col, Tensor pos, Tensor w, Tensor dense) -> Tensor");
+  m.def("spmm(Tensor ptr, Tensor col, Tensor pos, Tensor w, Tensor dense, bool sum_heads=False) -> Tensor");
   m.def("sddmm(Tensor ptr, Tensor col, Tensor pos, Tensor a, Tensor b, float scale) -> Tensor");
   m.def("sddmm_spmm(Tensor ptr, Tensor col, Tensor pos, Tensor w, Tensor g, Tensor v, bool need_dv) -> (Tensor, Tensor)");
   m.def("gatv2_score(Tensor ptr, Tensor col, Tensor wpos, Tensor x, Tensor y, Tensor? w, Tensor att, float slope) -> Tensor");
