@@ -25,7 +25,9 @@ def record_kernels() -> Iterator[List[str]]:
 
     Yields a list that collects, in order, the name of the kernel of every
     call (``"torch"``, ``"scatter"``, ``"fused"``, ``"triton"``) and of every
-    fused backward pass (``"fused.backward"``, ``"fused.backward:reference"``).
+    fused backward pass (``"fused.backward"``, ``"fused.backward:reference"``);
+    a layer adds ``"propagate"`` where it hands a call to PyG's
+    ``MessagePassing.propagate``.
     Under ``torch.compile`` it lists the fused operators' calls as the compiled
     graph runs them, and nothing for the reference, which is compiled into the
     graph.

@@ -222,9 +222,10 @@ class _AttentionConv(MessagePassing):
                 edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return plan, edge_attr
 
-    def _attend(self, score, value, plan, want_alpha, value_edge=None):
+    def _attend(self, score, value, plan, want_alpha, value_edge=None, concat=None):
         """Run the attention core over ``plan`` (built by :meth:`_graph` for
-        ``value``'s sources) with this layer's dropout, head mode and backend.
+        ``value``'s sources) with this layer's dropout, head mode (or
+        ``concat``) and backend.
 
         ``alpha`` is only asked for when the caller wants it: a fused backend
         then skips the extra ``[E, H]`` pass.
@@ -232,8 +233,8 @@ class _AttentionConv(MessagePassing):
         if self.value_dropout > 0.0:  # scores above came from the undropped features
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
         return attend_planned(score, value, plan, value_edge, self.dropout, self.training,
-                              self.concat, self.backend, bool(want_alpha),
-                              self._explain_weight(plan))
+                              self.concat if concat is None else concat, self.backend,
+                              bool(want_alpha), self._explain_weight(plan))
 
     def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
         if not return_attention_weights:
@@ -263,7 +264,7 @@ def _projected_scores(x: Tensor, lin: Linear, att: Tensor, h: Optional[Tensor] =
     input gradient. On small inputs (:data:`FOLD_MIN_ENTRIES`) reducing ``h`` is
     also cheaper: the fold's few extra ops cost more than they save there."""
     H, C = att.shape[1:]
-    if h is not None and not _folds(x, H, C):
+    if h is not None and not _folds(x, H, C):  # (no h: input-space aggregation, see _input_space)
         return (h * att).sum(-1)
     w = (lin.weight.view(H, C, -1) * att.view(H, C, 1)).sum(1)  # [H, F]
     return x @ w.t()
@@ -284,16 +285,42 @@ FOLD_MIN_ENTRIES = 1 << 18
 
 
 def _projected_score_pair(x: Tensor, lin: Linear, att_a: Tensor, att_b: Tensor,
-                          h: Tensor) -> Tuple[Tensor, Tensor]:
+                          h: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """:func:`_projected_scores` of one ``x`` for two attention vectors: with the
     fold, one ``[N, F] @ [F, 2H]`` product (and one input gradient in backward)
     instead of two. Returns two ``[N, H]``."""
     H, C = att_a.shape[1:]
-    if not _folds(x, H, C):
+    if h is not None and not _folds(x, H, C):
         return (h * att_a).sum(-1), (h * att_b).sum(-1)
     att = torch.stack([att_a, att_b]).view(2, H, C, 1)
     w = (lin.weight.view(1, H, C, -1) * att).sum(2)  # [2, H, F]
     return (x @ w.view(2 * H, -1).t()).split(H, dim=1)
+
+
+def _input_space(x: Tensor, lin: Linear, channels: int) -> bool:
+    r"""Whether a layer aggregates its sources' *inputs* and projects afterwards,
+    :math:`\mathbf{out}^h_i = \mathbf{W}_h \sum_j \alpha^h_{ij} \mathbf{x}_j`, instead
+    of aggregating the projected :math:`\mathbf{W}_h \mathbf{x}_j` (the two are
+    equal: the projection is linear). Applied where the input is narrower than a
+    head, ``F < C``: every edge then moves ``F`` instead of ``C`` values per head in
+    both passes of every backend (the fused CPU kernel's forward reads one ``F``-wide
+    row per edge for all heads, against ``H*C``; its backward one ``[H, F]`` gradient
+    row, against ``[H, C]``; a Triton lane and the reference's messages ``F`` per
+    head), while the node-sized work stays one product of the same size, moved to
+    after the aggregation (:func:`_project_heads`). Weights not yet initialised
+    (``in_channels=-1``) take the usual path on their first call."""
+    return x.size(-1) < channels and not isinstance(lin.weight, UninitializedTensorMixin)
+
+
+def _project_heads(agg: Tensor, weight: Tensor, heads: int, concat: bool) -> Tensor:
+    """``W_h agg_h`` for each head from input-space aggregates ``agg`` ``[N, H*F]``
+    and a projection ``weight`` ``[H*C, F]``: heads concatenated ``[N, H*C]``, or
+    averaged ``[N, C]`` (as one ``[N, H*F] @ [H*F, C]`` product)."""
+    N, (HC, F_in) = agg.size(0), weight.shape
+    w = weight.view(heads, HC // heads, F_in)  # [H, C, F]
+    if concat:
+        return torch.einsum("nhf,hcf->nhc", agg.view(N, heads, F_in), w).reshape(N, HC)
+    return agg @ w.transpose(1, 2).reshape(heads * F_in, HC // heads) / heads
 
 
 class GATConv(_AttentionConv):
@@ -462,7 +489,13 @@ class GATConv(_AttentionConv):
         num_dst = plan.num_dst
 
         res = self.res(x_dst) if self.res is not None and x_dst is not None else None
-        h_src = lin_src(x_src).view(-1, H, C)  # [N_s, H, C], the values
+        propagate = self._use_propagate()
+        # Values are W_h x_j, projected first (h_src), or x_j, projected after the
+        # aggregation where that moves fewer bytes (_input_space); the values'
+        # own dropout needs them projected.
+        in_space = (propagate is None and _input_space(x_src, lin_src, C)
+                    and not (self.value_dropout > 0.0 and self.training))
+        h_src = None if in_space else lin_src(x_src).view(-1, H, C)  # [N_s, H, C], the values
         if x_dst is not None and isinstance(lin_dst.weight, UninitializedTensorMixin):
             lin_dst(x_dst)  # lazy in_channels: let the layer take its shape
 
@@ -475,7 +508,7 @@ class GATConv(_AttentionConv):
             a_src = _projected_scores(x_src, lin_src, self.att_src, h_src)  # [N_s, H]
             if x_dst is not None:
                 a_dst = _projected_scores(x_dst, lin_dst, self.att_dst)  # [N_t, H]
-        if self._use_propagate():  # PyG's flow: edge_update, then message per edge
+        if propagate:  # PyG's flow: edge_update, then message per edge
             if self.value_dropout > 0.0:
                 h_src = F.dropout(h_src, self.value_dropout, self.training)
             h_dst = None
@@ -492,8 +525,13 @@ class GATConv(_AttentionConv):
             a_edge = None
             if self.lin_edge is not None:
                 a_edge = _projected_scores(edge_attr, self.lin_edge, self.att_edge)  # [E, H]
-            out, alpha = self._attend(EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope),
-                                      h_src, plan, return_attention_weights)
+            score = EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope)
+            if in_space:  # every head aggregates x_j [N_s, 1, F]; then W_h per head
+                agg, alpha = self._attend(score, x_src.unsqueeze(1), plan, return_attention_weights,
+                                          concat=True)
+                out = _project_heads(agg, lin_src.weight, H, self.concat)
+            else:
+                out, alpha = self._attend(score, h_src, plan, return_attention_weights)
         if res is not None:
             out = out + res
         if self.bias is not None:
@@ -798,9 +836,12 @@ class TransformerConv(_AttentionConv):
         plan, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
                                       x_src, self_loops=False)
         query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
-        key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
-        value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
-        if self._use_propagate():  # PyG's flow: score, softmax and weigh in message
+        propagate = self._use_propagate()
+        if propagate is None and self._input_space(x_src):
+            out, alpha = self._attend_inputs(x_src, query, plan, return_attention_weights)
+        elif propagate:  # PyG's flow: score, softmax and weigh in message
+            key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
+            value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
             if self.value_dropout > 0.0:
                 value = F.dropout(value, self.value_dropout, self.training)
             # propagate_type: (query: Tensor, key: Tensor, value: Tensor, edge_attr: OptTensor)
@@ -809,6 +850,8 @@ class TransformerConv(_AttentionConv):
             out = combine_heads(out, self.concat)
             alpha, self._alpha = self._alpha, None  # message() left it there, as in PyG
         else:
+            key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
+            value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
             h_edge = None
             if self.lin_edge is not None:
                 h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
@@ -822,6 +865,55 @@ class TransformerConv(_AttentionConv):
             else:
                 out = out + x_r
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
+
+    def _input_space(self, x_src: Tensor) -> bool:
+        """Whether keys and values are attended in input space (:func:`_input_space`,
+        :meth:`_attend_inputs`): not with edge features (they add ``[E, H, C]``
+        terms to both), nor where the value's bias would need the sum of a row's
+        weights and that sum is not one: attention dropout in effect or an
+        explainer's edge mask (unless the values have no bias); nor with the
+        values' own dropout, which needs them projected."""
+        train = self.training
+        biased = self.lin_value.bias is not None
+        return (self.lin_edge is None and _input_space(x_src, self.lin_key, self.out_channels)
+                and not isinstance(self.lin_value.weight, UninitializedTensorMixin)
+                and not (self.value_dropout > 0.0 and train)
+                and not (biased and ((self.dropout > 0.0 and train) or self.explain)))
+
+    def _attend_inputs(self, x_src: Tensor, query: Tensor, plan: GraphPlan, want_alpha):
+        r"""Attention in input space: keys and values are the sources' inputs
+        ``x_j`` (one head ``[N_s, 1, F]`` all heads share), the projections applied
+        to the query before and to the aggregate after, per head::
+
+            e_ij  = q_i . (W_k x_j + b_k) / sqrt(C) = (W_k^T q_i) . x_j / sqrt(C) + q_i . b_k / sqrt(C)
+            out_i = sum_j alpha_ij (W_v x_j + b_v) = W_v (sum_j alpha_ij x_j) + b_v [i has in-edges]
+
+        ``q_i . b_k`` is the same for all of ``i``'s edges, so the softmax drops
+        it; ``sum_j alpha_ij`` is one where ``i`` has in-edges and zero where it
+        has none (:meth:`_input_space` keeps it so)."""
+        H, C = self.heads, self.out_channels
+        F_in = x_src.size(-1)
+        x1 = x_src.unsqueeze(1)  # [N_s, 1, F]
+        q_in = torch.einsum("nhc,hcf->nhf", query, self.lin_key.weight.view(H, C, F_in))
+        agg, alpha = self._attend(EdgeScore.dot(q_in, x1, None, 1.0 / math.sqrt(C)), x1, plan,
+                                  want_alpha, concat=True)
+        out = _project_heads(agg, self.lin_value.weight, H, self.concat)  # [N_t, H*C] or [N_t, C]
+        bias = self.lin_value.bias
+        if bias is not None:
+            bias = bias if self.concat else bias.view(H, C).mean(0)
+        if self.lin_key.bias is not None:
+            # The key's bias changes no output, so its gradient is zero (PyG's layer
+            # computes it as zero up to rounding). It still takes part, times zero, so
+            # that it has a gradient: DDP and optimisers see no unused parameter.
+            unused = self.lin_key.bias.sum() * 0
+            bias = unused if bias is None else bias + unused
+        if self.lin_value.bias is not None:
+            ptr = plan.layout().ptr
+            has_in = (ptr[1:plan.num_dst + 1] > ptr[:plan.num_dst]).unsqueeze(1)  # [N_t, 1]
+            out = out + has_in * bias
+        elif bias is not None:
+            out = out + bias
+        return out, alpha
 
     # MessagePassing's extension point, run only by the propagate path (see
     # _AttentionConv): the same computation as the attention core, edge by edge.

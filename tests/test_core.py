@@ -270,9 +270,9 @@ def test_auto_rule():
     assert select_kernel("auto", _call(channels=FUSED_CPU_MIN_ENTRIES // 2 - 1)).name == "torch"
     assert select_kernel("auto", _call("meta")).name == "torch"
     n = 300
-    x = torch.randn(n, 4)
+    x = torch.randn(n, 32)  # (not narrower than a head: no input-space aggregation)
     ei = random_graph(n, FUSED_CPU_MIN_ENTRIES // 64, seed=1)  # with the loops, past the bound
-    conv = gatlib.GATConv(4, 32, heads=2)
+    conv = gatlib.GATConv(32, 32, heads=2)
     with gatlib.record_kernels() as log:
         conv(x, ei)
         torch.func.vmap(lambda t: conv(t, ei))(x[None].expand(2, -1, -1))

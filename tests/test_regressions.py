@@ -207,9 +207,10 @@ def test_requested_kernel_that_cannot_run_raises_instead_of_falling_back():
     pytest.importorskip("triton")
     from gatlib import _triton
 
-    x = torch.randn(10, 6)
+    C = _triton._MAX_C + 1
+    x = torch.randn(10, C)  # (narrower inputs would be attended in input space, F wide)
     ei = random_graph(10, 30, seed=9)
-    m = gatlib.TransformerConv(6, _triton._MAX_C + 1, backend="triton")
+    m = gatlib.TransformerConv(C, C, backend="triton")
     with pytest.raises(ValueError, match=r"backend='triton' cannot run this call"):
         m(x, ei)
 

@@ -1,0 +1,173 @@
+"""Input-space aggregation (gatlib.layers._input_space): where a layer's input is
+narrower than a head (F < C), GATConv and TransformerConv attend the inputs
+``x_j`` and project after, ``W_h sum_j alpha_ij x_j``, instead of aggregating
+``W_h x_j``. The same function: tested against the projected path (the rule
+switched off) on every backend, with gradcheck in float64; the rule's
+exclusions; and that the path ran (the value projection is never called)."""
+import pytest
+import torch
+
+import gatlib
+from gatlib import layers
+
+from testing import kernels, random_graph
+
+N, N_DST, F_IN, C, H = 40, 30, 3, 8, 3
+
+
+def graph():
+    """Edges into the first ``N_DST - 5`` nodes only: the last five destinations have
+    no in-edges (the Transformer adds no self-loops), where the value's bias must
+    not be added."""
+    ei = random_graph(N, 200, num_dst=N_DST - 5, seed=1)
+    return ei
+
+
+def make(layer, backend, **kw):
+    torch.manual_seed(0)
+    conv = getattr(gatlib, layer)(F_IN, C, heads=H, backend=backend, **kw).double()
+    with torch.no_grad():  # biases away from zero, so that a misplaced one shows
+        for p in conv.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return conv
+
+
+def projections(conv):
+    """The modules whose call marks the projected path: the values' projection."""
+    return [conv.lin if isinstance(conv, gatlib.GATConv) else conv.lin_value]
+
+
+def run(conv, x, ei, *, input_space, monkeypatch, **kw):
+    """``(out, alpha, grads of x and of every parameter)`` and whether the value
+    projection was called; ``input_space=False`` switches the rule off."""
+    with monkeypatch.context() as m:
+        if not input_space:
+            m.setattr(layers, "_input_space", lambda *a: False)
+        calls = []
+        hooks = [p.register_forward_hook(lambda *a: calls.append(1)) for p in projections(conv)]
+        conv.zero_grad()
+        x = x.clone().requires_grad_()
+        try:
+            out, (_, alpha) = conv(x, ei, return_attention_weights=True, **kw)
+        finally:
+            for h in hooks:
+                h.remove()
+        w = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(5))
+        ((out * w).sum() + (alpha * alpha).sum()).backward()
+    grads = [x.grad] + [p.grad for p in conv.parameters()]
+    return out.detach(), alpha.detach(), grads, bool(calls)
+
+
+def assert_same(a, b):
+    out_a, alpha_a, grads_a, _ = a
+    out_b, alpha_b, grads_b, _ = b
+    tol = dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out_a, out_b, **tol)
+    torch.testing.assert_close(alpha_a, alpha_b, **tol)
+    assert len(grads_a) == len(grads_b)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        assert ga is not None and gb is not None  # every parameter takes part (DDP)
+        torch.testing.assert_close(ga, gb, **tol)
+
+
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("concat", [True, False], ids=["concat", "mean"])
+@pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
+def test_input_space_is_the_projected_path(layer, concat, backend, monkeypatch):
+    conv = make(layer, backend, concat=concat)
+    x = torch.randn(N, F_IN, dtype=torch.float64)
+    ei = graph()
+    with gatlib.record_kernels() as log:
+        got = run(conv, x, ei, input_space=True, monkeypatch=monkeypatch)
+    assert log[0] == backend
+    want = run(conv, x, ei, input_space=False, monkeypatch=monkeypatch)
+    assert not got[3] and want[3]  # the value projection: never called in input space
+    assert_same(got, want)
+    if layer == "TransformerConv":  # no in-edges: the skip term alone, no value bias
+        alone = conv.lin_skip(x[N_DST - 5:N_DST]).detach() if concat else None
+        if alone is not None:
+            torch.testing.assert_close(got[0][N_DST - 5:N_DST], alone)
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+@pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
+def test_gradcheck_in_input_space(layer, backend):
+    """float64 gradcheck of the layer's output in input space with respect to the
+    input and every parameter (through the fused kernel's operators too)."""
+    conv = make(layer, backend, concat=False)
+    ei = random_graph(12, 40, num_dst=10, seed=2)
+    x = torch.randn(12, F_IN, dtype=torch.float64, requires_grad=True)
+    names, params = zip(*[(n, p.detach().clone().requires_grad_()) for n, p in conv.named_parameters()])
+
+    def f(x, *ps):
+        return torch.func.functional_call(conv, dict(zip(names, ps, strict=True)), (x, ei))
+
+    calls = []
+    hook = projections(conv)[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        assert torch.autograd.gradcheck(f, (x, *params))
+    finally:
+        hook.remove()
+    assert not calls
+
+
+@pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
+def test_inputs_as_wide_as_a_head_are_projected_first(layer, monkeypatch):
+    conv = getattr(gatlib, layer)(C, C, heads=H).double()
+    x = torch.randn(N, C, dtype=torch.float64)
+    assert run(conv, x, graph(), input_space=True, monkeypatch=monkeypatch)[3]
+
+
+def test_the_transformer_projects_first_where_its_value_bias_needs_projected_weights(monkeypatch):
+    """Attention dropout (the kept weights of a row do not sum to one) with a value
+    bias, edge features, the values' own dropout: the projected path. Without the
+    value bias, dropout stays in input space and draws the same mask."""
+    x, ei = torch.randn(N, F_IN, dtype=torch.float64), graph()
+    for kw in (dict(dropout=0.5), dict(edge_dim=2), dict(value_dropout=0.5)):
+        conv = make("TransformerConv", "fused", **kw).train()
+        extra = dict(edge_attr=torch.randn(ei.size(1), 2, dtype=torch.float64)) if "edge_dim" in kw else {}
+        torch.manual_seed(1)
+        assert run(conv, x, ei, input_space=True, monkeypatch=monkeypatch, **extra)[3], kw
+    conv = make("TransformerConv", "fused", dropout=0.5, bias=False).train()
+    torch.manual_seed(1)
+    got = run(conv, x, ei, input_space=True, monkeypatch=monkeypatch)
+    torch.manual_seed(1)
+    want = run(conv, x, ei, input_space=False, monkeypatch=monkeypatch)
+    assert not got[3]
+    assert_same(got, want)
+
+
+def test_gat_attention_dropout_and_explainer_masks_stay_in_input_space(monkeypatch):
+    """GAT's values have no bias: dropout and an explainer's edge weights multiply
+    the weights of a linear sum, so input space holds for both."""
+    x, ei = torch.randn(N, F_IN, dtype=torch.float64), graph()
+    conv = make("GATConv", "fused", dropout=0.5).train()
+    torch.manual_seed(1)
+    got = run(conv, x, ei, input_space=True, monkeypatch=monkeypatch)
+    torch.manual_seed(1)
+    want = run(conv, x, ei, input_space=False, monkeypatch=monkeypatch)
+    assert not got[3]
+    assert_same(got, want)
+
+    conv = make("GATConv", "torch").eval()
+    conv.explain = True
+    attended = gatlib.GraphPlan(ei, num_nodes=N).with_self_loops().num_edges  # (with the loops)
+    conv._edge_mask = torch.rand(attended, dtype=torch.float64)
+    conv._apply_sigmoid = True
+    try:
+        got = run(conv, x, ei, input_space=True, monkeypatch=monkeypatch)
+        want = run(conv, x, ei, input_space=False, monkeypatch=monkeypatch)
+    finally:
+        conv.explain = False
+    assert not got[3]
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
+def test_input_space_compiles_without_a_graph_break(layer):
+    conv = make(layer, "fused").float()
+    x, ei = torch.randn(N, F_IN), graph()
+    want = conv(x, ei)
+    torch._dynamo.reset()
+    got = torch.compile(conv, fullgraph=True)(x, ei)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
