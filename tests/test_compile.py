@@ -166,7 +166,7 @@ def test_auto_compiles_its_size_rule():
     run), the reference below (compiled into the graph: no log entry)."""
     from gatlib._dispatch import FUSED_CPU_MIN_ENTRIES
 
-    H, C, n = 4, 32, 600
+    H, C, n = 4, F_IN, 600  # (C > F_IN would attend the inputs: E*H*F_IN entries)
     torch.manual_seed(0)
     conv = gatlib.GATConv(F_IN, C, heads=H)
     compiled = torch.compile(conv, fullgraph=True)
