@@ -158,3 +158,26 @@ def test_cpu_reports_print_no_floor():
     assert floor.report_rows(rep) == []
     assert "floor" not in compare.render_table(rep).lower()
     assert "floor" not in selftest.render_markdown(_selftest_result(rep)).lower()
+
+
+def test_floor_table_script_renders_the_recorded_runs(tmp_path):
+    """benchmarks/floor_table.py (what the README's table comes from) on a selftest JSON:
+    the same floors and ratios as the reports, at the bandwidth asked for."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "floor_table.py"
+    spec = importlib.util.spec_from_file_location("floor_table", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = tmp_path / "selftest.json"
+    result.write_text(json.dumps(_selftest_result(_report())))
+    # the made-up device is unknown: only the copy it measured is a bandwidth
+    assert script.render([result]).startswith("no CUDA layer pass")
+    md = script.render([result], ["tiny"], "copy")
+    row = next(line for line in md.splitlines() if line.startswith("| tiny"))
+    assert [c.strip() for c in row.strip("|").split("|")] == [
+        "tiny", "GATConv", "forward", "0.14 / 0.15", "1.4", "10.0 / 9.2", "0.3", "2.0 / 1.8",
+        "0.1", "1.0 / 0.9"]  # PyG, gatlib, compiled gatlib; compiled PyG was not measured
+    assert script.render([result], ["other"], "copy").startswith("no CUDA layer pass")
