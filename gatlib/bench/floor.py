@@ -53,9 +53,10 @@ computes them):
   edge's CSR position ``E·i``, ``alpha``, ``dscore``; gather ``g``; write
   ``grad h [Ns, HC]``, ``grad a_src [Ns, H]``.
 * backward, ``project``: read ``grad h``, ``grad a_src``, ``grad a_dst``,
-  ``x``, ``W``; write ``grad W`` and ``grad x [N, F]`` (``input_grad``);
-  ``2·N·F·K`` flops per product, ``K = HC + 2H``: two products with
-  ``grad x``, one without.
+  ``x``; write ``grad W``; with ``input_grad`` also read ``W`` and write
+  ``grad x [N, F]``; ``2·N·F·K`` flops per product, ``K = HC + 2H``: two
+  products with ``grad x``, one without. (The same for the other layers'
+  projections, whose biases add ``b`` read and ``grad b`` written.)
 * edge features: ``project.edge`` reads ``edge_attr [E, D]``, ``W_e [D, H]``,
   writes ``a_edge [E, H]``; the attention kernels read ``a_edge`` and an edge-id
   map ``E·i`` (``attend``, ``attend.dst``); ``attend.dst`` writes
@@ -74,8 +75,8 @@ GATv2 (the source projection is also the value):
 * ``attend.src``: read the CSC, positions, ``alpha``, ``dscore``,
   ``x_l [Ns, HC]`` (its own rows: the LeakyReLU's slope), ``att``; gather
   ``g`` and ``x_r`` (both ``HC`` wide); write ``grad x_l [Ns, HC]``.
-* ``project`` backward: read ``grad x_l``, ``grad x_r``, ``x``, ``W``; write
-  ``grad W``, ``grad b``, ``grad x``.
+* ``project`` backward: read ``grad x_l``, ``grad x_r``, ``x`` (``W``); write
+  ``grad W``, ``grad b`` (``grad x``).
 * edge features: ``e = edge_attr·W_e [E, HC]`` written by ``project.edge``
   (``2·E·D·HC`` flops) and read by ``attend``, ``attend.dst`` and
   ``attend.src`` (with the edge-id map); ``attend.dst`` writes
@@ -93,7 +94,7 @@ Transformer (``root_weight``: a skip ``r = x·W_skip`` added to the output):
 * ``attend.src``: read the CSC, positions, ``alpha``, ``dscore``; gather ``g``
   and ``q``; write ``grad k``, ``grad v [Ns, HC]``.
 * ``project`` backward: read ``grad q``, ``grad k``, ``grad v`` and ``g`` (the
-  skip's gradient), ``x``, ``W``; write ``grad W``, ``grad b``, ``grad x``.
+  skip's gradient), ``x`` (``W``); write ``grad W``, ``grad b`` (``grad x``).
 * edge features: ``e [E, HC]`` enters key and value: read by ``attend`` and
   ``attend.dst`` (with the edge-id map), ``grad e [E, HC]`` written by
   ``attend.dst``.
