@@ -1,6 +1,7 @@
 """gatlib's benchmark harness: datasets (:mod:`.data`, :mod:`.synthetic`),
 training recipes and loop (:mod:`.train`), the comparison with PyTorch
-Geometric (:mod:`.compare`, measured with :mod:`.measure`), the Triton
+Geometric (:mod:`.compare`, measured with :mod:`.measure`; on CUDA set
+against the bandwidth floor of :mod:`.floor`), the Triton
 kernels' check on a device (:mod:`.selftest`), the ``gatlib`` command
 (:mod:`.cli`) and what every result file carries (:mod:`.report`).
 

@@ -63,6 +63,13 @@ Steps, per layer type:
    gatlib against eager gatlib) and the per-round ratios, whose spread says how
    much the machine's load moved the numbers.
 
+On CUDA (``--scope layer``) the report also sets every pass against its
+bandwidth floor (:mod:`gatlib.bench.floor`): the bytes a fused implementation
+must move (lo: every tensor once; hi: a gathered row once per edge), the floor's
+time at the device's published peak bandwidth and at a device-to-device copy
+measured at the start of the run (``report["bandwidth"]``), and each side's
+median time divided by it.
+
 Out-of-memory is a result ("OOM"), not a crash. On CPU this process runs under
 :func:`gatlib.bench.measure.memory_budget` (the free memory, or
 ``--mem-budget-gb``); the memory children run first, and an implementation
@@ -94,7 +101,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import measure
+from . import floor, measure
 from .report import command_line, environment, format_table, write_json
 
 LAYERS = {"gat": "GATConv", "gatv2": "GATv2Conv", "transformer": "TransformerConv"}
@@ -714,6 +721,10 @@ def render_table(report: Dict) -> str:
     ]
     for title, headers, rows, align in report_tables(report):
         lines += ["", *([title] if title else []), format_table(headers, rows, align=align)]
+    floor_rows = floor.report_rows(report, LAYERS)  # CUDA, one layer: none on CPU
+    if floor_rows:
+        lines += ["", floor.report_note(report),
+                  format_table(floor.HEADERS, floor_rows, align="<<<" + ">" * 9)]
     return "\n".join(lines)
 
 
@@ -869,6 +880,8 @@ def run(args: argparse.Namespace) -> int:
         **({"kernels_compiled": {}, "compile": {}} if args.compile else {}),
         "parent_mem_budget_bytes": {},
     }
+    if device.type == "cuda":  # what the bandwidth floor of each pass is measured against
+        report["bandwidth"] = floor.device_record(device)
     _log(f"graph {graph.name}: N={N:,} E={ei.size(1):,} (+{N:,} self-loops) F={F_in}; "
          f"scope {cfg['scope']}, H={cfg['heads']} C={cfg['channels']} {cfg['dtype']} {device}, "
          f"gatlib backend {cfg['backend']}, graph input {cfg['graph_input']}; "

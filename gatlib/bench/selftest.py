@@ -27,7 +27,10 @@ What a GPU owner runs once, and commits the JSON of::
 2. **Comparison with PyG**: ``python -m gatlib.bench.compare --layer all
    --backend triton --no-compile`` per graph (``--graphs``), each in its own
    process so a crash or an out-of-memory kill there is one failed graph, not a
-   lost run.
+   lost run. On CUDA each pass is also set against its bandwidth floor
+   (:mod:`gatlib.bench.floor`): the bytes a fused kernel must move, and each
+   measured time divided by the floor at the device's published and measured
+   bandwidth.
 
 3. One JSON (written after every step) and a Markdown table. Exit status 0
    when every check passed and every comparison agreed, 1 otherwise, 2 when
@@ -52,7 +55,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import synthetic
+from . import floor, synthetic
 from .report import command_line, environment, format_table, write_json
 
 SCHEMA = "gatlib.selftest/1"
@@ -435,7 +438,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
 # ---------------------------------------------------------------------------
 def render_markdown(result: Dict) -> str:
     """The Markdown summary: kernel checks (failures listed), then the comparison rows."""
-    from .compare import TABLE_HEADERS, table_rows
+    from .compare import LAYERS, TABLE_HEADERS, table_rows
 
     kc, env = result["kernel_checks"], result["environment"]
     lines = [f"## gatlib selftest on {env['device_name']} ({env['device']}"
@@ -465,6 +468,17 @@ def render_markdown(result: Dict) -> str:
     if rows:
         lines.append(format_table(["graph", *TABLE_HEADERS], rows, align="<<<" + ">" * 8,
                                   markdown=True))
+    # On CUDA: each pass against the bandwidth floor (the comparisons ran eagerly, so the
+    # compiled columns stay empty; `gatlib compare --device cuda` fills them).
+    comps = [c for c in result["comparisons"] if c["report"]]
+    floor_rows = [[c["graph"], *row] for c in comps
+                  for row in floor.report_rows(c["report"], LAYERS)]
+    if floor_rows:
+        notes = dict.fromkeys(floor.report_note(c["report"]) for c in comps
+                              if floor.applies(c["report"]))
+        lines += ["", *(f"{note}." for note in notes), "",
+                  format_table(["graph", *floor.HEADERS], floor_rows, align="<<<<" + ">" * 9,
+                               markdown=True)]
     return "\n".join(lines).rstrip() + "\n"
 
 
