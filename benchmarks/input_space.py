@@ -1,15 +1,16 @@
 """Input-space against projected aggregation: one attention layer's forward and backward.
 
-    python benchmarks/input_space.py --graph arxiv-like --heads 3 --channels 256 --threads 2 --json benchmarks/results/input_space_arxiv-like_cpu.json
+    python benchmarks/input_space.py --graph arxiv-like --json benchmarks/results/input_space_arxiv-like_cpu.json
 
 Where the input is narrower than a head (``F < C``), GATConv and TransformerConv
 attend the inputs and project after (``W_h sum_j alpha_ij x_j``; the rule is
-``gatlib.layers._input_space``). This times both forms of the same layer through
-the public core (:func:`gatlib.graph_attention` over a :class:`gatlib.GraphPlan`),
-projections included, forward and backward, in A B B A rounds: GAT's form
-(scores from per-node terms) and the Transformer's (dot-product scores; in input
-space the key projection moves to the query). It also prints the values each
-edge moves per head in the fused kernels, ``C`` against ``F``.
+``gatlib.layers._input_space``). This times
+gatlib's GATConv and TransformerConv, which take that form (a forward hook on
+the value projection checks it never runs), against the projected form of the
+same layer with the same weights written with the public core
+(:func:`gatlib.graph_attention` over a :class:`gatlib.GraphPlan`, as the layers
+computed it before), forward and backward, in A B B A rounds. It also prints
+the values each edge moves per head in the fused kernels, ``C`` against ``F``.
 """
 from __future__ import annotations
 
@@ -36,46 +37,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def project(agg, w, H):
-    """``W_h agg_h`` per head, heads concatenated: ``[N, H*F] -> [N, H*C]``."""
-    N, (HC, F) = agg.size(0), w.shape
-    return torch.einsum("nhf,hcf->nhc", agg.view(N, H, F), w.view(H, HC // H, F)).reshape(N, HC)
-
-
 def layer_steps(x, plan, H, C, backend):
-    """``{form: forward and backward}`` of GAT's and the Transformer's layer."""
-    N, F = x.shape
-    g = torch.Generator().manual_seed(0)
-
-    def param(*shape):
-        return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).requires_grad_()
-
-    W, Wq, Wk, att_s, att_d = param(H * C, F), param(H * C, F), param(H * C, F), param(H, C), param(H, C)
-    x1 = x.unsqueeze(1)  # [N, 1, F]: every head's values (and keys) in input space
+    """``{form: forward and backward}``: gatlib's GATConv and TransformerConv (which
+    attend in input space by their rule: checked by a forward hook on the value
+    projection, which must not run), and the projected form of each with the
+    same weights, written with the public core as the layers computed it before."""
+    N = x.size(0)
+    torch.manual_seed(0)
+    gat = gatlib.GATConv(x.size(1), C, heads=H, add_self_loops=False, backend=backend)
+    tf = gatlib.TransformerConv(x.size(1), C, heads=H, backend=backend)
     scale = 1.0 / math.sqrt(C)
 
     def attend(score, value):
-        return gatlib.graph_attention(score, value, plan, N, backend=backend)  # [N, H * width]
-
-    def gat_scores():  # a_h . W_h x as x @ (W_h^T a_h), the same in both forms
-        w = W.view(H, C, F)
-        return x @ (w * att_s[..., None]).sum(1).t(), x @ (w * att_d[..., None]).sum(1).t()
+        return gatlib.graph_attention(score, value, plan, N, backend=backend)  # [N, H*C]
 
     def gat_projected():
-        s, t = gat_scores()
-        return attend(EdgeScore.gat(s, t), (x @ W.t()).view(N, H, C))
+        h = gat.lin(x).view(N, H, C)
+        w = gat.lin.weight.view(H, C, -1)  # a_h . W_h x as x @ (W_h^T a_h), as GATConv does
+        s = x @ (w * gat.att_src.view(H, C, 1)).sum(1).t()
+        t = x @ (w * gat.att_dst.view(H, C, 1)).sum(1).t()
+        return attend(EdgeScore.gat(s, t, negative_slope=gat.negative_slope), h) + gat.bias
 
-    def gat_input():
-        s, t = gat_scores()
-        return project(attend(EdgeScore.gat(s, t), x1), W, H)
-
-    def dot_projected():
-        q, k, v = ((x @ m.t()).view(N, H, C) for m in (Wq, Wk, W))
-        return attend(EdgeScore.dot(q, k, scale=scale), v)
-
-    def dot_input():
-        q_in = torch.einsum("nhc,hcf->nhf", (x @ Wq.t()).view(N, H, C), Wk.view(H, C, F))
-        return project(attend(EdgeScore.dot(q_in, x1, scale=scale), x1), W, H)
+    def tf_projected():
+        q, k, v = (lin(x).view(N, H, C) for lin in (tf.lin_query, tf.lin_key, tf.lin_value))
+        return attend(EdgeScore.dot(q, k, scale=scale), v) + tf.lin_skip(x)
 
     def step(fn):
         def run():
@@ -83,8 +68,9 @@ def layer_steps(x, plan, H, C, backend):
             out.backward(torch.ones_like(out))
         return run
 
-    return {"GAT projected": step(gat_projected), "GAT input-space": step(gat_input),
-            "Transformer projected": step(dot_projected), "Transformer input-space": step(dot_input)}
+    return {"GAT projected": step(gat_projected), "GAT input-space": step(lambda: gat(x, plan)),
+            "Transformer projected": step(tf_projected),
+            "Transformer input-space": step(lambda: tf(x, plan))}, (gat.lin, tf.lin_value)
 
 
 def main() -> None:
@@ -94,9 +80,16 @@ def main() -> None:
     g = synthetic.synthetic_graph(args.graph)
     x, N, H, C = g.x, g.x.size(0), args.heads, args.channels
     plan = GraphPlan(g.edge_index, num_nodes=N).with_self_loops()
-    steps = layer_steps(x, plan, H, C, args.backend)
+    steps, projections = layer_steps(x, plan, H, C, args.backend)
+    projected = []
+    hooks = [p.register_forward_hook(lambda *a: projected.append(1)) for p in projections]
     with gatlib.record_kernels() as log:
         steps["GAT input-space"]()
+        steps["Transformer input-space"]()
+    for h in hooks:
+        h.remove()
+    if projected:
+        raise SystemExit(f"F={x.size(1)}, C={C}: the layers projected first (input space needs F < C)")
     res = measure.time_interleaved(steps, torch.device("cpu"), args.repeats)
     rows = [[k, f"{v['median_s'] * 1e3:,.0f}" if v["status"] == "ok" else v["status"]]
             for k, v in res.items()]

@@ -63,6 +63,7 @@ from . import _adjacency as A
 from . import _validate as V
 from ._core import EdgeScore, combine_heads, segment_softmax
 from ._dispatch import attend_planned, check_backend_name
+from ._heads import per_head_mm
 from ._record import log as _log
 from ._plan import GraphPlan, as_plan, checked_edge_list
 
@@ -316,11 +317,11 @@ def _project_heads(agg: Tensor, weight: Tensor, heads: int, concat: bool) -> Ten
     """``W_h agg_h`` for each head from input-space aggregates ``agg`` ``[N, H*F]``
     and a projection ``weight`` ``[H*C, F]``: heads concatenated ``[N, H*C]``, or
     averaged ``[N, C]`` (as one ``[N, H*F] @ [H*F, C]`` product)."""
-    N, (HC, F_in) = agg.size(0), weight.shape
-    w = weight.view(heads, HC // heads, F_in)  # [H, C, F]
+    HC, F_in = weight.shape
+    w = weight.view(heads, HC // heads, F_in).transpose(1, 2)  # [H, F, C]
     if concat:
-        return torch.einsum("nhf,hcf->nhc", agg.view(N, heads, F_in), w).reshape(N, HC)
-    return agg @ w.transpose(1, 2).reshape(heads * F_in, HC // heads) / heads
+        return per_head_mm(agg, w)
+    return agg @ w.reshape(heads * F_in, HC // heads) / heads
 
 
 class GATConv(_AttentionConv):
@@ -894,7 +895,8 @@ class TransformerConv(_AttentionConv):
         H, C = self.heads, self.out_channels
         F_in = x_src.size(-1)
         x1 = x_src.unsqueeze(1)  # [N_s, 1, F]
-        q_in = torch.einsum("nhc,hcf->nhf", query, self.lin_key.weight.view(H, C, F_in))
+        q_in = per_head_mm(query.reshape(-1, H * C), self.lin_key.weight.view(H, C, F_in))
+        q_in = q_in.view(-1, H, F_in)  # W_k^T q_i per head
         agg, alpha = self._attend(EdgeScore.dot(q_in, x1, None, 1.0 / math.sqrt(C)), x1, plan,
                                   want_alpha, concat=True)
         out = _project_heads(agg, self.lin_value.weight, H, self.concat)  # [N_t, H*C] or [N_t, C]
