@@ -1264,12 +1264,14 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
 
 def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
     E = csr_eid.numel()
-    keep = torch.zeros(E, heads, dtype=torch.int8, device=csr_eid.device)
+    # empty, not zeros: the kernel writes every (edge, head) (csr_eid is a permutation),
+    # and its 0/1 bytes are read as bools in place: one launch, not three
+    keep = torch.empty(E, heads, dtype=torch.int8, device=csr_eid.device)
     if E:
         with _device(keep):
             wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](csr_eid, E, keep, seed, float(p),
                                                                        heads, BLOCK_K=1024)
-    return keep.bool()
+    return keep.view(torch.bool)
 
 
 def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: Tensor) -> Tensor:
