@@ -13,7 +13,8 @@ launch, on CPU tensors:
   so the number of launches per call is what a GPU gets; the grid size is the
   interpreter's (it does not change the number of launches).
 * **ATen ops**, through a ``TorchDispatchMode`` that also looks inside gatlib's
-  Triton operators (their host code's ops), each classified by the rule of
+  operators (the Triton wrapper's host code, the plan's layout ops), each
+  classified by the rule of
   :func:`classify`: an op **launches** a device kernel when it writes device
   memory — an in-place or ``out=`` op, or one whose output is fresh storage
   other than a bare allocation; it is **free** when it only makes views or
@@ -34,18 +35,28 @@ launch, on CPU tensors:
   of whose tensors are host tensors or 0-dim constants is a host op.
 * **Syncs**: an op that reads a device value back to the host (``item()``,
   ``nonzero``, boolean-mask indexing, ``unique``, ...) — a CUDA stream sync,
-  which a CUDA graph cannot capture. Counted, not refused. The kernels' outputs
-  are never written under the skip hook (they hold whatever ``torch.empty``
-  gave), so a value read is meaningless here, but it runs and is counted.
+  which a CUDA graph cannot capture. Counted, not refused. ``Tensor.tolist`` and
+  ``numpy``, which a CPU tensor serves without an ATen op, are counted too. The
+  kernels' outputs are never written under the skip hook (they hold whatever
+  ``torch.empty`` gave), so a value read is meaningless here, but it runs and
+  is counted.
+
+Code that branches on the device type takes its CPU branch here. In the counted
+calls that is only the index check of a new ``[2, E]`` tensor
+(``_validate._check_range``): two ``item()`` on CPU, a ``stack`` and one read on
+CUDA — the ``gatlib_tensor`` rows count one launch fewer and one sync more than
+a GPU run.
 
 The workload (:func:`measure`): one layer call, forward and backward (the
 input's and all weights' gradients, as ``gatlib compare --scope layer``), and a
 warmed training step of the 2-layer model of ``gatlib compare --scope model``
 (conv1 -> ELU -> conv2, cross-entropy, Adam, lr 0.01) on a Cora-sized
 synthetic graph (:func:`cora_like`), gatlib's three layers with the Triton
-backend and a :class:`~gatlib.GraphPlan`, PyG's three layers with the
-``[2, E]`` tensor (as ``gatlib compare``; the Transformer layers get the graph
-with self-loops, so all attend over the same edges). Every counted call runs
+backend and a :class:`~gatlib.GraphPlan` (``gatlib``, as ``gatlib compare``) or
+the ``[2, E]`` tensor (``gatlib_tensor``: a new plan, layout and schedule in
+every call), PyG's three layers with the ``[2, E]`` tensor (the Transformer
+layers get the graph with self-loops, so all attend over the same edges). Every
+counted call runs
 once uncounted first (the plan's schedule, lazy modules and Adam's state are
 built then). Adam runs with ``foreach=True``: on CUDA tensors that is its
 default (torch.optim's ``_default_to_fused_or_foreach``), on CPU tensors it is
@@ -74,7 +85,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 LAYERS = ("gat", "gatv2", "transformer")
-LIBRARIES = ("gatlib", "pyg")
+# gatlib given a GraphPlan (built once, as gatlib compare does), gatlib given the
+# [2, E] tensor (as PyG's layers are: a new plan, layout and schedule in every
+# call), and PyG
+LIBRARIES = ("gatlib", "gatlib_tensor", "pyg")
 # (heads, channels per head) of the counted layer calls: the GPU target
 # configuration (gatlib compare's CUDA default) and Cora's GAT (8 heads of 8).
 LAYER_CONFIGS = ((3, 256), (8, 8))
@@ -93,9 +107,10 @@ SYNCS = frozenset({"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero"
 ALLOCATIONS = frozenset({"aten::empty", "aten::empty_strided", "aten::new_empty",
                          "aten::new_empty_strided", "aten::empty_like", "aten::resize_",
                          "aten::set_"})
-# gatlib's Triton operators: their implementation runs under the mode, so that
-# their host code's ops are counted (the launches inside are Triton's).
-_LOOK_INSIDE = "gatlib::triton_"
+# gatlib's operators (the Triton kernels' and the plan's layouts): their Python
+# implementation, the same on every device, runs under the mode, so that their
+# own ATen ops are counted (the launches inside the Triton ones are Triton's).
+_LOOK_INSIDE = "gatlib::"
 
 
 @dataclass
@@ -194,9 +209,10 @@ class _Recorder(TorchDispatchMode):
         if name.startswith(_LOOK_INSIDE):
             from torch._library.custom_ops import OPDEFS
 
-            self.tally.operators[name] += 1
-            with self:
-                return OPDEFS[name]._init_fn(*args, **kwargs)
+            if name in OPDEFS:
+                self.tally.operators[name] += 1
+                with self:
+                    return OPDEFS[name]._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
         kind = classify(func, args, kwargs, out, self.host)
         label = str(func)
@@ -241,11 +257,38 @@ def triton_on_cpu(tally: Tally):
         knobs.runtime.jit_cache_hook = previous
 
 
+# Value reads that a CPU tensor serves without dispatching an ATen op (on CUDA they
+# copy to the host: a sync, which the mode would not see on CPU)
+_UNDISPATCHED_READS = ("tolist", "numpy")
+
+
+@contextlib.contextmanager
+def _reads_counted(recorder: "_Recorder"):
+    """Inside: ``Tensor.tolist``/``numpy`` of a tensor that is not a host tensor
+    count as syncs of ``recorder``."""
+    for name in _UNDISPATCHED_READS:
+        assert name not in torch.Tensor.__dict__  # (torch's own: on TensorBase)
+        real = getattr(torch.Tensor, name)
+
+        def read(t, *args, _real=real, _name=name, **kwargs):
+            if t not in recorder.host:
+                recorder.tally.syncs[f"Tensor.{_name}"] += 1
+            return _real(t, *args, **kwargs)
+
+        setattr(torch.Tensor, name, read)
+    try:
+        yield
+    finally:
+        for name in _UNDISPATCHED_READS:
+            delattr(torch.Tensor, name)
+
+
 def count(fn: Callable[[], object], host: Iterable[Tensor] = ()) -> Tally:
     """The launches and ops of ``fn()`` (see the module docstring); ``host``: the
     tensors that a CUDA run keeps on the host (Adam's step counts)."""
     tally = Tally()
-    with triton_on_cpu(tally), _Recorder(tally, host):
+    recorder = _Recorder(tally, host)
+    with triton_on_cpu(tally), _reads_counted(recorder), recorder:
         fn()
     return tally
 
@@ -294,10 +337,14 @@ def _graph_input(lib: str, layer: str, graph: Graph):
     return gatlib.GraphPlan(ei, num_nodes=graph.x.size(0)) if lib == "gatlib" else ei
 
 
+def _module(lib: str, layer: str, graph: Graph, heads: int, channels: int, scope: str):
+    return _modules(layer, graph, heads, channels, scope)["pyg" if lib == "pyg" else "gatlib"]
+
+
 def layer_call(lib: str, layer: str, graph: Graph, heads: int, channels: int) -> Tally:
     """One layer call, forward and backward (``x`` and all weights get gradients),
     counted after one uncounted call."""
-    module = _modules(layer, graph, heads, channels, "layer")[lib]
+    module = _module(lib, layer, graph, heads, channels, "layer")
     x = graph.x.clone().requires_grad_()
     ei = _graph_input(lib, layer, graph)
     grad = torch.randn(x.size(0), heads * channels, generator=torch.Generator().manual_seed(7))
@@ -315,7 +362,7 @@ def layer_call(lib: str, layer: str, graph: Graph, heads: int, channels: int) ->
 def training_step(lib: str, layer: str, graph: Graph, heads: int, channels: int) -> Tally:
     """One step of the 2-layer model — zero_grad, forward, cross-entropy, backward,
     Adam(foreach=True) — counted after one uncounted step."""
-    model = _modules(layer, graph, heads, channels, "model")[lib]
+    model = _module(lib, layer, graph, heads, channels, "model")
     ei = _graph_input(lib, layer, graph)
     labels = torch.randint(graph.num_classes, (graph.x.size(0),),
                            generator=torch.Generator().manual_seed(11))
@@ -362,8 +409,8 @@ def measure(layers: Sequence[str] = LAYERS, libraries: Sequence[str] = LIBRARIES
 # ---------------------------------------------------------------------------
 # Report and CLI
 # ---------------------------------------------------------------------------
-HEADERS = ["scope", "layer", "H", "C", "gatlib launches (Triton + ATen)", "free ops", "syncs",
-           "PyG launches", "PyG syncs"]
+HEADERS = ["scope", "layer", "H", "C", "gatlib: launches (Triton + ATen)", "syncs",
+           "gatlib, tensor input: launches", "syncs", "PyG: launches", "syncs"]
 
 
 def table_rows(report: Dict) -> List[List[str]]:
@@ -373,11 +420,12 @@ def table_rows(report: Dict) -> List[List[str]]:
         for (lib, layer, h, c), r in by.items():
             if lib != "gatlib":
                 continue
-            p = by.get(("pyg", layer, h, c))
-            rows.append([scope, layer, str(h), str(c),
-                         f"{r['launches']} ({r['triton_launches']} + {r['aten_launches']})",
-                         str(r["free_ops"]), str(r["syncs"]),
-                         str(p["launches"]) if p else "-", str(p["syncs"]) if p else "-"])
+            row = [scope, layer, str(h), str(c),
+                   f"{r['launches']} ({r['triton_launches']} + {r['aten_launches']})", str(r["syncs"])]
+            for other in ("gatlib_tensor", "pyg"):
+                o = by.get((other, layer, h, c))
+                row += [str(o["launches"]), str(o["syncs"])] if o else ["-", "-"]
+            rows.append(row)
     return rows
 
 
@@ -389,7 +437,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", default=None, metavar="PATH", help="write every count here")
     parser.add_argument("--layers", default=",".join(LAYERS),
                         help=f"comma-separated, of {', '.join(LAYERS)} (default: all)")
-    parser.add_argument("--no-pyg", action="store_true", help="count gatlib's layers only")
+    parser.add_argument("--libraries", default=",".join(LIBRARIES),
+                        help=f"comma-separated, of {', '.join(LIBRARIES)} (default: all)")
     parser.add_argument("--no-step", action="store_true", help="skip the training steps")
     parser.add_argument("--ops", action="store_true",
                         help="also print every launching op of gatlib's rows")
@@ -404,14 +453,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     layers = [name for name in args.layers.split(",") if name]
     if not layers or any(name not in LAYERS for name in layers):
         parser.error(f"--layers: choose from {', '.join(LAYERS)}; got {args.layers!r}")
-    libraries = ("gatlib",) if args.no_pyg else LIBRARIES
+    libraries = [name for name in args.libraries.split(",") if name]
+    if not libraries or any(name not in LIBRARIES for name in libraries):
+        parser.error(f"--libraries: choose from {', '.join(LIBRARIES)}; got {args.libraries!r}")
     start = time.perf_counter()
     counts = measure(layers, libraries, step=not args.no_step,
                      progress=lambda line: print(f"[launches] {line}", file=sys.stderr, flush=True))
     report = {"schema": "gatlib.launches/1", "command": command_line(),
               "environment": environment("cpu"), "seconds": round(time.perf_counter() - start, 1),
               "adam": {"lr": LR, "foreach": True}, "step_config": list(STEP_CONFIG), **counts}
-    print(format_table(HEADERS, table_rows(report), align="<<>>>>>>>"))
+    print(format_table(HEADERS, table_rows(report), align="<<>>>>>>>>"))
     if args.ops:
         for scope in ("layer", "step"):
             for r in report[scope]:
