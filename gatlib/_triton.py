@@ -1089,9 +1089,12 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, val
     delta_alpha = None
     if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
         grad_alpha = grad_alpha.contiguous()
-        # (no copy first: to() is a no-op where grad_alpha is in acc already, and the
-        # product is computed in acc either way)
-        ag = torch.mul(grad_alpha.to(acc), alpha).index_select(0, lay.perm)  # [E, H], CSR
+        # one [E, H] temporary and the product in acc either way: a copy multiplied in
+        # place where grad_alpha is in a lower precision, else one product (it is the
+        # caller's tensor: no copy just to write into)
+        ag = grad_alpha.to(acc)
+        ag = ag * alpha if ag is grad_alpha else ag.mul_(alpha)
+        ag = ag.index_select(0, lay.perm)  # [E, H], CSR
         delta_alpha = torch.segment_reduce(ag, "sum", offsets=lay.ptr, unsafe=True)  # [N_dst, H]
     consts = _consts(meta, s_dst, s_edge, value_edge)
     dummy = value
