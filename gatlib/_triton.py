@@ -170,6 +170,9 @@ class _Plan:
     csc_eid: Tensor  # [E] original edge id of each CSC position
     dst_items: _Schedule  # over destinations (CSR)
     src_items: _Schedule  # over sources (CSC)
+    # whether each schedule (destinations, sources) has split rows; None until an
+    # eager call reads it (_split_rows)
+    splits: Optional[Tuple[bool, bool]] = None
 
 
 def _plan(plan: GraphPlan) -> _Plan:
@@ -802,22 +805,58 @@ class _Graph(NamedTuple):
         return self.src.numel()
 
 
-def _graph_tensors(tp: _Plan) -> List[Tensor]:
+def _graph_tensors(tp: _Plan, splits: Tuple[bool, bool] = (True, True)) -> List[Tensor]:
+    """The operators' ``graph`` argument; ``splits`` (:func:`_split_rows`): whether
+    each schedule's split rows are passed (if not, its merges do not launch)."""
     lay = tp.layout
-    # (csr_eid is perm in the kernels' index dtype, often perm itself: derived again)
-    return [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_edge, lay.csc_dst, tp.csc_eid,
-            *_schedule_tensors(tp.dst_items), *_schedule_tensors(tp.src_items)]
+    # csr_eid is perm in the kernels' index dtype: the plan's, not converted per call
+    # (an int32 layout's copy was an ATen launch in each forward and backward); where
+    # it is perm itself, a view of it (torch.compile traces no autograd function
+    # given one tensor twice)
+    csr_eid = tp.csr_eid if tp.csr_eid is not lay.perm else lay.perm.view(-1)
+    return [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_edge, lay.csc_dst, csr_eid, tp.csc_eid,
+            *_schedule_tensors(tp.dst_items, splits[0]), *_schedule_tensors(tp.src_items, splits[1])]
 
 
-def _schedule_tensors(s: _Schedule) -> List[Tensor]:
-    return [s.row, s.start, s.length, s.slot, s.bounds, s.split_row, s.split_first, s.split_count]
+def _schedule_tensors(s: _Schedule, split: bool = True) -> List[Tensor]:
+    parts = (s.split_row, s.split_first, s.split_count)
+    if not split:  # none of its rows is split: empty arrays, whose merge never launches
+        parts = tuple(t[:0] for t in parts)
+    return [s.row, s.start, s.length, s.slot, s.bounds, *parts]
 
 
 def _graph_of(ts: List[Tensor]) -> _Graph:
-    ptr, src, dst, perm, csc_edge, csc_dst, csc_eid = ts[:7]
+    ptr, src, dst, perm, csc_edge, csc_dst, csr_eid, csc_eid = ts[:8]
     max_pieces = _schedule_sizes(0, src.numel(), _SPLIT)[2]
-    return _Graph(ptr, src, dst, perm, csc_edge, csc_dst, perm.to(src.dtype), csc_eid,
-                  _Schedule(*ts[7:15], max_pieces), _Schedule(*ts[15:23], max_pieces))
+
+    def schedule(t: List[Tensor]) -> _Schedule:  # (no split rows: no partial results either)
+        return _Schedule(*t, max_pieces if t[5].numel() else 0)
+
+    return _Graph(ptr, src, dst, perm, csc_edge, csc_dst, csr_eid, csc_eid,
+                  schedule(ts[8:16]), schedule(ts[16:24]))
+
+
+def _split_rows(tp: _Plan, like: Tensor) -> Tuple[bool, bool]:
+    """Whether the destination and the source schedule of ``tp`` have split rows,
+    so that their merges must launch.
+
+    A call that must hold for any graph of these sizes — traced by
+    ``torch.compile``, on fake tensors — assumes both may (the merge kernel then
+    finds none on the device). An eager call reads it back once per plan, in its
+    first call (as building the plan's layout reads values back): graphs without
+    hubs (no row longer than ``_SPLIT`` edges, as Cora's) then skip four merge
+    launches per forward and backward. Under CUDA graph capture nothing is read;
+    a value read before the capture holds, the plan's tensors never change.
+    """
+    if torch.compiler.is_compiling() or type(like) is not torch.Tensor:
+        return True, True
+    if tp.splits is None:
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            return True, True
+        counts = torch.stack([tp.dst_items.bounds[-1], tp.src_items.bounds[-1]])
+        dst, src = counts.tolist()  # the number of split rows of each schedule
+        tp.splits = (dst > 0, src > 0)
+    return tp.splits
 
 
 def _tl_acc(dtype: torch.dtype):
@@ -1050,7 +1089,12 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, val
     delta_alpha = None
     if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
         grad_alpha = grad_alpha.contiguous()
-        ag = grad_alpha.to(acc, copy=True).mul_(alpha).index_select(0, lay.perm)  # [E, H], CSR
+        # one [E, H] temporary and the product in acc either way: a copy multiplied in
+        # place where grad_alpha is in a lower precision, else one product (it is the
+        # caller's tensor: no copy just to write into)
+        ag = grad_alpha.to(acc)
+        ag = ag * alpha if ag is grad_alpha else ag.mul_(alpha)
+        ag = ag.index_select(0, lay.perm)  # [E, H], CSR
         delta_alpha = torch.segment_reduce(ag, "sum", offsets=lay.ptr, unsafe=True)  # [N_dst, H]
     consts = _consts(meta, s_dst, s_edge, value_edge)
     dummy = value
@@ -1220,7 +1264,8 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     # term its value's edge term): a view for each repeat, which torch.compile can trace as an autograd function's
     # input and whose gradient reaches the tensor.
     ins = [t.contiguous() if t is not None else None for t in distinct_inputs(list(tensors))]
-    graph = _graph_tensors(_plan(plan))
+    tp = _plan(plan)
+    graph = _graph_tensors(tp, _split_rows(tp, value))
     args = (*ins, seed, kind, float(score.scale), float(score.negative_slope), float(p), need_alpha,
             alpha_dtype, share_v, share_ve)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins):
@@ -1232,12 +1277,14 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
 
 def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
     E = csr_eid.numel()
-    keep = torch.zeros(E, heads, dtype=torch.int8, device=csr_eid.device)
+    # empty, not zeros: the kernel writes every (edge, head) (csr_eid is a permutation),
+    # and its 0/1 bytes are read as bools in place: one launch, not three
+    keep = torch.empty(E, heads, dtype=torch.int8, device=csr_eid.device)
     if E:
         with _device(keep):
             wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](csr_eid, E, keep, seed, float(p),
                                                                        heads, BLOCK_K=1024)
-    return keep.bool()
+    return keep.view(torch.bool)
 
 
 def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: Tensor) -> Tensor:

@@ -292,7 +292,12 @@ def _projected_score_pair(x: Tensor, lin: Linear, att_a: Tensor, att_b: Tensor,
     instead of two. Returns two ``[N, H]``."""
     H, C = att_a.shape[1:]
     if h is not None and not _folds(x, H, C):
-        return (h * att_a).sum(-1), (h * att_b).sum(-1)
+        # both as one [2, N, H] (each half contiguous, as the kernels take them): one
+        # product and one reduction, forward and per input in backward, not two
+        # (a Cora-sized GAT step: 6 fewer kernel launches; benchmarks/NOTES.md,
+        # "Launches per call and per step")
+        att = torch.cat([att_a, att_b])  # [2, H, C]
+        return (h.unsqueeze(0) * att.unsqueeze(1)).sum(-1).unbind(0)
     att = torch.stack([att_a, att_b]).view(2, H, C, 1)
     w = (lin.weight.view(1, H, C, -1) * att).sum(2)  # [2, H, F]
     return (x @ w.view(2 * H, -1).t()).split(H, dim=1)

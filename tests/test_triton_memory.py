@@ -173,6 +173,8 @@ def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
     monkeypatch.setattr(_triton, "_SPLIT", 32)
     n, H, C = 50, 2, 4
     ei = hub_graph(n, 80)
+    # and a source hub: both schedules have split rows, so all four merges launch
+    ei = torch.cat([ei, torch.stack([torch.full((40,), 5), torch.arange(40) % n])], 1)
     plan = GraphPlan(ei, num_nodes=n)
     score = make_score(kind, n, n, ei.size(1), H, C, dtype=torch.float32, edge=True)
     value = torch.randn(n, H, C, requires_grad=True)
@@ -196,3 +198,40 @@ def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
         loss.backward()
     assert not [op for op in ops.names if op.startswith(HOST_SYNCS)]
     assert merged == [True, False, False, False]  # forward, then 3 gradients
+
+
+@pytest.mark.parametrize("hubs, expect", [
+    ((), []),
+    (("dst",), ["forward", "gradient"]),  # the destination gradient; no source row is split
+    (("src",), ["gradient", "gradient"]),  # the value and source gradients
+    (("dst", "src"), ["forward", "gradient", "gradient", "gradient"]),
+])
+def test_merges_launch_only_where_rows_are_split(hubs, expect, recorder, monkeypatch):
+    """A plan reads once whether its schedules split any row; where neither does
+    (a graph without hubs, as Cora's) no merge launches, forward or backward, and
+    the launches are the bucket launches alone (the results: test_triton.py)."""
+    monkeypatch.setattr(_triton, "_SPLIT", 32)
+    n, H, C = 50, 2, 4
+    ring = torch.arange(n)
+    ei = torch.stack([ring, (ring + 1) % n])
+    if "dst" in hubs:
+        ei = torch.cat([ei, torch.stack([torch.arange(40) % n, torch.zeros(40, dtype=torch.long)])], 1)
+    if "src" in hubs:
+        ei = torch.cat([ei, torch.stack([torch.full((40,), 5), torch.arange(40) % n])], 1)
+    plan = GraphPlan(ei, num_nodes=n)
+    score = make_score("gat", n, n, ei.size(1), H, C, dtype=torch.float32, edge=False)
+    value = torch.randn(n, H, C, requires_grad=True)
+    graph_attention(score, value, plan, n, backend="triton").sum().backward()  # reads the splits
+    merged = []
+    merge = _triton._merge
+
+    def counted(out, part, items, H, lse=None, part_lse=None):
+        if items.max_split:  # (the merge launches)
+            merged.append("forward" if lse is not None else "gradient")
+        merge(out, part, items, H, lse, part_lse)
+    monkeypatch.setattr(_triton, "_merge", counted)
+    rec = recorder([value, *(t for t in score.tensors() if t is not None)])
+    with rec:
+        graph_attention(score, value, plan, n, backend="triton").sum().backward()
+    assert merged == expect
+    assert rec.launches == 3 * len(_triton._bucket_launches(C)) + len(expect)
