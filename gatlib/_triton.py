@@ -329,7 +329,7 @@ def _lanes(item_row, item_start, item_len, item_slot, blk, first, n_items, H, BL
 @triton.jit
 def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m_edge,
            scale, slope, KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr,
-           ACC: tl.constexpr, BLOCK_CK: tl.constexpr):
+           ACC: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr):
     """Scores of a 2-D tile of edges ``src -> dst`` (original ids ``eid``), head ``h``.
 
     ``h``, ``src``, ``dst`` and ``eid`` are int64 tiles that broadcast to the
@@ -355,21 +355,39 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
         xe = z
     else:
         ck = tl.arange(0, BLOCK_CK)[None, None, :]
-        cm = ck < CK
-        xs = tl.load(s_src + (src * H + h)[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
-                     other=0).to(ACC)
-        xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
-                     other=0).to(ACC)
-        if HAS_EDGE:
-            xe = tl.load(s_edge + (eid * H + h)[:, :, None] * CK + ck,
-                         mask=m_edge[:, :, None] & cm, other=0).to(ACC)
+        if FULL_CK:
+            # CK is the tile's width: rows start at multiples of the constexpr BLOCK_CK
+            # and no channel is masked, so the compiler can prove a row's lanes aligned
+            # and contiguous and load them 64/128 bits at a time (CK itself stays an
+            # unspecialised integer: a new graph compiles nothing new)
+            xs = tl.load(s_src + (src * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_src[:, :, None],
+                         other=0).to(ACC)
+            xd = tl.load(s_dst + (dst * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_dst[:, :, None],
+                         other=0).to(ACC)
+            if HAS_EDGE:
+                xe = tl.load(s_edge + (eid * H + h)[:, :, None] * BLOCK_CK + ck,
+                             mask=m_edge[:, :, None], other=0).to(ACC)
+            else:
+                xe = xs
         else:
-            xe = xs
+            cm = ck < CK
+            xs = tl.load(s_src + (src * H + h)[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
+                         other=0).to(ACC)
+            xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
+                         other=0).to(ACC)
+            if HAS_EDGE:
+                xe = tl.load(s_edge + (eid * H + h)[:, :, None] * CK + ck,
+                             mask=m_edge[:, :, None] & cm, other=0).to(ACC)
+            else:
+                xe = xs
         if KIND == 1:  # GATv2: att . leaky(x_src[j] + x_dst[i] + e_ij)
             z = xs + xd
             if HAS_EDGE:
                 z = z + xe
-            att = tl.load(s_att + h[:, :, None] * CK + ck, mask=cm, other=0).to(ACC)
+            if FULL_CK:
+                att = tl.load(s_att + h[:, :, None] * BLOCK_CK + ck).to(ACC)
+            else:
+                att = tl.load(s_att + h[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
             score = tl.sum(tl.where(z > 0, z, z * slope) * att, 2)
         else:  # dot product: q_i . (k_j + e_ij) * scale
             z = xs
@@ -388,7 +406,7 @@ def _fwd_kernel(
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
     first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
@@ -421,7 +439,7 @@ def _fwd_kernel(
                 eid = k
             score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
                                           emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                          HAS_EDGE, ACC, BLOCK_CK)
+                                          HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
             score = tl.where(emask, score, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(score, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
@@ -470,7 +488,7 @@ def _fwd_kernel(
 def _alpha_kernel(
     csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha, H, CK,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr,
 ):
     """``alpha[eid, h] = exp(e_ij - lse_i)``, one lane per (CSR position, head)."""
     lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)[:, None]  # [K, 1]
@@ -483,7 +501,7 @@ def _alpha_kernel(
     scale = tl.load(coef).to(ACC)
     slope = tl.load(coef + 1).to(ACC)
     score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m, m, m,
-                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ACC, BLOCK_CK)
+                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
     row_lse = tl.load(lse + dst * H + h, mask=m, other=0)
     tl.store(alpha + eid * H + h, tl.exp(score - row_lse), mask=m)
 
@@ -556,7 +574,7 @@ def _bwd_dst_kernel(
     NEED_ATT: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
     first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
     # GATv2's att gradient, summed over the blocks this program runs: each lane
@@ -578,8 +596,14 @@ def _bwd_dst_kernel(
         ck = tl.arange(0, BLOCK_CK)
         ckm = ck < CK
         ck3 = ck[None, None, :]
-        ooff = orow[:, None] * CV + cv[None, :]
-        omask = valid[:, None] & cvm[None, :]
+        # rows of CV channels: with FULL_CV (CV is the tile's width) at the constexpr
+        # stride BLOCK_CV and masked by lane/edge only, so they load 64/128 bits wide
+        if FULL_CV:
+            ooff = orow[:, None] * BLOCK_CV + cv[None, :]
+            omask = valid[:, None]
+        else:
+            ooff = orow[:, None] * CV + cv[None, :]
+            omask = valid[:, None] & cvm[None, :]
         g2 = tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)  # [R, CV]
         g = g2[:, None, :]  # [R, 1, CV]
         row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
@@ -609,18 +633,25 @@ def _bwd_dst_kernel(
                 eid = k
             score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
                                           emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                          HAS_EDGE, ACC, BLOCK_CK)
+                                          HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
             p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
             vmask = emask[:, :, None] & (cv3 < CV)
+            if FULL_CV:  # (as the destination rows above)
+                lmask = emask[:, :, None]
+                stride = BLOCK_CV
+            else:
+                lmask = vmask
+                stride = CV
             if SHARE_V:
                 v = xs
             else:
-                v = tl.load(value + (src * H + h2)[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
+                v = tl.load(value + (src * H + h2)[:, :, None] * stride + cv3, mask=lmask,
+                            other=0).to(ACC)
             if HAS_VEDGE:
                 if SHARE_VE:
                     v = v + xe
                 else:
-                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * stride + cv3, mask=lmask,
                                     other=0).to(ACC)
             dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
             if DROPOUT:
@@ -684,6 +715,7 @@ def _bwd_src_kernel(
     ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
     first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
@@ -715,22 +747,34 @@ def _bwd_src_kernel(
             i = tl.load(csc_dst + t, mask=emask, other=0).to(tl.int64)  # destinations
             if NEED_VALUE:
                 a = tl.load(a_buf + k * H + h2, mask=emask, other=0)
-                gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
-                             mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
+                if FULL_CV:
+                    # CV is the tile's width: rows at the constexpr stride BLOCK_CV, masked
+                    # by edge only, so the compiler can prove them aligned and contiguous
+                    # and gather them 64/128 bits at a time
+                    gi = tl.load(grad_out + (i * H + h2)[:, :, None] * BLOCK_CV + cv3,
+                                 mask=emask[:, :, None], other=0).to(ACC)
+                else:
+                    gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
+                                 mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
                 dv_acc += tl.sum(a[:, :, None] * gi, 1)
             if NEED_SRC:
                 ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
                 if KIND == 0:
                     ds_acc += tl.sum(ds, 1)
                 else:
-                    cmask = emask[:, :, None] & (ck3 < CK)
-                    xd = tl.load(s_dst + (i * H + h2)[:, :, None] * CK + ck3, mask=cmask,
+                    if FULL_CK:  # (as the value rows above)
+                        cmask = emask[:, :, None]
+                        sk = BLOCK_CK
+                    else:
+                        cmask = emask[:, :, None] & (ck3 < CK)
+                        sk = CK
+                    xd = tl.load(s_dst + (i * H + h2)[:, :, None] * sk + ck3, mask=cmask,
                                  other=0).to(ACC)
                     if KIND == 1:
                         z = xs + xd
                         if HAS_EDGE:
                             eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
-                            z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * CK + ck3, mask=cmask,
+                            z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * sk + ck3, mask=cmask,
                                             other=0).to(ACC)
                         ds_acc += tl.sum(ds[:, :, None] * att * tl.where(z > 0, 1.0, slope), 1)
                     else:
@@ -1069,6 +1113,7 @@ def _forward(meta: _Meta, graph: _Graph, value, value_edge, s_src, s_dst, s_edge
                     _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
                     KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
                     ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
+                    FULL_CK=consts["FULL_CK"],
                     num_warps=_warps(consts["BLOCK_CK"], consts["ACC"]))
     return out, alpha, lse
 
@@ -1144,7 +1189,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, val
                     _or(part_src, dummy), H, CK, CV,
                     KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
                     NEED_SRC=need_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
-                    BLOCK_CV=consts["BLOCK_CV"])
+                    BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
             if need_value:
                 _merge(d_value, part_value, sitems, H)
             if need_src:
@@ -1183,6 +1228,7 @@ def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
         HAS_VEDGE=value_edge is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
         ACC=_tl_acc(meta.acc), BLOCK_CK=triton.next_power_of_2(meta.CK),
         BLOCK_CV=triton.next_power_of_2(meta.CV), FULL_CV=meta.CV == triton.next_power_of_2(meta.CV),
+        FULL_CK=meta.CK == triton.next_power_of_2(meta.CK),
     )
 
 
