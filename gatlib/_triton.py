@@ -206,6 +206,22 @@ def _rows_per_program(block_e: int, width: int) -> int:
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
 
+def _max_registers(warps: int, heavy: bool = False) -> int:
+    """Registers per thread the row kernels may use (ptxas ``.maxnreg``): as many as
+    let two programs of ``warps`` warps share an SM's 64K-register file (sm_80 and
+    sm_90), half the :data:`_PROGRAMS_PER_SM` a launch runs; at most 255. ``heavy``
+    (the dst backward, which holds the scorer's tiles and the gradients' at once):
+    255 whatever the warps, as at 8 warps (C >= 128) with edge features, dropout and
+    returned weights it spilled 16-32 bytes on sm_80 under 128.
+
+    Without an explicit cap ptxas picks a register count itself and at some shapes
+    spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
+    255 allowed); with one it takes what the kernel needs up to the cap and none of
+    the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
+    spills at the shapes users run"). tests/test_triton_compile.py holds both."""
+    return 255 if heavy else min(255, (1 << 16) // (2 * 32 * warps))
+
+
 def _warps(width: int, acc) -> int:
     """Warps per program: 8 for tiles of wide rows (>= 128 channels) or float64,
     whose temporaries spill at 4 warps (ptxas, sm_90: GATv2's forward with edge
@@ -264,9 +280,11 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, part_att: Optio
         lanes = _rows_per_program(block_e, width)
         extra = {} if part_att is None else {"part_att": part_att[offset:]}
         offset += programs * lanes
+        warps = _warps(width, consts["ACC"])
         wrap_triton(kernel)[(programs,)](items.row, items.start, items.length, items.slot, items.bounds,
                             *args, B_LO=lo, B_HI=hi, BLOCK_R=lanes, BLOCK_E=block_e,
-                            num_warps=_warps(width, consts["ACC"]), **extra, **consts)
+                            num_warps=warps, maxnreg=_max_registers(warps, kernel is _bwd_dst_kernel),
+                            **extra, **consts)
 
 
 def _att_partials(width: int, H: int, device: torch.device) -> int:

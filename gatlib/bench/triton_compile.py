@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import io
 import itertools
+import json
 import os
 import re
 import sys
@@ -183,7 +184,7 @@ class Spec:
 
     def key(self):
         return (self.kernel, tuple(self.signature.items()), repr(sorted(self.constexprs.items(), key=str)),
-                repr(sorted(self.attrs.items(), key=str)))
+                repr(sorted(self.attrs.items(), key=str)), repr(sorted(self.options.items())))
 
     def specialised_ints(self) -> List[str]:
         """Integer arguments Triton specialised on their value (== 1, or divisible
@@ -220,9 +221,15 @@ def capture(cases: Iterable[Case]) -> List[Spec]:
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         c = compile
+        options = {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
+                   "num_ctas": c["num_ctas"], "enable_fp_fusion": c["enable_fp_fusion"]}
+        # a launch's register cap (ptxas .maxnreg) is an option the hook's arguments
+        # leave out: read it from the options Triton serialised for the compile
+        maxnreg = json.loads(c["specialization_data"])["options"].get("maxnreg")
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
         spec = Spec(fn.name, dict(c["signature"]), dict(c["constants"]), dict(c["configs"][0]),
-                    {"num_warps": c["num_warps"], "num_stages": c["num_stages"],
-                     "num_ctas": c["num_ctas"], "enable_fp_fusion": c["enable_fp_fusion"]})
+                    options)
         spec = specs.setdefault(spec.key(), spec)
         if current[0] not in spec.cases:
             spec.cases.append(current[0])
@@ -400,6 +407,7 @@ def compile_all(specs: Sequence[Spec], targets: Sequence[str] = tuple(TARGETS),
     with ProcessPoolExecutor(jobs) as pool:
         for (spec, _), res in zip(work, pool.map(_compile_job, work), strict=True):
             rows.append({"kernel": spec.kernel, "constexprs": spec.consts_label(),
+                         "maxnreg": spec.options.get("maxnreg"),
                          "signature": spec.signature, "specialised_ints": spec.specialised_ints(),
                          "cases": spec.cases, **res})
             if progress is not None:
