@@ -70,6 +70,17 @@ def assert_same(a, b):
         torch.testing.assert_close(ga, gb, **tol)
 
 
+def assert_input_space_under_the_same_dropout(conv, x, ei, monkeypatch):
+    """Input space taken, and the projected path's results under the same seed
+    (both draw the same dropout mask)."""
+    torch.manual_seed(1)
+    got = run(conv, x, ei, input_space=True, monkeypatch=monkeypatch)
+    torch.manual_seed(1)
+    want = run(conv, x, ei, input_space=False, monkeypatch=monkeypatch)
+    assert not got[3]
+    assert_same(got, want)
+
+
 @pytest.mark.parametrize("backend", kernels())
 @pytest.mark.parametrize("concat", [True, False], ids=["concat", "mean"])
 @pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
@@ -129,12 +140,7 @@ def test_the_transformer_projects_first_where_its_value_bias_needs_projected_wei
         torch.manual_seed(1)
         assert run(conv, x, ei, input_space=True, monkeypatch=monkeypatch, **extra)[3], kw
     conv = make("TransformerConv", "fused", dropout=0.5, bias=False).train()
-    torch.manual_seed(1)
-    got = run(conv, x, ei, input_space=True, monkeypatch=monkeypatch)
-    torch.manual_seed(1)
-    want = run(conv, x, ei, input_space=False, monkeypatch=monkeypatch)
-    assert not got[3]
-    assert_same(got, want)
+    assert_input_space_under_the_same_dropout(conv, x, ei, monkeypatch)
 
 
 def test_gat_attention_dropout_and_explainer_masks_stay_in_input_space(monkeypatch):
@@ -142,12 +148,7 @@ def test_gat_attention_dropout_and_explainer_masks_stay_in_input_space(monkeypat
     the weights of a linear sum, so input space holds for both."""
     x, ei = torch.randn(N, F_IN, dtype=torch.float64), graph()
     conv = make("GATConv", "fused", dropout=0.5).train()
-    torch.manual_seed(1)
-    got = run(conv, x, ei, input_space=True, monkeypatch=monkeypatch)
-    torch.manual_seed(1)
-    want = run(conv, x, ei, input_space=False, monkeypatch=monkeypatch)
-    assert not got[3]
-    assert_same(got, want)
+    assert_input_space_under_the_same_dropout(conv, x, ei, monkeypatch)
 
     conv = make("GATConv", "torch").eval()
     conv.explain = True
