@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import _scores as S
 
 # Low-precision inputs are scored, normalised and accumulated in float32 and
 # cast back at the end: a bf16 sum over a hub's thousands of in-edges would
@@ -44,7 +46,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # Stage 1: the score of an edge. One type for the three layers: which formula
 # applies is ``kind``; every backend reads the same fields.
 # ---------------------------------------------------------------------------
-SCORE_KINDS = ("gat", "gatv2", "dot")
+SCORE_KINDS = tuple(S.KINDS)  # ("gat", "gatv2", "dot")
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,23 +133,15 @@ class EdgeScore:
         return replace(self, src=src, dst=dst, edge=edge, att=att)
 
     def edge_scores(self, src: Tensor, index: Tensor) -> Tensor:
-        """Stage 1, reference: ``e_ij`` for every edge, ``[E, H]``."""
+        """Stage 1, reference: ``e_ij`` for every edge, ``[E, H]``: the kind's formula
+        (:mod:`gatlib._scores`) over the gathered terms of each edge."""
+        s_j = self.src.index_select(0, src)
+        t_i = None if self.dst is None else self.dst.index_select(0, index)
         if self.kind == "gat":
-            e = self.src.index_select(0, src)  # [E, H]
-            if self.dst is not None:
-                e = e + self.dst.index_select(0, index)
-            if self.edge is not None:
-                e = e + self.edge
-            return F.leaky_relu(e, self.negative_slope)
+            return S.gat_edge(s_j, t_i, self.edge, self.negative_slope)
         if self.kind == "gatv2":
-            z = self.src.index_select(0, src) + self.dst.index_select(0, index)  # [E, H, C]
-            if self.edge is not None:
-                z = z + self.edge
-            return (F.leaky_relu(z, self.negative_slope) * self.att).sum(dim=-1)  # [E, H]
-        k = self.src.index_select(0, src)  # [E, H, C]
-        if self.edge is not None:
-            k = k + self.edge
-        return (self.dst.index_select(0, index) * k).sum(dim=-1) * self.scale  # [E, H]
+            return S.gatv2_edge(s_j, t_i, self.edge, self.att, self.negative_slope)
+        return S.dot_edge(s_j, t_i, self.edge, self.scale)
 
 
 def score_heads(kind: str, src: Tensor, dst: Optional[Tensor]) -> int:
@@ -159,7 +153,22 @@ def score_heads(kind: str, src: Tensor, dst: Optional[Tensor]) -> int:
 # ---------------------------------------------------------------------------
 # Stages 2 and 3, reference implementation (pure PyTorch).
 # ---------------------------------------------------------------------------
-def segment_softmax(score: Tensor, index: Tensor, num_segments: int) -> Tensor:
+def segment_reduce(x: Tensor, index: Tensor, num_segments: int, reduce: str) -> Tensor:
+    """The reference's segment reduction: ``out[i] = reduce_{k: index_k = i} x[k]``,
+    ``[num_segments, *]``, for ``reduce`` ``"amax"`` (``-inf`` where a segment is
+    empty) or ``"sum"`` (zero there). :func:`segment_softmax` and
+    :func:`segment_aggregate` take another implementation of it as
+    ``segment_reduce=`` (torch_scatter's, in the ``"scatter"`` backend)."""
+    shape = (num_segments,) + x.shape[1:]
+    if reduce == "amax":
+        idx = index.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
+        return x.new_full(shape, float("-inf")).scatter_reduce(0, idx, x, reduce="amax",
+                                                               include_self=True)
+    return x.new_zeros(shape).index_add_(0, index, x)
+
+
+def segment_softmax(score: Tensor, index: Tensor, num_segments: int, *,
+                    segment_reduce: Callable = segment_reduce) -> Tensor:
     r"""Softmax of ``score`` over the groups given by ``index``.
 
     :math:`\alpha_{ij} = \exp(e_{ij} - m_i) / \sum_{k:\,\mathrm{index}_k = i}
@@ -172,17 +181,16 @@ def segment_softmax(score: Tensor, index: Tensor, num_segments: int) -> Tensor:
         score: ``[E, *]`` scores (any trailing shape, e.g. ``[E, H]``).
         index: ``[E]`` int64 group (destination node) of each score.
         num_segments: number of groups ``N``; groups with no entry are fine.
+        segment_reduce: the segment max and sum (:func:`segment_reduce`'s signature).
 
     Returns:
         ``[E, *]`` attention weights in ``score``'s dtype, summing to one per group.
     """
     dtype = score.dtype
     s = score.to(_acc_dtype(dtype))
-    idx = index.view(-1, *([1] * (s.dim() - 1))).expand_as(s)
-    seg_max = s.new_full((num_segments,) + s.shape[1:], float("-inf"))
-    seg_max = seg_max.scatter_reduce(0, idx, s.detach(), reduce="amax", include_self=True)
+    seg_max = segment_reduce(s.detach(), index, num_segments, "amax")
     ex = (s - seg_max.index_select(0, index)).exp()  # [E, *], every entry <= 1
-    denom = s.new_zeros((num_segments,) + s.shape[1:]).index_add_(0, index, ex)
+    denom = segment_reduce(ex, index, num_segments, "sum")
     return (ex / denom.index_select(0, index)).to(dtype)
 
 
@@ -193,6 +201,8 @@ def segment_aggregate(
     index: Tensor,
     num_segments: int,
     value_edge: Optional[Tensor] = None,
+    *,
+    segment_reduce: Callable = segment_reduce,
 ) -> Tensor:
     r"""``out_i = sum_{j -> i} alpha_ij * (value_j + value_edge_ij)``.
 
@@ -203,6 +213,7 @@ def segment_aggregate(
         src, index: ``[E]`` source / destination of each edge.
         num_segments: number of destinations ``N_dst``.
         value_edge: optional ``[E, H, C]`` per-edge value term.
+        segment_reduce: the segment sum (:func:`segment_reduce`'s signature).
 
     Returns:
         ``[N_dst, H, C]`` in ``value``'s dtype (accumulated in float32 for
@@ -213,8 +224,7 @@ def segment_aggregate(
     if value_edge is not None:
         msg = msg + value_edge.to(acc)
     msg = msg * alpha.to(acc).unsqueeze(-1)
-    out = msg.new_zeros((num_segments,) + msg.shape[1:])
-    return out.index_add_(0, index, msg).to(value.dtype)
+    return segment_reduce(msg, index, num_segments, "sum").to(value.dtype)
 
 
 def combine_heads(out: Tensor, concat: bool) -> Tensor:

@@ -26,6 +26,7 @@ imports the kernels, never the other way round.
 from __future__ import annotations
 
 import abc
+import functools
 import importlib.util
 import os
 from typing import Dict, NamedTuple, Optional, Tuple, Union
@@ -134,7 +135,7 @@ class ReferenceKernel(Kernel):
     aggregate = staticmethod(_core.segment_aggregate)
 
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
-        if self.name == "torch":  # (the scatter kernel logs from its own stage)
+        if self.name == "torch":  # (the scatter kernel logs from its aggregation)
             _record.log(self.name)
         src, index = call.plan.coo()
         out, alpha = _core.reference_attention(call.score, call.value, src, index, call.plan.num_rows,
@@ -144,32 +145,23 @@ class ReferenceKernel(Kernel):
         return out, (alpha if call.need_alpha else None)
 
 
-def _scatter_softmax(score: Tensor, index: Tensor, num_segments: int) -> Tensor:
+def _torch_scatter_reduce(x: Tensor, index: Tensor, num_segments: int, reduce: str) -> Tensor:
+    """:func:`gatlib._core.segment_reduce` with torch_scatter's ``scatter`` (0, not
+    ``-inf``, in an empty segment's max: no edge reads it)."""
     from torch_scatter import scatter
 
-    dtype = score.dtype
-    s = score.to(_core._acc_dtype(dtype))
-    seg_max = scatter(s.detach(), index, 0, dim_size=num_segments, reduce="max")
-    ex = (s - seg_max.index_select(0, index)).exp()
-    denom = scatter(ex, index, 0, dim_size=num_segments, reduce="sum")
-    return (ex / denom.index_select(0, index)).to(dtype)
+    return scatter(x, index, 0, dim_size=num_segments, reduce="max" if reduce == "amax" else "sum")
 
 
-def _scatter_aggregate(alpha, value, src, index, num_segments, value_edge=None):
-    from torch_scatter import scatter
-
+def _scatter_aggregate(*args, **kwargs) -> Tensor:
+    """The reference's aggregation with torch_scatter's sum; logs the kernel (once
+    per call, from the code that runs torch_scatter)."""
     _record.log("scatter")
-
-    acc = _core._acc_dtype(value.dtype)
-    msg = value.to(acc).index_select(0, src)
-    if value_edge is not None:
-        msg = msg + value_edge.to(acc)
-    msg = msg * alpha.to(acc).unsqueeze(-1)
-    return scatter(msg, index, 0, dim_size=num_segments, reduce="sum").to(value.dtype)
+    return _core.segment_aggregate(*args, segment_reduce=_torch_scatter_reduce, **kwargs)
 
 
 class ScatterKernel(ReferenceKernel):
-    """Stages 2 and 3 with torch_scatter's scatter kernels, stage 1 as the reference."""
+    """The reference with torch_scatter's scatter kernels as its segment reductions."""
 
     name = "scatter"
 
@@ -187,7 +179,8 @@ class ScatterKernel(ReferenceKernel):
             return "torch_scatter's operators have no torch.func (functorch) rules"
         return None
 
-    softmax = staticmethod(_scatter_softmax)
+    softmax = staticmethod(functools.partial(_core.segment_softmax,
+                                             segment_reduce=_torch_scatter_reduce))
     aggregate = staticmethod(_scatter_aggregate)
 
 

@@ -15,7 +15,7 @@ passes (:mod:`gatlib._native`) over the plan's CSR and CSC, each reading one
 * GATv2's score ``att · leaky_relu(x_j + y_i)``, which does not factor into node
   terms, computed per edge inside its walk and again in backward;
 * what reads ``[E, H, C]`` edge features into the values or the dot score runs
-  over blocks of edges of :data:`_CHUNK_BYTES` with torch ops.
+  over blocks of edges of :data:`gatlib._blocks.CHUNK_BYTES` with torch ops.
 
 Per-edge tensors are ``[E, H]`` in the destination-sorted (CSR) edge order of
 the plan's :class:`~gatlib._plan.Layout`.
@@ -32,163 +32,33 @@ implementation of the same call instead, so second-order gradients are exact.
 Autocast is switched off inside: the kernel picks its own precision (float32
 accumulation for float16/bfloat16, as the reference does).
 
-The row passes run on ATen's intra-op threads; edge blocks run on one Python
-thread per intra-op thread with single-threaded ops (:func:`_for_blocks`); the
-kernel never changes a process-wide setting.
+The kernel in four modules, by job:
+
+* :mod:`gatlib._native` — the compiled row passes (``gatlib/csrc/fused_cpu.cpp``):
+  sparse products over the CSR/CSC, on ATen's intra-op threads;
+* :mod:`gatlib._blocks` — edge blocks and threads: what runs with torch ops over
+  blocks of CSR edges, one Python thread per intra-op thread
+  (:func:`gatlib._blocks.for_blocks`); nothing changes a process-wide setting;
+* :mod:`gatlib._scores` — stage 1 of each score kind, forward and backward,
+  beside the kind's reference formula;
+* this module — stages 2 and 3 (softmax and aggregation, shared by the kinds),
+  the two operators, their autograd and the entry point :func:`attention`.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from . import _blocks as B
 from . import _native, _record
 from ._core import EdgeScore, _acc_dtype, distinct_inputs, reference_grads, score_heads
 from ._plan import GraphPlan, Layout
-
-# Transient per-edge blocks ([chunk, H, C] in the compute dtype) stay this small:
-# large enough that Python overhead per block is noise, small enough to stay in
-# cache and under glibc's mmap threshold (see benchmarks/NOTES.md).
-_CHUNK_BYTES = 1 << 20
-# Below this many edges per thread, a second thread is not worth starting.
-_MIN_PART_EDGES = 4096
+from ._scores import KINDS
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-# ---------------------------------------------------------------------------
-# Edge blocks: GAT's [E, H] score terms and [E, H, C] edge features, in torch ops.
-# ---------------------------------------------------------------------------
-def _openmp_set_num_threads() -> Optional[Callable[[int], None]]:
-    """``omp_set_num_threads`` of the OpenMP runtime torch runs on, or ``None``.
-
-    It sets the *calling* thread's OpenMP thread count only (OpenMP's per-thread
-    ``nthreads-var``), unlike ``torch.set_num_threads``, which also changes a
-    process-wide default that every thread started later inherits.
-    """
-    import ctypes
-    import glob
-    import os
-
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    for pattern in ("libgomp*.so*", "libiomp5*", "libomp*"):
-        for path in sorted(glob.glob(os.path.join(lib, pattern))):
-            try:
-                return ctypes.CDLL(path).omp_set_num_threads
-            except (OSError, AttributeError):
-                continue
-    return None
-
-
-_OMP_SET_NUM_THREADS = _openmp_set_num_threads() if torch.backends.openmp.is_available() else None
-
-
-def _num_parts(lay: Layout) -> int:
-    """How many threads :func:`_for_blocks` splits the edges of ``lay`` over."""
-    if _OMP_SET_NUM_THREADS is None:
-        return 1
-    return max(1, min(torch.get_num_threads(), lay.num_edges // _MIN_PART_EDGES))
-
-
-def _block_edges(row_bytes: int) -> int:
-    """Edges per block of :func:`_for_blocks` for rows of ``row_bytes``."""
-    return max(1, _CHUNK_BYTES // max(1, row_bytes))
-
-
-def _one_block(lay: Layout, row_bytes: int) -> bool:
-    """Whether :func:`_for_blocks` runs ``lay``'s edges as one block on the calling
-    thread: ``E <= _block_edges(row_bytes)``, without its calls (asked ~5 times a call)."""
-    E = lay.src.numel()
-    return E <= 1 or E * row_bytes <= _CHUNK_BYTES
-
-
-def _for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None],
-                ptr: Optional[Tensor] = None) -> None:
-    """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges,
-    of about :data:`_CHUNK_BYTES` of ``row_bytes``-sized rows, without autograd.
-    With ``ptr=lay.csc_ptr`` the blocks are of CSC positions instead, and the
-    parts are split at source-row boundaries.
-
-    The edges are split at destination-row boundaries into one range per intra-op
-    thread (``torch.get_num_threads()``); each range runs on its own Python thread
-    (torch releases the GIL in its ops), block after block, with single-threaded
-    torch ops: that thread's OpenMP thread count is set to 1 through the OpenMP
-    runtime, which touches no other thread and no process-wide setting. One
-    OpenMP region per op and block instead would be thousands of regions a pass,
-    each waiting for every thread: GATv2 forward+backward on the arxiv-like graph
-    measured faster this way than with multi-threaded ops (benchmarks/NOTES.md,
-    v3). Parts never share a destination row, so ``fn`` may update rows of
-    ``[N_dst, ...]`` outputs in place; anything indexed by source needs one
-    accumulator per ``part``. Without a known OpenMP runtime, one part
-    runs on the calling thread.
-    """
-    E = lay.num_edges
-    if E == 0:
-        return
-    step = _block_edges(row_bytes)
-    if E <= step and not torch.is_grad_enabled():  # one block (every small graph)
-        fn(0, E, 0)
-        return
-    parts = 1 if E <= step else _num_parts(lay)
-    if parts == 1:
-        with torch.no_grad():
-            for e0 in range(0, E, step):
-                fn(e0, min(E, e0 + step), 0)
-        return
-    # part k starts at the first row boundary at or after k*E/parts
-    targets = torch.arange(parts + 1, dtype=torch.float64) * (E / parts)
-    ptr = lay.ptr if ptr is None else ptr
-    rows = torch.searchsorted(ptr.double(), targets)
-    bounds = ptr.long()[rows.clamp_(max=ptr.numel() - 1)].tolist()
-    bounds[0], bounds[-1] = 0, E
-    errors: List[BaseException] = []
-
-    def run(part: int) -> None:
-        try:
-            torch.get_num_threads()  # torch's own per-thread set-up first, then ours
-            _OMP_SET_NUM_THREADS(1)
-            with torch.no_grad():  # grad mode is per thread too: no graph from the workers
-                for e0 in range(bounds[part], bounds[part + 1], step):
-                    fn(e0, min(bounds[part + 1], e0 + step), part)
-        except BaseException as exc:  # re-raised on the calling thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(parts)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
-def _sum_(parts: List[Tensor]) -> Tensor:
-    """Sum of per-part accumulators, in place into the first."""
-    for t in parts[1:]:
-        parts[0] += t
-    return parts[0]
-
-
-def _add_row_sums(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
-    """``out[i] += sum of x over the edges of block [e0, e1) into i`` (rows may be partial)."""
-    if e0 == 0 and e1 == lay.num_edges:  # all of them: no row range to find
-        out.index_add_(0, lay.dst, x)
-        return
-    i0 = int(lay.dst[e0])
-    # the block's rows are few and adjacent: index_add_ into them stays in cache
-    # (measured faster than segment_reduce on edge blocks); with int64 indices:
-    # with int32 ones (a large layout's) index_add_ ran several times slower,
-    # conversion included (benchmarks/NOTES.md, "int32 indices in the edge blocks")
-    out[i0:int(lay.dst[e1 - 1]) + 1].index_add_(0, (lay.dst[e0:e1] - i0).long(), x)
-
-
-def _scatter_rows(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
-    """``out[perm[e]] = x[e - e0]``: a block in CSR order back to the edge-list order."""
-    out.index_copy_(0, lay.perm[e0:e1], x.to(out.dtype))
 
 
 # ---------------------------------------------------------------------------
@@ -196,28 +66,7 @@ def _scatter_rows(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None
 # ---------------------------------------------------------------------------
 def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
     """The softmax weights again from the scores ``e`` (consumed) and ``lse``."""
-    return _per_edge_(e, lse, lay, lambda eb, lb: eb.sub_(lb).exp_())
-
-
-def _per_edge_(x: Tensor, node: Tensor, lay: Layout, fn: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
-    """``x[e] = fn(x[e], node[dst[e]])`` in place for ``[E, H]`` ``x`` and ``[N_dst, H]``
-    ``node``, in edge blocks: the gathered ``node`` rows never exist whole."""
-    row_bytes = x.size(1) * x.element_size()
-    if _one_block(lay, row_bytes) and not torch.is_grad_enabled():  # all edges at once
-        fn(x, node.index_select(0, lay.dst))
-        return x
-
-    def block(e0, e1, part):
-        fn(x[e0:e1], node.index_select(0, lay.dst[e0:e1]))
-
-    _for_blocks(lay, row_bytes, block)
-    return x
-
-
-def _edge_weights(drop: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """The ``[E, H]`` multipliers as the row passes read them: contiguous, in the
-    compute dtype (a dropout mask built as ``bool * float`` is float32)."""
-    return None if drop is None else drop.to(dtype).contiguous()
+    return B.per_edge_(e, lse, lay, lambda eb, lb: eb.sub_(lb).exp_())
 
 
 def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], lay: Layout,
@@ -229,14 +78,14 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], lay: Layout,
             m_i      = max_j e_ij                                 # [H]
             alpha_ij = exp(e_ij - m_i) / sum_k exp(e_ik - m_i)    # in place of e
             out_i    = sum_j alpha_ij drop_ij v_j                 # one v row per edge
-        out_i += sum_j a_ij u_ij                                  # edge blocks of _CHUNK_BYTES
+        out_i += sum_j a_ij u_ij                                  # edge blocks of _blocks.CHUNK_BYTES
 
     ``e``, ``drop`` (``keep / (1 - p)``, times edge weights) ``[E, H]`` in CSR
     order; ``u`` ``[E, H, C]`` in edge-list order.
     Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])`` with
     ``lse_i = m_i + log sum_k exp(e_ik - m_i)`` (empty unless ``need_lse``).
     """
-    drop = _edge_weights(drop, v.dtype)
+    drop = B.edge_weights(drop, v.dtype)
     out, lse = _native.ops().softmax_aggregate(lay.ptr, lay.src, e, drop, v, need_lse)
     alpha = e
     if u is not None:
@@ -245,9 +94,9 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], lay: Layout,
 
         def block(e0, e1, part):
             ub = u.index_select(0, lay.perm[e0:e1]).to(out.dtype)  # [n, H, C]
-            _add_row_sums(out, ub.mul_(a[e0:e1, :, None]), lay, e0, e1)
+            B.add_row_sums(out, ub.mul_(a[e0:e1, :, None]), lay, e0, e1)
 
-        _for_blocks(lay, H * C * out.element_size(), block)
+        B.for_blocks(lay, H * C * out.element_size(), block)
     return out, alpha, lse
 
 
@@ -267,7 +116,7 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, lay, drop, need_v, 
     with ``a = alpha * drop``. Returns ``(de [E, H] CSR order, dv or None, du or
     None, ddrop or None)``.
     """
-    drop = _edge_weights(drop, alpha.dtype)
+    drop = B.edge_weights(drop, alpha.dtype)
     a = alpha if drop is None else alpha * drop  # [E, H]
     # [E, H] temporaries are few: at ogbn-products' scale each is 2 GB (H=4, float32)
     d_alpha = None if g_alpha is None else g_alpha.clone(memory_format=torch.contiguous_format)
@@ -286,9 +135,9 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, lay, drop, need_v, 
                 ub = u.index_select(0, lay.perm[e0:e1]).to(g.dtype)
                 dot[e0:e1] += torch.linalg.vecdot(g_e, ub)
                 if du is not None:
-                    _scatter_rows(du, g_e.mul_(a[e0:e1, :, None]), lay, e0, e1)
+                    B.scatter_rows(du, g_e.mul_(a[e0:e1, :, None]), lay, e0, e1)
 
-            _for_blocks(lay, H * C * g.element_size(), block)
+            B.for_blocks(lay, H * C * g.element_size(), block)
         if need_drop:
             d_drop = alpha * dot
         if drop is not None:
@@ -299,166 +148,6 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, lay, drop, need_v, 
     if d_alpha is None:
         return torch.zeros_like(alpha), dv, du, d_drop
     return _native.ops().softmax_backward(lay.ptr, alpha, d_alpha), dv, du, d_drop
-
-
-# ---------------------------------------------------------------------------
-# Stage 1: the score of each kind, forward and backward. Inputs are the
-# score's (src, dst, edge, att); per-edge inputs are in edge-list order.
-# ---------------------------------------------------------------------------
-def _gat_forward(s, t, w, att, lay, scale, slope) -> Tensor:
-    r"""GAT: ``e_ij = leaky_relu(z_ij)``, ``z_ij = s_j + t_i + w_ij`` from ``[*, H]``
-    node terms (gathers of ``[*, H]`` rows, CSR order), in edge blocks: the only
-    ``[E, H]`` tensor is the result."""
-    row_bytes = s.size(1) * s.element_size()
-    if _one_block(lay, row_bytes):
-        return F.leaky_relu_(_gat_z(s, t, w, lay, 0, lay.num_edges), slope)
-    e = s.new_empty(lay.num_edges, s.size(1))  # [E, H]
-
-    def block(e0, e1, part):
-        e[e0:e1] = F.leaky_relu_(_gat_z(s, t, w, lay, e0, e1), slope)
-
-    _for_blocks(lay, row_bytes, block)
-    return e
-
-
-def _gat_z(s, t, w, lay, e0, e1) -> Tensor:
-    """GAT's scores before the LeakyReLU, ``z_ij = s_j + t_i + w_ij`` ``[n, H]``, of
-    the CSR edges ``[e0, e1)`` of ``lay`` (``t``, ``w`` optional; ``w`` in
-    edge-list order)."""
-    src, dst, perm = lay.src, lay.dst, lay.perm
-    if e0 != 0 or e1 != src.numel():  # a block of the edges
-        src, dst, perm = src[e0:e1], dst[e0:e1], perm[e0:e1]
-    z = s.index_select(0, src)  # [n, H]
-    if t is not None:
-        z += t.index_select(0, dst)
-    if w is not None:
-        z += w.index_select(0, perm)
-    return z
-
-
-def _gat_backward(de, s, t, w, att, lay, scale, slope, need):
-    r"""With ``de_ij = dL/de_ij`` and ``z`` recomputed (cheap, ``[E, H]``)::
-
-        dz_ij = de_ij * (1 if z_ij > 0 else slope)
-        ds_j  = sum_i dz_ij                     # segment sum in CSC order
-        dt_i  = sum_j dz_ij                     # segment sum in CSR order
-        dw_ij = dz_ij                           # back to the edge-list order
-    """
-    row_bytes = de.size(1) * de.element_size()
-    if _one_block(lay, row_bytes):
-        dz = torch.ops.aten.leaky_relu_backward(de, _gat_z(s, t, w, lay, 0, lay.num_edges), slope,
-                                                False)
-    else:
-        dz = de  # [E, H], ours: overwritten block by block
-
-        def block(e0, e1, part):
-            dz[e0:e1] = torch.ops.aten.leaky_relu_backward(de[e0:e1], _gat_z(s, t, w, lay, e0, e1),
-                                                           slope, False)
-
-        _for_blocks(lay, row_bytes, block)
-    ds = dt = dw = None
-    if need[0]:  # each source's out-edges, walked in CSC order
-        ds = _native.ops().segment_sum(lay.csc_ptr, lay.csc_edge, dz)  # [N_src, H]
-    if need[1]:
-        dt = _native.ops().segment_sum(lay.ptr, lay.ptr.new_empty(0), dz)  # [N_dst, H]
-    if need[2]:
-        dw = torch.empty_like(dz).index_copy_(0, lay.perm, dz)
-    return ds, dt, dw, None
-
-
-def _edge_rows(w: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """``[E, H, C]`` edge features as the row passes read them: contiguous, in the
-    compute dtype (a copy only for half-precision or strided inputs)."""
-    return None if w is None else w.to(dtype).contiguous()
-
-
-def _gatv2_forward(x, y, w, att, lay, scale, slope) -> Tensor:
-    r"""GATv2: ``e_ij = att · leaky_relu(x_j + y_i + w_ij)``, per edge in one walk
-    of the CSR: the score does not factor into node terms, so ``z`` never exists
-    beyond one edge and is recomputed in backward."""
-    return _native.ops().gatv2_score(lay.ptr, lay.src, lay.perm, x, y, _edge_rows(w, x.dtype),
-                                     att.contiguous(), slope)  # [E, H]
-
-
-def _gatv2_backward(de, x, y, w, att, lay, scale, slope, need):
-    r"""Two walks, each recomputing ``z_ij = x_j + y_i + w_ij``::
-
-        dz_ij  = de_ij * att * (1 if z_ij > 0 else slope)      # [H, C] per edge
-        CSR walk (destinations i): dy_i = sum_j dz_ij,  dw_ij = dz_ij,
-                                   datt = sum_ij de_ij leaky_relu(z_ij)
-        CSC walk (sources j):      dx_j = sum_i dz_ij
-    """
-    ops, empty = _native.ops(), lay.ptr.new_empty(0)
-    w = _edge_rows(w, x.dtype)
-    att = att.contiguous()
-    de = de.contiguous()
-    dx = dy = dw = datt = None
-    if need[1] or need[2] or need[3]:
-        dy, dw, datt = ops.gatv2_grad(lay.ptr, lay.src, empty, lay.perm, y, x, w, att, de, slope,
-                                      need[2] and w is not None, need[3])
-    if need[0]:
-        dx = ops.gatv2_grad(lay.csc_ptr, lay.csc_dst, lay.csc_edge, lay.perm, x, y, w, att, de,
-                            slope, False, False)[0]
-    return (dx, dy if need[1] else None, dw if need[2] and w is not None else None,
-            datt if need[3] else None)
-
-
-def _dot_forward(k, q, w, att, lay, scale, slope) -> Tensor:
-    r"""Scaled dot product ``e_ij = scale * <q_i, k_j + w_ij>``::
-
-        e_ij  = scale * <q_i, k_j>              # one walk of the CSR, a k row per edge
-              + scale * <q_i, w_ij>             # edge blocks of _CHUNK_BYTES
-    """
-    e = _native.ops().sddmm(lay.ptr, lay.src, lay.ptr.new_empty(0), q, k, scale)  # [E, H]
-    if w is not None:
-        H, C = q.shape[1:]
-
-        def block(e0, e1, part):
-            q_e = q.index_select(0, lay.dst[e0:e1])  # [n, H, C]
-            u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)
-            e[e0:e1] += torch.linalg.vecdot(q_e, u).mul_(scale)
-
-        _for_blocks(lay, H * C * q.element_size(), block)
-    return e
-
-
-def _dot_backward(de, k, q, w, att, lay, scale, slope, need):
-    r"""With ``de_ij = dL/de_ij``::
-
-        dq_i  = scale * sum_j de_ij (k_j + w_ij)  # a walk of the CSR (+ edge blocks)
-        dk_j  = scale * sum_i de_ij q_i           # a walk of the CSC
-        dw_ij = scale * de_ij q_i                 # [E, H, C] because w is
-    """
-    ops = _native.ops()
-    ds = de * scale  # [E, H]
-    # [N_src, H, C], or [N_src, 1, C] summed over heads where the key has one shared head
-    dk = (ops.spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, ds, q, k.size(1) != q.size(1))
-          if need[0] else None)
-    dq = ops.spmm(lay.ptr, lay.src, lay.ptr.new_empty(0), ds, k) if need[1] else None  # [N_dst, H, C]
-    dw = None
-    if w is not None and (dq is not None or need[2]):
-        H, C = q.shape[1:]
-        dw = torch.empty_like(w) if need[2] else None
-
-        def block(e0, e1, part):
-            d = ds[e0:e1, :, None]  # [n, H, 1]
-            if dq is not None:
-                u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)
-                _add_row_sums(dq, u.mul_(d), lay, e0, e1)
-            if dw is not None:
-                _scatter_rows(dw, q.index_select(0, lay.dst[e0:e1]).mul_(d), lay, e0, e1)
-
-        _for_blocks(lay, H * C * q.element_size(), block)
-    return dk, dq, dw, None
-
-
-# score kind -> (forward, backward): read from the score, no isinstance chain
-_SCORES = {
-    "gat": (_gat_forward, _gat_backward),
-    "gatv2": (_gatv2_forward, _gatv2_backward),
-    "dot": (_dot_forward, _dot_backward),
-}
-
 
 # ---------------------------------------------------------------------------
 # The operators: forward and backward of one call, and their autograd.
@@ -496,7 +185,7 @@ def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: O
         alpha_ij = exp(e_ij - lse_i),  lse_i = log sum_j exp(e_ij) # stage 2
         out_i    = sum_j alpha_ij drop_ij (v_j + u_ij)             # stage 3
 
-    (the stages: ``_gat_forward``, ``_gatv2_forward``, ``_dot_forward``, then
+    (the stages: the kind's ``cpu_forward`` in :mod:`gatlib._scores`, then
     :func:`_softmax_aggregate`). Inputs in the compute dtype: the score's
     tensors (``s_edge`` in edge-list order), ``value [N_src, H, C]`` (or
     ``[N_src, 1, C]``, shared by the heads), ``value_edge [E, H, C]`` (edge-list order) and ``drop [E, H]`` (CSR order:
@@ -507,7 +196,7 @@ def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: O
     _record.log("fused")
     lay = _layout_of(layout, num_src)
     with _no_autocast():
-        e = _SCORES[kind][0](s_src, s_dst, s_edge, s_att, lay, scale, slope)  # [E, H]
+        e = KINDS[kind].cpu_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)  # [E, H]
         return _softmax_aggregate(e, value, value_edge, lay, drop, keep_lse)
 
 
@@ -534,7 +223,7 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
         dalpha_ij = drop_ij <g_i, v_j + u_ij> + ga_ij
         de_ij     = alpha_ij (dalpha_ij - sum_k alpha_ik dalpha_ik)   # softmax gradient
         dv_j = sum_i alpha_ij drop_ij g_i;  du_ij = alpha_ij drop_ij g_i
-        then de through the score's backward (``_gat_backward``, ...)
+        then de through the kind's ``cpu_backward`` (:mod:`gatlib._scores`)
 
     (:func:`_softmax_aggregate_backward` has each step). ``saved`` is ``alpha``,
     or ``lse`` where ``recompute``; ``kept_layout`` what :func:`_kept_layout` kept
@@ -546,13 +235,13 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
     with _no_autocast():
         alpha = saved
         if recompute:
-            e = _gat_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)
+            e = KINDS["gat"].cpu_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)
             alpha = _recomputed_alpha(e, saved, lay)
         de, dv, du, d_drop = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
                                                          lay, drop, need[4], need[5], need[6])
         score_grads = (None,) * 4
         if any(need[:4]):
-            score_grads = _SCORES[kind][1](de, s_src, s_dst, s_edge, s_att, lay, scale, slope,
+            score_grads = KINDS[kind].cpu_backward(de, s_src, s_dst, s_edge, s_att, lay, scale, slope,
                                            need[:4])
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge, drop)
     # what was asked for and is zero (no gradient flowed to it) as zeros, what was

@@ -60,6 +60,7 @@ from torch_geometric.utils import add_self_loops as _add_self_loops
 from torch_geometric.utils import remove_self_loops as _remove_self_loops
 
 from . import _adjacency as A
+from . import _scores as S
 from . import _validate as V
 from ._core import EdgeScore, combine_heads, segment_softmax
 from ._dispatch import attend_planned, check_backend_name
@@ -249,58 +250,6 @@ class _AttentionConv(MessagePassing):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
-
-
-def _projected_scores(x: Tensor, lin: Linear, att: Tensor, h: Optional[Tensor] = None) -> Tensor:
-    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``.
-
-    Computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
-    (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
-    an ``[N, H, C]`` projection reduced over ``C`` — whole passes over an
-    ``[N, H, C]`` tensor forward and backward, a large part of GATConv's time on
-    the arxiv-like graph (benchmarks/NOTES.md, v3) — and edge features never
-    become ``[E, H, C]``. Where the projection ``h = W x`` exists anyway and is
-    narrower than ``x`` (``H*C < F``: Cora's 1,433 features), reducing
-    ``h`` is the cheaper side: the fold's backward would write another ``[N, F]``
-    input gradient. On small inputs (:data:`FOLD_MIN_ENTRIES`) reducing ``h`` is
-    also cheaper: the fold's few extra ops cost more than they save there."""
-    H, C = att.shape[1:]
-    if h is not None and not _folds(x, H, C):  # (no h: input-space aggregation, see _input_space)
-        return (h * att).sum(-1)
-    w = (lin.weight.view(H, C, -1) * att.view(H, C, 1)).sum(1)  # [H, F]
-    return x @ w.t()
-
-
-def _folds(x: Tensor, heads: int, channels: int) -> bool:
-    """Whether the attention vectors are folded into the weights for input ``x``
-    (see :func:`_projected_scores`): where the projection is no narrower than ``x``
-    and has at least :data:`FOLD_MIN_ENTRIES` entries."""
-    return heads * channels >= x.size(-1) and x.size(0) * heads * channels >= FOLD_MIN_ENTRIES
-
-
-# Below this many projected entries (N*H*C) GATConv reduces the projection
-# instead of folding: on forward+backward of one GATConv (H=4, C=64, 128 features)
-# over NeighborLoader subgraphs, reducing measured faster up to 858 nodes and
-# folding from 6,098 nodes on (benchmarks/NOTES.md, "Second round").
-FOLD_MIN_ENTRIES = 1 << 18
-
-
-def _projected_score_pair(x: Tensor, lin: Linear, att_a: Tensor, att_b: Tensor,
-                          h: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """:func:`_projected_scores` of one ``x`` for two attention vectors: with the
-    fold, one ``[N, F] @ [F, 2H]`` product (and one input gradient in backward)
-    instead of two. Returns two ``[N, H]``."""
-    H, C = att_a.shape[1:]
-    if h is not None and not _folds(x, H, C):
-        # both as one [2, N, H] (each half contiguous, as the kernels take them): one
-        # product and one reduction, forward and per input in backward, not two
-        # (a Cora-sized GAT step: 6 fewer kernel launches; benchmarks/NOTES.md,
-        # "Launches per call and per step")
-        att = torch.cat([att_a, att_b])  # [2, H, C]
-        return (h.unsqueeze(0) * att.unsqueeze(1)).sum(-1).unbind(0)
-    att = torch.stack([att_a, att_b]).view(2, H, C, 1)
-    w = (lin.weight.view(1, H, C, -1) * att).sum(2)  # [2, H, F]
-    return (x @ w.view(2 * H, -1).t()).split(H, dim=1)
 
 
 def _input_space(x: Tensor, lin: Linear, channels: int) -> bool:
@@ -506,14 +455,15 @@ class GATConv(_AttentionConv):
             lin_dst(x_dst)  # lazy in_channels: let the layer take its shape
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
-        # and a_edge·W_e e_ij one [E, H] term per edge (see _projected_scores).
+        # and a_edge·W_e e_ij one [E, H] term per edge (see gatlib._scores.gat_node_terms).
         a_dst = None
         if x_dst is x_src and lin_dst is lin_src:  # one x under one weight: both terms at once
-            a_src, a_dst = _projected_score_pair(x_src, lin_src, self.att_src, self.att_dst, h_src)
+            a_src, a_dst = S.gat_node_term_pair(x_src, lin_src.weight, self.att_src, self.att_dst,
+                                                  h_src)
         else:
-            a_src = _projected_scores(x_src, lin_src, self.att_src, h_src)  # [N_s, H]
+            a_src = S.gat_node_terms(x_src, lin_src.weight, self.att_src, h_src)  # [N_s, H]
             if x_dst is not None:
-                a_dst = _projected_scores(x_dst, lin_dst, self.att_dst)  # [N_t, H]
+                a_dst = S.gat_node_terms(x_dst, lin_dst.weight, self.att_dst)  # [N_t, H]
         if propagate:  # PyG's flow: edge_update, then message per edge
             if self.value_dropout > 0.0:
                 h_src = F.dropout(h_src, self.value_dropout, self.training)
@@ -530,7 +480,7 @@ class GATConv(_AttentionConv):
         else:
             a_edge = None
             if self.lin_edge is not None:
-                a_edge = _projected_scores(edge_attr, self.lin_edge, self.att_edge)  # [E, H]
+                a_edge = S.gat_node_terms(edge_attr, self.lin_edge.weight, self.att_edge)  # [E, H]
             score = EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope)
             if in_space:  # every head aggregates x_j [N_s, 1, F]; then W_h per head
                 agg, alpha = self._attend(score, x_src.unsqueeze(1), plan, return_attention_weights,
@@ -549,11 +499,11 @@ class GATConv(_AttentionConv):
     # _AttentionConv): the same computation as the attention core, edge by edge.
     def edge_update(self, alpha_j: Tensor, alpha_i: Optional[Tensor], edge_attr: Optional[Tensor],
                     index: Tensor, ptr: Optional[Tensor], dim_size: Optional[int]) -> Tensor:
-        alpha = alpha_j if alpha_i is None else alpha_j + alpha_i
+        a_edge = None
         if edge_attr is not None and self.lin_edge is not None:
-            alpha = alpha + _projected_scores(edge_attr.view(edge_attr.size(0), -1), self.lin_edge,
-                                              self.att_edge)
-        alpha = F.leaky_relu(alpha, self.negative_slope)
+            a_edge = S.gat_node_terms(edge_attr.view(edge_attr.size(0), -1), self.lin_edge.weight,
+                                      self.att_edge)
+        alpha = S.gat_edge(alpha_j, alpha_i, a_edge, self.negative_slope)
         alpha = segment_softmax(alpha, index, dim_size)
         return F.dropout(alpha, p=self.dropout, training=self.training)
 
@@ -718,12 +668,12 @@ class GATv2Conv(_AttentionConv):
     # _AttentionConv): the same computation as the attention core, edge by edge.
     def edge_update(self, x_j: Tensor, x_i: Tensor, edge_attr: Optional[Tensor], index: Tensor,
                     ptr: Optional[Tensor], dim_size: Optional[int]) -> Tensor:
-        x = x_i + x_j
+        h_edge = None
         if edge_attr is not None and self.lin_edge is not None:
-            x = x + self.lin_edge(edge_attr.view(edge_attr.size(0), -1)).view(-1, self.heads,
-                                                                               self.out_channels)
-        x = F.leaky_relu(x, self.negative_slope)
-        alpha = (x * self.att).sum(dim=-1)
+            h_edge = self.lin_edge(edge_attr.view(edge_attr.size(0), -1)).view(-1, self.heads,
+                                                                                self.out_channels)
+        alpha = S.gatv2_edge(x_j, x_i, h_edge, self.att.view(self.heads, self.out_channels),
+                             self.negative_slope)
         alpha = segment_softmax(alpha, index, dim_size)
         return F.dropout(alpha, p=self.dropout, training=self.training)
 
@@ -928,10 +878,10 @@ class TransformerConv(_AttentionConv):
                 edge_attr: Optional[Tensor], index: Tensor, ptr: Optional[Tensor],
                 size_i: Optional[int]) -> Tensor:
         H, C = self.heads, self.out_channels
+        key_edge = None
         if edge_attr is not None and self.lin_edge is not None:
-            edge_attr = self.lin_edge(edge_attr.view(edge_attr.size(0), -1)).view(-1, H, C)
-            key_j = key_j + edge_attr
-        alpha = (query_i * key_j).sum(dim=-1) / math.sqrt(C)
+            edge_attr = key_edge = self.lin_edge(edge_attr.view(edge_attr.size(0), -1)).view(-1, H, C)
+        alpha = S.dot_edge(key_j, query_i, key_edge, 1.0 / math.sqrt(C))
         alpha = segment_softmax(alpha, index, size_i)
         self._alpha = alpha  # PyG's TransformerConv keeps it here; forward takes it back
         alpha = F.dropout(alpha, p=self.dropout, training=self.training)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import gatlib
+from gatlib import _blocks
 from gatlib import _fused_cpu as fc
 from gatlib import _plan
 from gatlib import graph_attention
@@ -31,8 +32,8 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(_plan, "SMALL_EDGES", 0)
         monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)  # GAT recomputes alpha
     if mode == "tiny_blocks":
-        monkeypatch.setattr(fc, "_CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
-        monkeypatch.setattr(fc, "_MIN_PART_EDGES", 4)  # and rows split over threads
+        monkeypatch.setattr(_blocks, "CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
+        monkeypatch.setattr(_blocks, "MIN_PART_EDGES", 4)  # and rows split over threads
     return mode
 
 

@@ -85,11 +85,11 @@ GAT_GRID = list(itertools.product(
 def test_gatconv_parity(heads, concat, loops, edge_dim, bipartite, residual, fold, monkeypatch):
     """Also with the attention vectors folded into the weights (which these small
     inputs would not get: FOLD_MIN_ENTRIES), checking which way each score ran."""
-    from gatlib import layers
+    from gatlib import _scores as S
 
-    real, folded = layers._folds, []
-    monkeypatch.setattr(layers, "FOLD_MIN_ENTRIES", 0 if fold else layers.FOLD_MIN_ENTRIES)
-    monkeypatch.setattr(layers, "_folds", lambda *a: folded.append(real(*a)) or folded[-1])
+    real, folded = S.folds, []
+    monkeypatch.setattr(S, "FOLD_MIN_ENTRIES", 0 if fold else S.FOLD_MIN_ENTRIES)
+    monkeypatch.setattr(S, "folds", lambda *a: folded.append(real(*a)) or folded[-1])
     x, in_ch, ei, ea = inputs(bipartite, edge_dim)
     kw = dict(heads=heads, concat=concat, add_self_loops=loops, edge_dim=edge_dim,
               residual=residual, negative_slope=0.1, dropout=0.3)

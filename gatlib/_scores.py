@@ -1,0 +1,303 @@
+r"""Stage 1 of the attention core, the score ``e_ij`` of an edge ``j -> i``: each
+kind's formula, its gradient and its fused CPU passes, in one place.
+
+For each kind — GAT, GATv2 and the graph Transformer's scaled dot product — a
+section below holds:
+
+* the **reference formula** over the terms of a batch of edges
+  (:func:`gat_edge`, :func:`gatv2_edge`, :func:`dot_edge`): the
+  specification. :meth:`gatlib._core.EdgeScore.edge_scores` gathers every
+  edge's terms and calls it, and so do the layers' ``edge_update``/``message``
+  (PyG's ``propagate`` flow) on the terms ``MessagePassing`` gathered; its
+  gradient is autograd's;
+* the fused CPU kernel's **forward and backward** of the score
+  (``*_cpu_forward``/``*_cpu_backward``, the gradient as pseudo-code in the
+  docstring) over the plan's CSR edges, in edge blocks or compiled row passes;
+* for GAT, the **per-node terms** ``a·Wh`` (``a^T[Wh_i || Wh_j]`` splits into
+  one term per node: :func:`gat_node_terms`).
+
+Two implementations of the same formulas cannot call Python and point here
+instead: the Triton kernels' ``_score`` (:mod:`gatlib._triton`) and the compiled
+row passes of ``gatlib/csrc/fused_cpu.cpp`` (``gatv2_edge``, ``sddmm``). Tests
+hold every backend to the reference formula (``tests/test_core.py``,
+``tests/test_fused_cpu.py``, ``tests/test_triton.py``).
+
+Names: ``s``/``x``/``k`` the per-source term, ``t``/``y``/``q`` the
+per-destination term, ``w`` the per-edge term (edge-list order), ``att``
+GATv2's attention vector; ``lay`` the plan's :class:`~gatlib._plan.Layout`.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _blocks as B
+from . import _native
+if TYPE_CHECKING:  # (annotations only: the module needs nothing from the plan)
+    from ._plan import Layout
+
+
+# ---------------------------------------------------------------------------
+# GAT (Veličković et al. 2018): e_ij = LeakyReLU(s_j + t_i + w_ij), with
+# s_j = a_src·Wh_j, t_i = a_dst·Wh_i, w_ij = a_edge·W_e e_ij.
+# ---------------------------------------------------------------------------
+def gat_edge(s_j: Tensor, t_i: Optional[Tensor], w: Optional[Tensor], negative_slope: float,
+             inplace: bool = False) -> Tensor:
+    """GAT's score of a batch of edges from their ``[n, H]`` terms (``t_i``, ``w``
+    optional). ``inplace``: ``s_j`` is the caller's to overwrite (a fresh gather)."""
+    z = s_j
+    for term in (t_i, w):
+        if term is not None:
+            z = z.add_(term) if inplace else z + term
+    return F.leaky_relu(z, negative_slope, inplace)
+
+
+def gat_edge_backward(de: Tensor, z: Tensor, negative_slope: float) -> Tensor:
+    """``dL/dz`` of :func:`gat_edge` from ``de = dL/de`` and the pre-activation
+    ``z = s_j + t_i + w_ij``: ``de`` where ``z > 0``, else ``negative_slope * de``."""
+    return torch.ops.aten.leaky_relu_backward(de, z, negative_slope, False)
+
+
+def gat_node_terms(x: Tensor, weight: Tensor, att: Tensor, h: Optional[Tensor] = None) -> Tensor:
+    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``.
+
+    Computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
+    (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
+    an ``[N, H, C]`` projection reduced over ``C`` — whole passes over an
+    ``[N, H, C]`` tensor forward and backward, a large part of GATConv's time on
+    the arxiv-like graph (benchmarks/NOTES.md, v3) — and edge features never
+    become ``[E, H, C]``. Where the projection ``h = W x`` exists anyway and is
+    narrower than ``x`` (``H*C < F``: Cora's 1,433 features), reducing
+    ``h`` is the cheaper side: the fold's backward would write another ``[N, F]``
+    input gradient. On small inputs (:data:`FOLD_MIN_ENTRIES`) reducing ``h`` is
+    also cheaper: the fold's few extra ops cost more than they save there."""
+    H, C = att.shape[1:]
+    if h is not None and not folds(x, H, C):  # (no h: input-space aggregation, gatlib.layers)
+        return (h * att).sum(-1)
+    w = (weight.view(H, C, -1) * att.view(H, C, 1)).sum(1)  # [H, F]
+    return x @ w.t()
+
+
+def gat_node_term_pair(x: Tensor, weight: Tensor, att_a: Tensor, att_b: Tensor,
+                       h: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """:func:`gat_node_terms` of one ``x`` for two attention vectors: with the
+    fold, one ``[N, F] @ [F, 2H]`` product (and one input gradient in backward)
+    instead of two. Returns two ``[N, H]``."""
+    H, C = att_a.shape[1:]
+    if h is not None and not folds(x, H, C):
+        # both as one [2, N, H] (each half contiguous, as the kernels take them): one
+        # product and one reduction, forward and per input in backward, not two
+        # (a Cora-sized GAT step: 6 fewer kernel launches; benchmarks/NOTES.md,
+        # "Launches per call and per step")
+        att = torch.cat([att_a, att_b])  # [2, H, C]
+        return (h.unsqueeze(0) * att.unsqueeze(1)).sum(-1).unbind(0)
+    att = torch.stack([att_a, att_b]).view(2, H, C, 1)
+    w = (weight.view(1, H, C, -1) * att).sum(2)  # [2, H, F]
+    return (x @ w.view(2 * H, -1).t()).split(H, dim=1)
+
+
+def folds(x: Tensor, heads: int, channels: int) -> bool:
+    """Whether the attention vectors are folded into the weights for input ``x``
+    (see :func:`gat_node_terms`): where the projection is no narrower than ``x``
+    and has at least :data:`FOLD_MIN_ENTRIES` entries."""
+    return heads * channels >= x.size(-1) and x.size(0) * heads * channels >= FOLD_MIN_ENTRIES
+
+
+# Below this many projected entries (N*H*C) GATConv reduces the projection
+# instead of folding: on forward+backward of one GATConv (H=4, C=64, 128 features)
+# over NeighborLoader subgraphs, reducing measured faster up to 858 nodes and
+# folding from 6,098 nodes on (benchmarks/NOTES.md, "Second round").
+FOLD_MIN_ENTRIES = 1 << 18
+
+
+def _gat_terms(s, t, w, lay: Layout, e0: int, e1: int):
+    """``(s_j, t_i, w_ij)`` of the CSR edges ``[e0, e1)`` of ``lay`` (fresh
+    gathers; ``t``, ``w`` optional, ``w`` in edge-list order)."""
+    src, dst, perm = lay.src, lay.dst, lay.perm
+    if e0 != 0 or e1 != src.numel():  # a block of the edges
+        src, dst, perm = src[e0:e1], dst[e0:e1], perm[e0:e1]
+    return (s.index_select(0, src), None if t is None else t.index_select(0, dst),
+            None if w is None else w.index_select(0, perm))
+
+
+def _gat_z(s, t, w, lay: Layout, e0: int, e1: int) -> Tensor:
+    """The pre-activation ``z = s_j + t_i + w_ij`` ``[n, H]`` of CSR edges ``[e0, e1)``."""
+    z, *terms = _gat_terms(s, t, w, lay, e0, e1)
+    for term in terms:
+        if term is not None:
+            z += term
+    return z
+
+
+def gat_cpu_forward(s, t, w, att, lay: Layout, scale, slope) -> Tensor:
+    r""":func:`gat_edge` of every CSR edge, from ``[*, H]`` node terms, in edge
+    blocks: the only ``[E, H]`` tensor is the result."""
+    row_bytes = s.size(1) * s.element_size()
+    if B.one_block(lay, row_bytes):
+        return gat_edge(*_gat_terms(s, t, w, lay, 0, lay.num_edges), slope, inplace=True)
+    e = s.new_empty(lay.num_edges, s.size(1))  # [E, H]
+
+    def block(e0, e1, part):
+        e[e0:e1] = gat_edge(*_gat_terms(s, t, w, lay, e0, e1), slope, inplace=True)
+
+    B.for_blocks(lay, row_bytes, block)
+    return e
+
+
+def gat_cpu_backward(de, s, t, w, att, lay: Layout, scale, slope, need):
+    r"""With ``de_ij = dL/de_ij`` and ``z`` recomputed (cheap, ``[E, H]``)::
+
+        dz_ij = de_ij * (1 if z_ij > 0 else slope)   # gat_edge_backward
+        ds_j  = sum_i dz_ij                     # segment sum in CSC order
+        dt_i  = sum_j dz_ij                     # segment sum in CSR order
+        dw_ij = dz_ij                           # back to the edge-list order
+    """
+    row_bytes = de.size(1) * de.element_size()
+    if B.one_block(lay, row_bytes):
+        dz = gat_edge_backward(de, _gat_z(s, t, w, lay, 0, lay.num_edges), slope)
+    else:
+        dz = de  # [E, H], ours: overwritten block by block
+
+        def block(e0, e1, part):
+            dz[e0:e1] = gat_edge_backward(de[e0:e1], _gat_z(s, t, w, lay, e0, e1), slope)
+
+        B.for_blocks(lay, row_bytes, block)
+    ds = dt = dw = None
+    if need[0]:  # each source's out-edges, walked in CSC order
+        ds = _native.ops().segment_sum(lay.csc_ptr, lay.csc_edge, dz)  # [N_src, H]
+    if need[1]:
+        dt = _native.ops().segment_sum(lay.ptr, lay.ptr.new_empty(0), dz)  # [N_dst, H]
+    if need[2]:
+        dw = torch.empty_like(dz).index_copy_(0, lay.perm, dz)
+    return ds, dt, dw, None
+
+
+# ---------------------------------------------------------------------------
+# GATv2 (Brody et al. 2022): e_ij = att · LeakyReLU(x_j + y_i + w_ij), with
+# [*, H, C] terms: the non-linearity sits before att, so the score does not
+# split into per-node terms. The compiled passes (fused_cpu.cpp's gatv2_edge,
+# gatv2_grad) compute it per edge, one edge's z at a time.
+# ---------------------------------------------------------------------------
+def gatv2_edge(x_j: Tensor, y_i: Tensor, w: Optional[Tensor], att: Tensor,
+               negative_slope: float) -> Tensor:
+    """GATv2's score of a batch of edges from their ``[n, H, C]`` terms (``w``
+    optional) and ``att`` ``[H, C]``: ``[n, H]``."""
+    z = x_j + y_i
+    if w is not None:
+        z = z + w
+    return (F.leaky_relu(z, negative_slope) * att).sum(dim=-1)
+
+
+def gatv2_cpu_forward(x, y, w, att, lay: Layout, scale, slope) -> Tensor:
+    r""":func:`gatv2_edge` of every CSR edge in one walk of the CSR (a compiled
+    pass): ``z`` never exists beyond one edge and is recomputed in backward."""
+    return _native.ops().gatv2_score(lay.ptr, lay.src, lay.perm, x, y, B.edge_rows(w, x.dtype),
+                                     att.contiguous(), slope)  # [E, H]
+
+
+def gatv2_cpu_backward(de, x, y, w, att, lay: Layout, scale, slope, need):
+    r"""Two walks, each recomputing ``z_ij = x_j + y_i + w_ij``::
+
+        dz_ij  = de_ij * att * (1 if z_ij > 0 else slope)      # [H, C] per edge
+        CSR walk (destinations i): dy_i = sum_j dz_ij,  dw_ij = dz_ij,
+                                   datt = sum_ij de_ij leaky_relu(z_ij)
+        CSC walk (sources j):      dx_j = sum_i dz_ij
+    """
+    ops, empty = _native.ops(), lay.ptr.new_empty(0)
+    w = B.edge_rows(w, x.dtype)
+    att = att.contiguous()
+    de = de.contiguous()
+    dx = dy = dw = datt = None
+    if need[1] or need[2] or need[3]:
+        dy, dw, datt = ops.gatv2_grad(lay.ptr, lay.src, empty, lay.perm, y, x, w, att, de, slope,
+                                      need[2] and w is not None, need[3])
+    if need[0]:
+        dx = ops.gatv2_grad(lay.csc_ptr, lay.csc_dst, lay.csc_edge, lay.perm, x, y, w, att, de,
+                            slope, False, False)[0]
+    return (dx, dy if need[1] else None, dw if need[2] and w is not None else None,
+            datt if need[3] else None)
+
+
+# ---------------------------------------------------------------------------
+# Scaled dot product (Vaswani et al. 2017; Shi et al. 2021 on graphs):
+# e_ij = scale * <q_i, k_j + w_ij>. The compiled sddmm pass computes the
+# <q_i, k_j> part per CSR row.
+# ---------------------------------------------------------------------------
+def dot_edge(k_j: Tensor, q_i: Tensor, w: Optional[Tensor], scale: float) -> Tensor:
+    """The dot-product score of a batch of edges from their ``[n, H, C]`` key and
+    query terms (``w`` optional; a key may have one head ``[n, 1, C]`` that every
+    query head shares): ``[n, H]``."""
+    if w is not None:
+        k_j = k_j + w
+    return (q_i * k_j).sum(dim=-1) * scale
+
+
+def dot_cpu_forward(k, q, w, att, lay: Layout, scale, slope) -> Tensor:
+    r""":func:`dot_edge` of every CSR edge::
+
+        e_ij  = scale * <q_i, k_j>              # one walk of the CSR, a k row per edge
+              + scale * <q_i, w_ij>             # edge blocks of CHUNK_BYTES
+    """
+    e = _native.ops().sddmm(lay.ptr, lay.src, lay.ptr.new_empty(0), q, k, scale)  # [E, H]
+    if w is not None:
+        H, C = q.shape[1:]
+
+        def block(e0, e1, part):
+            q_e = q.index_select(0, lay.dst[e0:e1])  # [n, H, C]
+            u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)
+            e[e0:e1] += dot_edge(u, q_e, None, scale)
+
+        B.for_blocks(lay, H * C * q.element_size(), block)
+    return e
+
+
+def dot_cpu_backward(de, k, q, w, att, lay: Layout, scale, slope, need):
+    r"""With ``de_ij = dL/de_ij``::
+
+        dq_i  = scale * sum_j de_ij (k_j + w_ij)  # a walk of the CSR (+ edge blocks)
+        dk_j  = scale * sum_i de_ij q_i           # a walk of the CSC
+        dw_ij = scale * de_ij q_i                 # [E, H, C] because w is
+    """
+    ops = _native.ops()
+    ds = de * scale  # [E, H]
+    # [N_src, H, C], or [N_src, 1, C] summed over heads where the key has one shared head
+    dk = (ops.spmm(lay.csc_ptr, lay.csc_dst, lay.csc_edge, ds, q, k.size(1) != q.size(1))
+          if need[0] else None)
+    dq = ops.spmm(lay.ptr, lay.src, lay.ptr.new_empty(0), ds, k) if need[1] else None  # [N_dst, H, C]
+    dw = None
+    if w is not None and (dq is not None or need[2]):
+        H, C = q.shape[1:]
+        dw = torch.empty_like(w) if need[2] else None
+
+        def block(e0, e1, part):
+            d = ds[e0:e1, :, None]  # [n, H, 1]
+            if dq is not None:
+                u = w.index_select(0, lay.perm[e0:e1]).to(q.dtype)
+                B.add_row_sums(dq, u.mul_(d), lay, e0, e1)
+            if dw is not None:
+                B.scatter_rows(dw, q.index_select(0, lay.dst[e0:e1]).mul_(d), lay, e0, e1)
+
+        B.for_blocks(lay, H * C * q.element_size(), block)
+    return dk, dq, dw, None
+
+
+# ---------------------------------------------------------------------------
+# The kinds, read from EdgeScore.kind (no isinstance chain).
+# ---------------------------------------------------------------------------
+class ScoreKind(NamedTuple):
+    """One kind's fused CPU forward ``(src, dst, edge, att, lay, scale, slope) ->
+    e [E, H]`` (CSR order) and backward ``(de, src, dst, edge, att, lay, scale,
+    slope, need) -> (dsrc, ddst, dedge, datt)``."""
+
+    cpu_forward: Callable
+    cpu_backward: Callable
+
+
+KINDS = {
+    "gat": ScoreKind(gat_cpu_forward, gat_cpu_backward),
+    "gatv2": ScoreKind(gatv2_cpu_forward, gatv2_cpu_backward),
+    "dot": ScoreKind(dot_cpu_forward, dot_cpu_backward),
+}
