@@ -42,6 +42,22 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
+def promoted_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """The dtype the given tensors (``None`` skipped) promote to: a score's is the
+    dtype of its attention weights."""
+    out = None
+    for t in tensors:
+        if t is not None:
+            out = t.dtype if out is None else torch.promote_types(out, t.dtype)
+    return out
+
+
+def acc_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """What every backend scores, normalises and accumulates the tensors of one
+    call in: their promoted dtype, float32 for float16/bfloat16."""
+    return _acc_dtype(promoted_dtype(*tensors))
+
+
 # ---------------------------------------------------------------------------
 # Stage 1: the score of an edge. One type for the three layers: which formula
 # applies is ``kind``; every backend reads the same fields.
@@ -263,8 +279,8 @@ def reference_attention(
     node's edges in backward — runs in float32; ``out`` is cast back to
     ``value``'s dtype and ``alpha`` to the score's.
     """
-    score_dtype = _promoted(t.dtype for t in score.tensors() if t is not None)
-    acc = _acc_dtype(torch.promote_types(score_dtype, value.dtype))
+    score_dtype = promoted_dtype(*score.tensors())
+    acc = acc_dtype(*score.tensors(), value)
     score = score.with_tensors(*(None if t is None else t.to(acc) for t in score.tensors()))
     v = value.to(acc)
     ve = None if value_edge is None else value_edge.to(acc)
@@ -279,13 +295,6 @@ def reference_attention(
         a = a * (w.unsqueeze(-1) if w.dim() == 1 else w)
     out = aggregate(a, v, src, index, num_dst, ve)  # [N_dst, H, C]  stage 3
     return out.to(value.dtype), alpha.to(score_dtype)
-
-
-def _promoted(dtypes) -> torch.dtype:
-    out = None
-    for d in dtypes:
-        out = d if out is None else torch.promote_types(out, d)
-    return out
 
 
 def reference_grads(

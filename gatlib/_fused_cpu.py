@@ -54,7 +54,8 @@ from torch import Tensor
 
 from . import _blocks as B
 from . import _native, _record
-from ._core import EdgeScore, _acc_dtype, distinct_inputs, reference_grads, score_heads
+from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads,
+                    score_heads)
 from ._plan import GraphPlan, Layout
 from ._scores import KINDS
 
@@ -412,13 +413,8 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         ``(out [N_dst, H, C] in value.dtype, alpha [E, H] in edge-list order
         and the score's dtype, or None)``.
     """
-    s_src, s_dst, s_edge, s_att = score_tensors = score.tensors()
-    score_dtype = s_src.dtype
-    for t in score_tensors[1:]:
-        if t is not None and t.dtype != score_dtype:
-            score_dtype = torch.promote_types(score_dtype, t.dtype)
-    acc = _acc_dtype(score_dtype if value.dtype == score_dtype
-                     else torch.promote_types(score_dtype, value.dtype))
+    s_src, s_dst, s_edge, s_att = score.tensors()
+    score_dtype, acc = promoted_dtype(*score.tensors()), acc_dtype(*score.tensors(), value)
     H, E = score.heads, plan.num_edges
     lay = plan.layout()
     drop = None

@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from . import _record
-from ._core import EdgeScore, distinct_inputs, reference_grads
+from ._core import EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads
 from ._plan import GraphPlan, Layout, index_dtype
 
 # Longest run of edges one work item handles; longer rows are split.
@@ -837,10 +837,9 @@ class _Meta:
 
 def _meta(kind: int, scale: float, slope: float, p: float, need_alpha: bool,
           alpha_dtype: torch.dtype, share_v: bool, share_ve: bool, ins) -> _Meta:
-    value, s_src = ins[0], ins[2]
-    acc = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
+    s_src, value = ins[0], ins[4]
     return _Meta(kind, value.size(1), 1 if kind == 0 else s_src.size(-1), value.size(-1), scale, slope,
-                 p, need_alpha, alpha_dtype, acc, share_v, share_ve)
+                 p, need_alpha, alpha_dtype, acc_dtype(*ins), share_v, share_ve)
 
 
 class _Graph(NamedTuple):
@@ -962,48 +961,48 @@ def _operator(name: str, fake):
     return define
 
 
-def _fake_forward(value, value_edge, s_src, s_dst, s_edge, s_att, seed, graph, kind, scale, slope,
+def _fake_forward(s_src, s_dst, s_edge, s_att, value, value_edge, seed, graph, kind, scale, slope,
                   p, need_alpha, alpha_dtype, share_v, share_ve):
     num_dst, E = graph[0].numel() - 1, graph[1].numel()
     H = value.size(1)
-    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
-    acc = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
+    acc = acc_dtype(s_src, s_dst, s_edge, s_att, value, value_edge)
     alpha = value.new_empty(E, H, dtype=alpha_dtype) if need_alpha else value.new_empty(0)
     return (value.new_empty(num_dst, H, value.size(2)), alpha, value.new_empty(num_dst, H, dtype=acc))
 
 
 @_operator("triton_attention", _fake_forward)
-def _attention_op(value: Tensor, value_edge: Optional[Tensor], s_src: Tensor, s_dst: Optional[Tensor],
-                  s_edge: Optional[Tensor], s_att: Optional[Tensor], seed: Optional[Tensor],
-                  graph: List[Tensor], kind: int, scale: float, slope: float, p: float,
-                  need_alpha: bool, alpha_dtype: torch.dtype, share_v: bool,
+def _attention_op(s_src: Tensor, s_dst: Optional[Tensor], s_edge: Optional[Tensor],
+                  s_att: Optional[Tensor], value: Tensor, value_edge: Optional[Tensor],
+                  seed: Optional[Tensor], graph: List[Tensor], kind: int, scale: float, slope: float,
+                  p: float, need_alpha: bool, alpha_dtype: torch.dtype, share_v: bool,
                   share_ve: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H])``
     of one call (:class:`_FusedAttention` has the maths); ``graph`` as
-    :func:`_graph_tensors` flattens it."""
-    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    :func:`_graph_tensors` flattens it. The tensors in the fused CPU operator's
+    order: the score's ``(src, dst, edge, att)``, then ``(value, value_edge)``."""
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
     meta = _meta(kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve, ins)
     return _forward(meta, _graph_of(graph), *ins, seed)
 
 
-def _fake_backward(grad_out, grad_alpha, value, value_edge, s_src, s_dst, s_edge, s_att, seed, out,
+def _fake_backward(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, seed, out,
                    lse, alpha, graph, kind, scale, slope, p, share_v, share_ve, need):
-    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
     return [torch.empty_like(t) if n and t is not None else value.new_empty(0)
             for t, n in zip(ins, need, strict=True)]
 
 
 @_operator("triton_attention_backward", _fake_backward)
-def _attention_backward_op(grad_out: Optional[Tensor], grad_alpha: Optional[Tensor], value: Tensor,
-                           value_edge: Optional[Tensor], s_src: Tensor, s_dst: Optional[Tensor],
-                           s_edge: Optional[Tensor], s_att: Optional[Tensor], seed: Optional[Tensor],
+def _attention_backward_op(grad_out: Optional[Tensor], grad_alpha: Optional[Tensor], s_src: Tensor,
+                           s_dst: Optional[Tensor], s_edge: Optional[Tensor], s_att: Optional[Tensor],
+                           value: Tensor, value_edge: Optional[Tensor], seed: Optional[Tensor],
                            out: Tensor, lse: Tensor, alpha: Tensor, graph: List[Tensor], kind: int,
                            scale: float, slope: float, p: float, share_v: bool, share_ve: bool,
                            need: List[bool]) -> List[Tensor]:
-    """The gradients of the forward operator's six float inputs (``value``, ...,
-    ``s_att``) from those of ``out`` and ``alpha``; an empty tensor for each one
-    ``need`` does not ask for."""
-    ins = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    """The gradients of the forward operator's six float inputs (``s_src``, ...,
+    ``value_edge``) from those of ``out`` and ``alpha``; an empty tensor for each
+    one ``need`` does not ask for."""
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
     meta = _meta(kind, scale, slope, p, alpha.numel() > 0, alpha.dtype, share_v, share_ve, ins)
     grads = _backward(meta, _graph_of(graph), need, grad_out, grad_alpha, *ins, seed, out, lse, alpha)
     return [g if g is not None else value.new_empty(0) for g in grads]
@@ -1078,16 +1077,18 @@ class _FusedAttention(torch.autograd.Function):
         GAT: da_src_j = sum_i dz_ij;  GATv2: dx_src_j = sum_i dS_ij att ⊙ leaky'(z_ij);
         dot: dk_j = scale * sum_i dS_ij q_i
 
-    Inputs: ``value [N_src, H, CV]``, ``value_edge [E, H, CV]`` or None, and the
-    scorer's tensors ``s_src`` (a_src / x_src / key), ``s_dst`` (a_dst / x_dst /
-    query), ``s_edge`` and ``s_att`` (GATv2's ``att [H, CK]``).
+    Inputs, in the fused CPU operator's order: the scorer's tensors ``s_src``
+    (a_src / x_src / key), ``s_dst`` (a_dst / x_dst / query), ``s_edge`` and
+    ``s_att`` (GATv2's ``att [H, CK]``), then ``value [N_src, H, CV]`` and
+    ``value_edge [E, H, CV]`` or None. The score formulas are
+    :mod:`gatlib._scores`' (``gat_edge``, ``gatv2_edge``, ``dot_edge``).
     """
 
     @staticmethod
-    def forward(value, value_edge, s_src, s_dst, s_edge, s_att, seed, kind, scale, slope, p,
+    def forward(s_src, s_dst, s_edge, s_att, value, value_edge, seed, kind, scale, slope, p,
                 need_alpha, alpha_dtype, share_v, share_ve, *graph):
         return torch.ops.gatlib.triton_attention.default(
-            value, value_edge, s_src, s_dst, s_edge, s_att, seed, list(graph), kind, scale, slope,
+            s_src, s_dst, s_edge, s_att, value, value_edge, seed, list(graph), kind, scale, slope,
             p, need_alpha, alpha_dtype, share_v, share_ve)
 
     @staticmethod
@@ -1099,7 +1100,7 @@ class _FusedAttention(torch.autograd.Function):
         return (*_grads(ctx, grad_out, grad_alpha), *([None] * (9 + ctx.num_graph)))
 
 
-def _forward(meta: _Meta, graph: _Graph, value, value_edge, s_src, s_dst, s_edge, s_att, seed):
+def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, value_edge, seed):
     _record.log("triton")
     plan = lay = graph
     H, CK, CV, dev = meta.H, meta.CK, meta.CV, value.device
@@ -1136,13 +1137,13 @@ def _forward(meta: _Meta, graph: _Graph, value, value_edge, s_src, s_dst, s_edge
     return out, alpha, lse
 
 
-def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, value_edge, s_src,
-              s_dst, s_edge, s_att, seed, out, lse, alpha):
+def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_dst, s_edge, s_att,
+              value, value_edge, seed, out, lse, alpha):
     _record.log("triton.backward")
     plan = lay = graph
     H, CK, CV, dev, acc = meta.H, meta.CK, meta.CV, value.device, meta.acc
     E = lay.num_edges
-    # need: (value, value_edge, s_src, s_dst, s_edge, s_att)
+    # need: (s_src, s_dst, s_edge, s_att, value, value_edge)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     g = grad_out.contiguous()
@@ -1164,10 +1165,10 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, val
     coef = _params(meta, value)
     a_buf = torch.empty(E, H, dtype=acc, device=dev)
     ds_buf = torch.empty(E, H, dtype=acc, device=dev)
-    need_vedge = value_edge is not None and need[1]
-    need_edge = s_edge is not None and need[4]
-    need_dst = s_dst is not None and need[3]
-    need_att = s_att is not None and need[5]
+    need_vedge = value_edge is not None and need[5]
+    need_edge = s_edge is not None and need[2]
+    need_dst = s_dst is not None and need[1]
+    need_att = s_att is not None and need[3]
     d_vedge = torch.empty_like(value_edge) if need_vedge else None
     d_edge = torch.empty_like(s_edge) if need_edge else None
     d_dst = torch.empty_like(s_dst) if need_dst else None
@@ -1190,7 +1191,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, val
                 NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
         if need_dst:
             _merge(d_dst, part_dst, items, H)
-        need_value, need_src = need[0], need[2]
+        need_value, need_src = need[4], need[0]
         d_value = d_src = None
         if need_value or need_src:
             sitems = plan.src_items
@@ -1213,26 +1214,24 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, value, val
             if need_src:
                 _merge(d_src, part_src, sitems, H)
     d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype) if need_att else None
-    return [d_value, d_vedge, d_src, d_dst, d_edge, d_att]
+    return [d_src, d_dst, d_edge, d_att, d_value, d_vedge]
 
 
 def _reference_backward(kind: int, scale: float, slope: float, p: float, seed: Optional[Tensor],
                         graph: _Graph, ins, need, g_out, g_alpha) -> List[Optional[Tensor]]:
     """Differentiable gradients of the same call: the reference's, on the edge list
     with the kernels' dropout mask. Builds ``[E, H, C]`` tensors, as the reference does."""
-    value, value_edge, s_src, s_dst, s_edge, s_att = ins
+    value = ins[4]
     drop = None
     if p > 0:
-        acc = torch.float64 if any(t is not None and t.dtype == torch.float64 for t in ins) else torch.float32
+        acc = acc_dtype(*ins)
         keep = _keep_mask(graph.csr_eid, value.size(1), p, seed)
         drop = keep.to(acc) * (1.0 / (1.0 - p))
     perm = graph.perm.long()
     src = torch.empty_like(perm).index_copy_(0, perm, graph.src.long())  # edge-list order
     dst = torch.empty_like(perm).index_copy_(0, perm, graph.dst.long())
-    g = reference_grads(_KIND_NAMES[kind], scale, slope, (s_src, s_dst, s_edge, s_att, value, value_edge),
-                        src, dst, graph.num_dst, drop, (g_out, g_alpha),
-                        (need[2], need[3], need[4], need[5], need[0], need[1]))
-    return [g[4], g[5], g[0], g[1], g[2], g[3]]  # in the order of forward's inputs
+    return reference_grads(_KIND_NAMES[kind], scale, slope, ins, src, dst, graph.num_dst, drop,
+                           (g_out, g_alpha), need)
 
 
 def _or(t: Optional[Tensor], default: Tensor) -> Tensor:
@@ -1316,14 +1315,11 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         value = value.expand(-1, H, -1)
     if kind == 2 and s_src.size(1) != H:
         s_src = s_src.expand(-1, H, -1)
-    tensors = (value, value_edge, s_src, s_dst, s_edge, s_att)
+    tensors = (s_src, s_dst, s_edge, s_att, value, value_edge)
     share_v = kind == 1 and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
     seed = _draw_seed(value.device) if p > 0 else None
-    score_tensors = [t for t in (s_src, s_dst, s_edge, s_att) if t is not None]
-    alpha_dtype = score_tensors[0].dtype
-    for t in score_tensors[1:]:
-        alpha_dtype = torch.promote_types(alpha_dtype, t.dtype)
+    alpha_dtype = promoted_dtype(s_src, s_dst, s_edge, s_att)
     # One tensor passed twice (GATv2's x_src is its value, the Transformer's edge
     # term its value's edge term): a view for each repeat, which torch.compile can trace as an autograd function's
     # input and whose gradient reaches the tensor.
