@@ -15,7 +15,8 @@ import gatlib
 
 PKG = Path(gatlib.__file__).parent
 ROOT = PKG.parent
-KERNELS = {"_fused_cpu.py", "_blocks.py", "_scores.py", "_triton.py"}
+KERNELS = {"_fused_cpu.py", "_blocks.py", "_scores.py", "_triton.py", "_triton_kernels.py",
+           "_triton_schedule.py"}
 
 # Where each piece of the attention maths lives: {what: (pattern, {file: functions or
 # classes it may sit in})}. Matched on code only (strings and comments blanked out).
@@ -25,12 +26,12 @@ HOMES = {
     "a score formula": (
         r"leaky_relu|\*\s*slope\b|\bslope\s*\*|\*\s*(self\.)?att\b|"
         r"\(\s*\w*(query|q)\w*\s*\*\s*\w*(key|k)\w*\s*\)\.sum|\(\s*\w*(key|k)\w*\s*\*\s*\w*(query|q)\w*\s*\)\.sum",
-        {"_scores.py": None, "_triton.py": {"_score", "_bwd_dst_kernel", "_bwd_src_kernel"}}),
+        {"_scores.py": None, "_triton_kernels.py": {"_score", "_bwd_dst_kernel", "_bwd_src_kernel"}}),
     "a softmax": (
         r"\bsoftmax\(|\.softmax\(|\.exp_?\(|\bexp\(|logsumexp|def \w*softmax",
         {"_core.py": {"segment_softmax", "reference_attention"},
          "_fused_cpu.py": {"_recomputed_alpha", "_softmax_aggregate", "_softmax_aggregate_backward"},
-         "_triton.py": {"_fwd_kernel", "_alpha_kernel", "_merge_kernel", "_bwd_dst_kernel"}}),
+         "_triton_kernels.py": {"_fwd_kernel", "_alpha_kernel", "_merge_kernel", "_bwd_dst_kernel"}}),
     "a segment reduction": (
         r"scatter_reduce|index_add|segment_reduce|(import|from) torch_scatter|segment_sum",
         {"_core.py": {"segment_reduce", "segment_softmax", "segment_aggregate"},
@@ -138,8 +139,10 @@ PASTES = {  # (module, code appended to it, how many of its lines must be flagge
                                "    return (query_i * key_j).sum(-1)\n", 1),
     "a GATv2 score in the CPU kernel": ("_fused_cpu.py", "def _softmax_aggregate(z, att, slope):\n"
                                        "    return (torch.where(z > 0, z, z * slope) * att).sum(-1)\n", 1),
-    "a LeakyReLU in the Triton host code": ("_triton.py", "def _launch(z, slope):\n"
+    "a LeakyReLU in the Triton host code": ("_triton_schedule.py", "def _launch(z, slope):\n"
                                             "    return tl.where(z > 0, z, z * slope)\n", 1),
+    "a LeakyReLU in a Triton kernel's helper": ("_triton_kernels.py", "def _lanes(z, slope):\n"
+                                                "    return tl.where(z > 0, z, z * slope)\n", 1),
     "a softmax in a layer": ("layers.py", "def weights(e):\n    return e.exp_() / e.sum()\n", 1),
     "PyG's softmax in a layer": ("layers.py", "def weights(e, index):\n"
                                  "    return softmax(e, index)\n", 1),

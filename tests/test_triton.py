@@ -22,7 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 triton = pytest.importorskip("triton")
 
 import gatlib  # noqa: E402
-from gatlib import EdgeScore, GraphPlan, _triton, graph_attention  # noqa: E402
+from gatlib import EdgeScore, GraphPlan, _triton, _triton_schedule, graph_attention  # noqa: E402
 from gatlib._core import reference_attention  # noqa: E402
 
 from testing import (DEVICE, KINDS, LOW_PRECISION, LOW_PRECISION_BOUND, dtype_id, graph_case,  # noqa: E402
@@ -111,16 +111,16 @@ def test_aliased_value_and_edge_tensors():
 def test_split_hubs_and_gpu_tiles(kind, monkeypatch):
     """Rows and source columns longer than _SPLIT are cut into pieces merged
     afterwards; with the GPU's tile sizes every launch has several programs."""
-    monkeypatch.setattr(_triton, "_SPLIT", 32)
-    monkeypatch.setattr(_triton, "_TILE_INTERPRETER", _triton._TILE)
-    monkeypatch.setattr(_triton, "_MAX_ROWS_INTERPRETER", _triton._MAX_ROWS)
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 32)
+    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", _triton_schedule._TILE)
+    monkeypatch.setattr(_triton_schedule, "_MAX_ROWS_INTERPRETER", _triton_schedule._MAX_ROWS)
     n, H, C = 40, 2, 3
     ei = hub_graph(n, 120).to(DEVICE)  # in-hub 0
     out_hub = torch.stack([torch.full((50,), 7), torch.arange(50) % n])  # out-hub 7
     ei = torch.cat([ei, out_hub.to(DEVICE)], dim=1)
     plan = GraphPlan(ei, num_nodes=n)
-    monkeypatch.setattr(_triton, "_PROGRAMS_INTERPRETER", 3)  # several blocks per program
-    tplan = _triton._plan(plan)
+    monkeypatch.setattr(_triton_schedule, "_PROGRAMS_INTERPRETER", 3)  # several blocks per program
+    tplan = _triton_schedule._plan(plan)
 
     def buckets(items):  # items per length bucket, and split rows
         b = items.bounds.tolist()
@@ -138,7 +138,7 @@ def test_split_hubs_and_gpu_tiles(kind, monkeypatch):
 def test_wide_channels_narrow_the_edge_tile(monkeypatch):
     """When BLOCK_E * BLOCK_C exceeds the tile budget the edge tile shrinks
     (here 64 -> 8 edges per step) and rows take more steps."""
-    monkeypatch.setattr(_triton, "_TILE_INTERPRETER", 256)
+    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", 256)
     n, H, C = 12, 1, 20
     ei = torch.cat([hub_graph(n, 40), torch.tensor([[1, 2], [3, 3]])], dim=1).to(DEVICE)
     score = make_score("gatv2", n, n, ei.size(1), H, C, edge=True, dtype=torch.float32, device=DEVICE)
@@ -165,7 +165,7 @@ def _small_graph():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradcheck_float64(kind, monkeypatch):
-    monkeypatch.setattr(_triton, "_SPLIT", 3)  # rows of 4+ edges are merged pieces
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 3)  # rows of 4+ edges are merged pieces
     n_src, n_dst, H, C = 5, 4, 2, 3
     ei = _small_graph()
     E = ei.size(1)
@@ -277,7 +277,7 @@ def test_schedule_covers_every_edge_once_longest_first():
     deg = torch.tensor([0, 3, 40, 1, 0, 17, 5, 300, 2, 129])
     ptr = torch.cat([torch.zeros(1, dtype=torch.long), deg.cumsum(0)])
     E = int(ptr[-1])
-    items = _triton._build_schedule(ptr, E, 64)
+    items = _triton_schedule._build_schedule(ptr, E, 64)
     # sizes from (N, E) alone: room for N + E // 64 items, E // 65 split rows
     assert items.length.numel() == deg.numel() + E // 64 and items.max_split == min(10, E // 65)
     length, start, row = items.length.long(), items.start.long(), items.row.long()
@@ -304,7 +304,7 @@ def test_schedule_covers_every_edge_once_longest_first():
     # bucket b holds items bounds[b] : bounds[b + 1], each longer than the next bucket's bound
     assert bounds[0] == 0 and bounds[:4] == sorted(bounds[:4])
     upper = 64
-    for b, (lo, _) in enumerate(_triton._BUCKETS):
+    for b, (lo, _) in enumerate(_triton_schedule._BUCKETS):
         seg = length[bounds[b]:bounds[b + 1]]
         assert ((seg > lo) & (seg <= upper)).all()
         upper = lo
@@ -313,10 +313,10 @@ def test_schedule_covers_every_edge_once_longest_first():
 def test_one_launch_per_distinct_edge_tile(monkeypatch):
     """Buckets whose edge tiles are clamped to one width at wide channels run as
     one launch (the GPU's tile budget)."""
-    monkeypatch.setattr(_triton, "_TILE_INTERPRETER", _triton._TILE)
-    widths = {w: _triton._bucket_launches(w) for w in (8, 64, 256)}
+    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", _triton_schedule._TILE)
+    widths = {w: _triton_schedule._bucket_launches(w) for w in (8, 64, 256)}
     for launches in widths.values():
-        assert launches[0][0] == 0 and launches[-1][1] == len(_triton._BUCKETS)
+        assert launches[0][0] == 0 and launches[-1][1] == len(_triton_schedule._BUCKETS)
         assert all(a[1] == b[0] and a[2] != b[2] for a, b in zip(launches, launches[1:], strict=False))
     assert len(widths[8]) == 3 and len(widths[256]) < 3
 

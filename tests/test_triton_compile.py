@@ -83,7 +83,7 @@ def test_every_specialisation_binds_and_compiles_for_sm80_and_sm90(report):
 # sm_80 and sm_90: no specialisation spills, and none uses more registers than let
 # two programs share an SM's 64K-register file (255 at 4 warps, 128 at 8), half
 # the 4 programs per SM a launch runs, but for the dst backward (255: it spilled
-# under 128 at 8 warps on sm_80) (_triton._max_registers, which the row kernels
+# under 128 at 8 warps on sm_80) (_triton_schedule._max_registers, which the row kernels
 # pass to ptxas as .maxnreg: without it ptxas spilled 8-60 bytes per thread at
 # some of these shapes to stay at a register count it preferred).
 #
@@ -215,6 +215,7 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
         from triton import knobs
         import gatlib
         from gatlib import _triton
+        from gatlib import _triton_schedule
         from gatlib.bench import triton_compile, selftest
 
         keys = []

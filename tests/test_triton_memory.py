@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from gatlib import GraphPlan, graph_attention
 from gatlib import _triton
+from gatlib import _triton_schedule
 
 from testing import HOST_SYNCS, AtenOps, hub_graph, make_score
 
@@ -113,7 +114,7 @@ def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_rows=0):
 @pytest.mark.parametrize("alpha", [False, True], ids=["out", "alpha"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch):
-    monkeypatch.setattr(_triton, "_SPLIT", 32)  # split rows and columns, as hubs are
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 32)  # split rows and columns, as hubs are
     n, H, C, dtype = 60, 2, 8, torch.bfloat16
     ei = hub_graph(n, 100)
     ei = torch.cat([ei, torch.stack([torch.full((70,), 5), torch.arange(70) % n])], 1)
@@ -123,7 +124,7 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     value = score.src if kind == "gatv2" else torch.randn(n, H, C, dtype=dtype, requires_grad=True)
     value_edge = score.edge if kind == "dot" else None
     graph_attention(score, value, plan, n, value_edge=value_edge, backend="triton")  # derive the plan
-    tplan = _triton._plan(plan)
+    tplan = _triton_schedule._plan(plan)
     P, Q = tplan.dst_items.max_pieces, tplan.src_items.max_pieces
     assert int(tplan.dst_items.bounds[4]) > 0 and int(tplan.src_items.bounds[4]) > 0
     inputs = [t for t in (*score.tensors(), value, value_edge) if t is not None]
@@ -135,7 +136,7 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     out, att = res if alpha else (res, None)
     fwd = rec.allocs
     # the forward: one launch per distinct edge tile, one merge of the split rows
-    launches = len(_triton._bucket_launches(C))
+    launches = len(_triton_schedule._bucket_launches(C))
     assert rec.launches == launches + 1 + (1 if alpha else 0)  # (+ the weights' kernel)
     outs = [out] + ([att] if alpha else [])
     grads = [torch.randn(t.shape, dtype=t.dtype) for t in outs]
@@ -146,7 +147,7 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     bwd = rec.allocs
     # the backward: both directions' launches and three merges (destination, value, source)
     assert rec.launches == 2 * launches + 3
-    att_rows = _triton._att_partials(C, H, torch.device("cpu"))
+    att_rows = _triton_schedule._att_partials(C, H, torch.device("cpu"))
     f_model, b_model, largest = model(kind, n, E, H, C, dtype, P, Q, alpha=alpha, att_rows=att_rows)
     f_bytes = sum(b for *_, b in fwd)
     b_bytes = sum(b for _, _, b in bwd)
@@ -170,7 +171,7 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
 def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
     """A training call (dropout, attention weights with a gradient, split hubs)
     on a plan whose kernels' schedule exists reads nothing back to the host."""
-    monkeypatch.setattr(_triton, "_SPLIT", 32)
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 32)
     n, H, C = 50, 2, 4
     ei = hub_graph(n, 80)
     # and a source hub: both schedules have split rows, so all four merges launch
@@ -210,7 +211,7 @@ def test_merges_launch_only_where_rows_are_split(hubs, expect, recorder, monkeyp
     """A plan reads once whether its schedules split any row; where neither does
     (a graph without hubs, as Cora's) no merge launches, forward or backward, and
     the launches are the bucket launches alone (the results: test_triton.py)."""
-    monkeypatch.setattr(_triton, "_SPLIT", 32)
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 32)
     n, H, C = 50, 2, 4
     ring = torch.arange(n)
     ei = torch.stack([ring, (ring + 1) % n])
@@ -234,4 +235,4 @@ def test_merges_launch_only_where_rows_are_split(hubs, expect, recorder, monkeyp
     with rec:
         graph_attention(score, value, plan, n, backend="triton").sum().backward()
     assert merged == expect
-    assert rec.launches == 3 * len(_triton._bucket_launches(C)) + len(expect)
+    assert rec.launches == 3 * len(_triton_schedule._bucket_launches(C)) + len(expect)

@@ -1,0 +1,521 @@
+r"""The Triton kernels of :mod:`gatlib._triton` (its docstring has their design;
+:mod:`gatlib._triton_schedule` the work items and launches that feed them).
+
+Every kernel is a ``triton.jit`` function over the plan's CSR/CSC layout and a
+schedule of work items. The score formulas in :func:`_score` are
+:mod:`gatlib._scores`' (``gat_edge``, ``gatv2_edge``, ``dot_edge``), written
+again in Triton: tests/test_triton.py holds them to the reference.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Integer kernel arguments that change from graph to graph (item ranges, sizes).
+# Triton specialises integer arguments on their value (== 1, divisible by 16)
+# by default, which would compile a new kernel for many a new mini-batch.
+_PER_CALL = ("E", "H", "CK", "CV")
+
+
+# ---------------------------------------------------------------------------
+# Kernels. A program owns BLOCK_R *lanes*, each one (work item, head) pair —
+# lane l is item l // H, head l % H — so the heads of a row sit side by side
+# and their loads of a source's [H, C] row are contiguous.
+# ---------------------------------------------------------------------------
+@triton.jit
+def _blocks(bounds, B_LO: tl.constexpr, B_HI: tl.constexpr, H, BLOCK_R: tl.constexpr):
+    """``(first item, item count, blocks of BLOCK_R lanes)`` of the buckets
+    ``B_LO : B_HI``, read from the schedule's ``bounds`` on the device."""
+    first = tl.load(bounds + B_LO)
+    n_items = tl.load(bounds + B_HI) - first
+    return first, n_items, tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
+
+
+@triton.jit
+def _lanes(item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R: tl.constexpr):
+    """The lanes of block ``blk`` (lanes past the last item are empty). Index
+    arithmetic is int64 from the block on: lane counts reach E·H > 2**31."""
+    lane = (tl.zeros([BLOCK_R], tl.int64) + blk) * BLOCK_R + tl.arange(0, BLOCK_R)
+    local = lane // H
+    valid = local < n_items
+    it = first + local
+    h = lane % H
+    row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+    start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+    length = tl.load(item_len + it, mask=valid, other=0)
+    slot = tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64)
+    final = valid & (slot < 0)
+    piece = valid & (slot >= 0)
+    slot = tl.where(piece, slot, 0)
+    return lane, valid, row, h, start, length, final, piece, slot, tl.max(length, 0)
+
+
+@triton.jit
+def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m_edge,
+           scale, slope, KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr,
+           ACC: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr):
+    """Scores of a 2-D tile of edges ``src -> dst`` (original ids ``eid``), head ``h``:
+    :mod:`gatlib._scores`' formulas (``gat_edge``, ``gatv2_edge``, ``dot_edge``).
+
+    ``h``, ``src``, ``dst`` and ``eid`` are int64 tiles that broadcast to the
+    edge tile (e.g. ``[R, E]`` and ``[R, 1]``), each with a mask of its shape;
+    per-node terms are loaded at their own shape, so a row's query is read
+    once per tile, not once per edge.
+
+    Returns ``(score, z, xs, xd, xe)``: the ``[R, E]`` scores; ``z`` the
+    pre-activation (GAT ``[R, E]``, GATv2 ``[R, E, CK]``) or ``k_j + e_ij``
+    (dot product ``[R, E, CK]``); and the loaded channel tiles of the source,
+    destination and edge terms (placeholders where a kind has none), which
+    callers reuse instead of loading them again.
+    """
+    if KIND == 0:  # GAT: z = a_src[j] + a_dst[i] + a_edge[ij], per-node scalars
+        z = tl.load(s_src + src * H + h, mask=m_src, other=0).to(ACC)
+        if HAS_DST:
+            z = z + tl.load(s_dst + dst * H + h, mask=m_dst, other=0).to(ACC)
+        if HAS_EDGE:
+            z = z + tl.load(s_edge + eid * H + h, mask=m_edge, other=0).to(ACC)
+        score = tl.where(z > 0, z, z * slope)  # LeakyReLU
+        xs = z
+        xd = z
+        xe = z
+    else:
+        ck = tl.arange(0, BLOCK_CK)[None, None, :]
+        if FULL_CK:
+            # CK is the tile's width: rows start at multiples of the constexpr BLOCK_CK
+            # and no channel is masked, so the compiler can prove a row's lanes aligned
+            # and contiguous and load them 64/128 bits at a time (CK itself stays an
+            # unspecialised integer: a new graph compiles nothing new)
+            xs = tl.load(s_src + (src * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_src[:, :, None],
+                         other=0).to(ACC)
+            xd = tl.load(s_dst + (dst * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_dst[:, :, None],
+                         other=0).to(ACC)
+            if HAS_EDGE:
+                xe = tl.load(s_edge + (eid * H + h)[:, :, None] * BLOCK_CK + ck,
+                             mask=m_edge[:, :, None], other=0).to(ACC)
+            else:
+                xe = xs
+        else:
+            cm = ck < CK
+            xs = tl.load(s_src + (src * H + h)[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
+                         other=0).to(ACC)
+            xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
+                         other=0).to(ACC)
+            if HAS_EDGE:
+                xe = tl.load(s_edge + (eid * H + h)[:, :, None] * CK + ck,
+                             mask=m_edge[:, :, None] & cm, other=0).to(ACC)
+            else:
+                xe = xs
+        if KIND == 1:  # GATv2: att . leaky(x_src[j] + x_dst[i] + e_ij)
+            z = xs + xd
+            if HAS_EDGE:
+                z = z + xe
+            if FULL_CK:
+                att = tl.load(s_att + h[:, :, None] * BLOCK_CK + ck).to(ACC)
+            else:
+                att = tl.load(s_att + h[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
+            score = tl.sum(tl.where(z > 0, z, z * slope) * att, 2)
+        else:  # dot product: q_i . (k_j + e_ij) * scale
+            z = xs
+            if HAS_EDGE:
+                z = z + xe
+            score = tl.sum(xd * z, 2) * scale
+    return score, z, xs, xd, xe
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def _fwd_kernel(
+    item_row, item_start, item_len, item_slot, bounds,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
+    out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+):
+    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        if DROPOUT:
+            rng_seed = tl.load(seed)
+        h2 = h[:, None]  # [R, 1]
+        dst = row[:, None]
+        m_dst = valid[:, None]
+        cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
+        m_i = tl.full([BLOCK_R], float("-inf"), ACC)
+        l_i = tl.zeros([BLOCK_R], ACC)
+        # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
+        # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
+        # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
+        # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
+        acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
+        for off in range(0, max_len, BLOCK_E):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]  # [R, E]
+            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
+            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+            if HAS_EDGE or HAS_VEDGE:  # per-edge inputs are in original edge order
+                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+            else:
+                eid = k
+            score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                          emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                          HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
+            score = tl.where(emask, score, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(score, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
+            p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
+            corr = tl.exp(m_i - m_safe)
+            l_i = l_i * corr + tl.sum(p, 1)
+            if DROPOUT:
+                keep = tl.rand(rng_seed, k * H + h2) >= p_drop
+                p = tl.where(keep, p * keep_scale, 0.0)
+            # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
+            # value_edge (Transformer layers) is the same tensor
+            if FULL_CV:
+                # CV is the tile's width: rows start at multiples of it and no channel
+                # is masked, which lets the compiler prove rows aligned for wide loads
+                vmask = emask[:, :, None]
+                row_v = (src * H + h2)[:, :, None] * BLOCK_CV
+            else:
+                vmask = emask[:, :, None] & (cv3 < CV)
+                row_v = (src * H + h2)[:, :, None] * CV
+            if SHARE_V:
+                v = xs
+            else:
+                v = tl.load(value + row_v + cv3, mask=vmask, other=0).to(ACC)
+            if HAS_VEDGE:
+                if SHARE_VE:
+                    v = v + xe
+                else:
+                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                    other=0).to(ACC)
+            acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
+        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+        cv = tl.arange(0, BLOCK_CV)[None, :]
+        cm = cv < CV
+        orow = row * H + h
+        prow = slot * H + h
+        tl.store(out + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
+        tl.store(lse + orow, row_lse, mask=final)
+        tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
+        tl.store(part_lse + prow, row_lse, mask=piece)
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def _alpha_kernel(
+    csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha, H, CK,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr,
+):
+    """``alpha[eid, h] = exp(e_ij - lse_i)``, one lane per (CSR position, head)."""
+    lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)[:, None]  # [K, 1]
+    k = lane // H
+    h = lane % H
+    m = k < E
+    src = tl.load(csr_src + k, mask=m, other=0).to(tl.int64)
+    dst = tl.load(csr_dst + k, mask=m, other=0).to(tl.int64)
+    eid = tl.load(csr_eid + k, mask=m, other=0).to(tl.int64)
+    scale = tl.load(coef).to(ACC)
+    slope = tl.load(coef + 1).to(ACC)
+    score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m, m, m,
+                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
+    row_lse = tl.load(lse + dst * H + h, mask=m, other=0)
+    tl.store(alpha + eid * H + h, tl.exp(score - row_lse), mask=m)
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
+    """The dropout mask the fused kernels apply, as ``[E, H]`` in original order
+    (the random stream is indexed by ``CSR position * H + head``)."""
+    lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k = lane // H
+    m = k < E
+    eid = tl.load(csr_eid + k, mask=m, other=0).to(tl.int64)
+    kept = tl.rand(tl.load(seed), lane) >= p_drop
+    tl.store(keep + eid * H + lane % H, kept.to(tl.int8), mask=m)
+
+
+@triton.jit(do_not_specialize=("H", "C"))
+def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, out, lse, H, C,
+                  SOFTMAX: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """One lane per (split row, head): combines the row's partial results, in
+    slot order (deterministic, no atomics). ``SOFTMAX``: the forward's
+    ``(out_p, lse_p)`` pieces by their weights ``exp(lse_p - lse)``; else sums."""
+    n = tl.load(bounds + 4)  # split rows (_Schedule.bounds: 0, the 3 bucket ends, splits)
+    c = tl.arange(0, BLOCK_C)[None, :]
+    cm = c < C
+    for blk in range(tl.program_id(0), tl.cdiv(n * H, BLOCK_R).to(tl.int32), tl.num_programs(0)):
+        lane = (tl.zeros([BLOCK_R], tl.int64) + blk) * BLOCK_R + tl.arange(0, BLOCK_R)
+        s = lane // H
+        h = lane % H
+        valid = s < n
+        row = tl.load(split_row + s, mask=valid, other=0).to(tl.int64)
+        first = tl.load(split_first + s, mask=valid, other=0).to(tl.int64)
+        count = tl.load(split_count + s, mask=valid, other=0)
+        m = tl.full([BLOCK_R], float("-inf"), ACC)
+        l_sum = tl.zeros([BLOCK_R], ACC)
+        acc = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+        for j in range(0, tl.max(count, 0)):
+            pm = valid & (j < count)
+            prow = (first + j) * H + h
+            po = tl.load(part + prow[:, None] * C + c, mask=pm[:, None] & cm, other=0).to(ACC)
+            if SOFTMAX:
+                pl = tl.load(part_lse + prow, mask=pm, other=float("-inf")).to(ACC)
+                m_new = tl.maximum(m, pl)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                corr = tl.exp(m - m_safe)
+                w = tl.exp(pl - m_safe)
+                l_sum = l_sum * corr + w
+                acc = acc * corr[:, None] + w[:, None] * po
+                m = m_new
+            else:
+                acc += po
+        orow = row * H + h
+        if SOFTMAX:
+            l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+            acc = acc / l_safe[:, None]
+            tl.store(lse + orow, tl.where(l_sum > 0, m + tl.log(l_safe), float("-inf")), mask=valid)
+        tl.store(out + orow[:, None] * C + c, acc, mask=valid[:, None] & cm)
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def _bwd_dst_kernel(
+    item_row, item_start, item_len, item_slot, bounds,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
+    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
+    seed, p_drop, H, CK, CV, part_att,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+    NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
+    NEED_ATT: tl.constexpr, ACC: tl.constexpr,
+    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+):
+    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    # GATv2's att gradient, summed over the blocks this program runs: each lane
+    # keeps one head, as the grid is a multiple of H (_programs)
+    att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        h2 = h[:, None]
+        dst = row[:, None]
+        m_dst = valid[:, None]
+        orow = row * H + h  # [R]
+        cv = tl.arange(0, BLOCK_CV)
+        cvm = cv < CV
+        cv3 = cv[None, None, :]
+        ck = tl.arange(0, BLOCK_CK)
+        ckm = ck < CK
+        ck3 = ck[None, None, :]
+        # rows of CV channels: with FULL_CV (CV is the tile's width) at the constexpr
+        # stride BLOCK_CV and masked by lane/edge only, so they load 64/128 bits wide
+        if FULL_CV:
+            ooff = orow[:, None] * BLOCK_CV + cv[None, :]
+            omask = valid[:, None]
+        else:
+            ooff = orow[:, None] * CV + cv[None, :]
+            omask = valid[:, None] & cvm[None, :]
+        g2 = tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)  # [R, CV]
+        g = g2[:, None, :]  # [R, 1, CV]
+        row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
+        row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+        if DROPOUT:
+            rng_seed = tl.load(seed)
+        # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
+        # backward builds no [N, H, C] temporary for it
+        row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
+        if GALPHA:
+            row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
+        if KIND == 0:
+            d_acc = tl.zeros([BLOCK_R], ACC)
+        else:
+            d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+        if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
+            att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
+                          other=0).to(ACC)  # [R, 1, CK]
+        for off in range(0, max_len, BLOCK_E):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]
+            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64, as every offset
+            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+            if HAS_EDGE or HAS_VEDGE or GALPHA:
+                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+            else:
+                eid = k
+            score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                          emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                          HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
+            p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
+            vmask = emask[:, :, None] & (cv3 < CV)
+            if FULL_CV:  # (as the destination rows above)
+                lmask = emask[:, :, None]
+                stride = BLOCK_CV
+            else:
+                lmask = vmask
+                stride = CV
+            if SHARE_V:
+                v = xs
+            else:
+                v = tl.load(value + (src * H + h2)[:, :, None] * stride + cv3, mask=lmask,
+                            other=0).to(ACC)
+            if HAS_VEDGE:
+                if SHARE_VE:
+                    v = v + xe
+                else:
+                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * stride + cv3, mask=lmask,
+                                    other=0).to(ACC)
+            dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
+            if DROPOUT:
+                keep = tl.rand(rng_seed, k * H + h2) >= p_drop
+                drop = tl.where(keep, keep_scale, 0.0)
+                a = p * drop
+                dp = dp * drop
+            else:
+                a = p
+            if GALPHA:
+                dp = dp + tl.load(grad_alpha + eid * H + h2, mask=emask, other=0).to(ACC)
+            ds = p * (dp - row_delta[:, None])  # softmax backward, [R, E]
+            eoff = k * H + h2
+            tl.store(a_buf + eoff, a, mask=emask)
+            if NEED_VEDGE:
+                tl.store(d_vedge + (eid * H + h2)[:, :, None] * CV + cv3, a[:, :, None] * g, mask=vmask)
+            if KIND == 0:
+                dz = ds * tl.where(z > 0, 1.0, slope)
+                tl.store(ds_buf + eoff, dz, mask=emask)
+                d_acc += tl.sum(dz, 1)
+                if NEED_EDGE:
+                    tl.store(d_edge + eid * H + h2, dz, mask=emask)
+            elif KIND == 1:
+                tl.store(ds_buf + eoff, ds, mask=emask)
+                dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
+                d_acc += tl.sum(dz, 1)
+                if NEED_ATT:
+                    att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
+                if NEED_EDGE:
+                    tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
+                             mask=emask[:, :, None] & (ck3 < CK))
+            else:
+                tl.store(ds_buf + eoff, ds, mask=emask)
+                d_acc += tl.sum(ds[:, :, None] * z, 1)  # dq_i, scaled below
+                if NEED_EDGE:
+                    tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
+                             mask=emask[:, :, None] & (ck3 < CK))
+        prow = slot * H + h
+        if NEED_DST:
+            if KIND == 0:
+                tl.store(d_dst + orow, d_acc, mask=final)
+                tl.store(part_dst + prow, d_acc, mask=piece)
+            else:
+                if KIND == 2:
+                    d_acc = d_acc * scale
+                km = ckm[None, :]
+                tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
+                tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
+    if NEED_ATT:  # one partial per lane of each program, summed by the caller
+        ck = tl.arange(0, BLOCK_CK)
+        slot = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        tl.store(part_att + slot[:, None] * CK + ck[None, :], att_acc, mask=(ck < CK)[None, :])
+
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def _bwd_src_kernel(
+    item_row, item_start, item_len, item_slot, bounds,
+    csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
+    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
+    KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
+    ACC: tl.constexpr,
+    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+):
+    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
+            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        slope = tl.load(coef + 1).to(ACC)
+        h2 = h[:, None]
+        orow = row * H + h  # this lane's source node and head
+        cv = tl.arange(0, BLOCK_CV)
+        cvm = cv < CV
+        cv3 = cv[None, None, :]
+        ck = tl.arange(0, BLOCK_CK)
+        ckm = ck < CK
+        ck3 = ck[None, None, :]
+        dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
+        if KIND == 0:
+            ds_acc = tl.zeros([BLOCK_R], ACC)
+        else:
+            ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+        if KIND == 1:
+            rmask = valid[:, None, None] & (ck3 < CK)
+            att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)  # [R, 1, CK]
+            xs = tl.load(s_src + orow[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)
+        for off in range(0, max_len, BLOCK_E):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]
+            t = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSC positions, int64
+            k = tl.load(csc_edge + t, mask=emask, other=0).to(tl.int64)  # CSR positions
+            i = tl.load(csc_dst + t, mask=emask, other=0).to(tl.int64)  # destinations
+            if NEED_VALUE:
+                a = tl.load(a_buf + k * H + h2, mask=emask, other=0)
+                if FULL_CV:
+                    # CV is the tile's width: rows at the constexpr stride BLOCK_CV, masked
+                    # by edge only, so the compiler can prove them aligned and contiguous
+                    # and gather them 64/128 bits at a time
+                    gi = tl.load(grad_out + (i * H + h2)[:, :, None] * BLOCK_CV + cv3,
+                                 mask=emask[:, :, None], other=0).to(ACC)
+                else:
+                    gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
+                                 mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
+                dv_acc += tl.sum(a[:, :, None] * gi, 1)
+            if NEED_SRC:
+                ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
+                if KIND == 0:
+                    ds_acc += tl.sum(ds, 1)
+                else:
+                    if FULL_CK:  # (as the value rows above)
+                        cmask = emask[:, :, None]
+                        sk = BLOCK_CK
+                    else:
+                        cmask = emask[:, :, None] & (ck3 < CK)
+                        sk = CK
+                    xd = tl.load(s_dst + (i * H + h2)[:, :, None] * sk + ck3, mask=cmask,
+                                 other=0).to(ACC)
+                    if KIND == 1:
+                        z = xs + xd
+                        if HAS_EDGE:
+                            eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
+                            z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * sk + ck3, mask=cmask,
+                                            other=0).to(ACC)
+                        ds_acc += tl.sum(ds[:, :, None] * att * tl.where(z > 0, 1.0, slope), 1)
+                    else:
+                        ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
+        prow = slot * H + h
+        if NEED_VALUE:
+            vm = cvm[None, :]
+            tl.store(d_value + orow[:, None] * CV + cv[None, :], dv_acc, mask=final[:, None] & vm)
+            tl.store(part_value + prow[:, None] * CV + cv[None, :], dv_acc, mask=piece[:, None] & vm)
+        if NEED_SRC:
+            if KIND == 0:
+                tl.store(d_src + orow, ds_acc, mask=final)
+                tl.store(part_src + prow, ds_acc, mask=piece)
+            else:
+                if KIND == 2:
+                    ds_acc = ds_acc * tl.load(coef).to(ACC)
+                km = ckm[None, :]
+                tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
+                tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)

@@ -1,0 +1,271 @@
+r"""The Triton kernels' work: degree-aware schedules of work items over a plan's
+CSR/CSC, and the launches over them (:mod:`gatlib._triton` has the design).
+
+Rows are cut into work items of at most :data:`_SPLIT` edges, sorted longest
+first and bucketed by length (:data:`_BUCKETS`); a :class:`_Schedule` is device
+tensors sized by the graph's node and edge counts alone, built once per graph
+and kept on its plan (:func:`_plan`). :func:`_launch` runs a kernel over the
+buckets with a fixed number of programs per launch; :func:`_merge` combines the
+pieces of split rows. The constants here are the kernels' tiling: the compiled
+kernels' register budget, or the interpreter's few wide programs.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from ._plan import GraphPlan, Layout, index_dtype
+from ._triton_kernels import _bwd_dst_kernel, _fwd_kernel, _merge_kernel
+
+# Longest run of edges one work item handles; longer rows are split.
+_SPLIT = 256
+# Elements of the [BLOCK_R, BLOCK_E, BLOCK_C] tile a program holds per step and
+# the most lanes per program. 1024 (8 per thread at 4 warps) keeps the kernels
+# at ~70-150 registers on sm_90 without spills — several [R, E, C] temporaries
+# and 64-bit pointer tiles are live at once; 4096 spilled (ptxas, C=8). The
+# CPU interpreter pays per program and per op, not per element: it gets few
+# wide programs instead.
+_TILE, _MAX_ROWS = 1024, 16
+_TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
+# Programs per launch (the kernels loop over their blocks of lanes, _programs):
+# enough per SM to hide the gathers' latency at the kernels' 4-8 warps; the CPU
+# interpreter runs programs one after another, so a few wide ones.
+_PROGRAMS_PER_SM, _PROGRAMS_INTERPRETER = 4, 2
+# (item length above which, edge-tile width) — longest bucket first.
+_BUCKETS = ((16, 64), (4, 16), (-1, 4))
+
+# ---------------------------------------------------------------------------
+# Scheduling: work items over the segments of a CSR-like ``ptr``.
+# ---------------------------------------------------------------------------
+@dataclass
+class _Schedule:
+    """Work items over the segments of a CSR ``ptr``, in launch order, as device
+    tensors whose sizes follow from the graph's sizes alone (no value of the graph
+    is read on the host: a captured or compiled call replays on a new graph).
+
+    Item ``w`` covers positions ``start[w] : start[w] + length[w]`` of segment
+    ``row[w]``; ``slot[w]`` is ``-1`` when that is the whole segment (the item
+    writes the final result) or its partial-result slot when the segment was
+    split. Items are sorted longest first; the arrays have room for
+    :attr:`max_items`, and the ones past the real items have length ``-1``.
+    ``bounds`` holds ``0``, the end of each bucket's items (:data:`_BUCKETS`) and
+    the number of split segments; split segment ``s`` is ``split_row[s]``, with
+    partial-result slots ``split_first[s] : split_first[s] + split_count[s]``.
+    """
+
+    row: Tensor  # [max_items]
+    start: Tensor  # [max_items]
+    length: Tensor  # [max_items]
+    slot: Tensor  # [max_items]
+    bounds: Tensor  # [len(_BUCKETS) + 2] int64
+    split_row: Tensor  # [max_split]
+    split_first: Tensor  # [max_split]
+    split_count: Tensor  # [max_split]
+    max_pieces: int  # partial-result slots a call allocates
+
+    @property
+    def max_split(self) -> int:
+        return self.split_row.numel()
+
+
+def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:
+    """``(items, split segments, pieces of split segments)`` at most, from the sizes
+    alone: a segment of ``d`` edges is ``max(1, ceil(d / split))`` items, at most
+    ``1 + d // split``; a split one has ``d > split`` edges and fewer than
+    ``2 d / split`` pieces."""
+    return (num_segments + num_edges // split, min(num_segments, num_edges // (split + 1)),
+            2 * num_edges // split)
+
+
+def _build_schedule(ptr: Tensor, num_edges: int, split: int) -> _Schedule:
+    p = ptr.long()
+    n = p.numel() - 1
+    dev = p.device
+    max_items, max_split, max_pieces = _schedule_sizes(n, num_edges, split)
+    deg = p[1:] - p[:-1]  # [n]
+    pieces = ((deg + split - 1) // split).clamp_(min=1)  # a row without edges is one empty item
+    ends = torch.cumsum(pieces, 0)
+    w = torch.arange(max_items, device=dev)
+    row = torch.searchsorted(ends, w, right=True)  # n past the last real item
+    real = row < n
+    r = row.clamp(max=max(n - 1, 0))
+    j = w - (ends - pieces)[r]  # the item's piece of its row
+    start = p[r] + j * split
+    length = torch.where(real, torch.clamp(deg[r] - j * split, max=split), -1)
+    is_split = real & (pieces[r] > 1)
+    # slots are numbered in row order, so a split row's pieces are consecutive slots
+    slot = torch.where(is_split, torch.cumsum(is_split, 0) - 1, -1)
+    # Longest first: hub pieces start before the short rows fill the gaps.
+    order = torch.argsort(length, descending=True, stable=True)
+    row, start, length, slot = row[order], start[order], length[order], slot[order]
+    ends = torch.stack([(length > lo).sum() for lo, _ in _BUCKETS])
+    # the split rows first, in row order (a stable sort: no value-sized output)
+    splits = pieces > 1
+    split_row = torch.argsort((~splits).to(torch.int8), stable=True)[:max_split]
+    spieces = torch.where(splits, pieces, 0)
+    idt = index_dtype(num_edges, n + 1, max_items, max_pieces)
+    bounds = torch.cat([ends.new_zeros(1), ends, splits.sum().reshape(1)])
+    return _Schedule(row.to(idt), start.to(idt), length.to(idt), slot.to(idt), bounds,
+                     split_row.to(idt), (torch.cumsum(spieces, 0) - spieces)[split_row].to(idt),
+                     pieces[split_row].to(idt), max_pieces)
+
+
+@dataclass
+class _Plan:
+    """Everything the kernels need about one graph, cached on its ``edge_index``."""
+
+    layout: Layout
+    csr_eid: Tensor  # [E] original edge id of each CSR position
+    csc_eid: Tensor  # [E] original edge id of each CSC position
+    dst_items: _Schedule  # over destinations (CSR)
+    src_items: _Schedule  # over sources (CSC)
+    # whether each schedule (destinations, sources) has split rows; None until an
+    # eager call reads it (_split_rows)
+    splits: Optional[Tuple[bool, bool]] = None
+
+
+def _plan(plan: GraphPlan) -> _Plan:
+    """The kernels' view of ``plan`` (built once, kept on the plan)."""
+    def build():
+        lay = plan.layout()
+        idt = lay.src.dtype
+        E = lay.num_edges
+        return _Plan(lay, lay.perm.to(idt), lay.perm[lay.csc_edge.long()].to(idt),
+                     _build_schedule(lay.ptr, E, _SPLIT), _build_schedule(lay.csc_ptr, E, _SPLIT))
+
+    return plan.derived(("triton.plan", _SPLIT), build)
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_fwd_kernel, InterpretedFunction)
+
+
+def _tile() -> Tuple[int, int]:
+    """(tile elements, max rows per program): the compiled kernels' register
+    budget, or the interpreter's few wide programs."""
+    return (_TILE_INTERPRETER, _MAX_ROWS_INTERPRETER) if _interpreted() else (_TILE, _MAX_ROWS)
+
+
+def _rows_per_program(block_e: int, width: int) -> int:
+    tile, max_rows = _tile()
+    r = max(1, min(max_rows, tile // (block_e * width)))
+    return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
+
+
+def _max_registers(warps: int, heavy: bool = False) -> int:
+    """Registers per thread the row kernels may use (ptxas ``.maxnreg``): as many as
+    let two programs of ``warps`` warps share an SM's 64K-register file (sm_80 and
+    sm_90), half the :data:`_PROGRAMS_PER_SM` a launch runs; at most 255. ``heavy``
+    (the dst backward, which holds the scorer's tiles and the gradients' at once):
+    255 whatever the warps, as at 8 warps (C >= 128) with edge features, dropout and
+    returned weights it spilled 16-32 bytes on sm_80 under 128.
+
+    Without an explicit cap ptxas picks a register count itself and at some shapes
+    spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
+    255 allowed); with one it takes what the kernel needs up to the cap and none of
+    the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
+    spills at the shapes users run"). tests/test_triton_compile.py holds both."""
+    return 255 if heavy else min(255, (1 << 16) // (2 * 32 * warps))
+
+
+def _warps(width: int, acc) -> int:
+    """Warps per program: 8 for tiles of wide rows (>= 128 channels) or float64,
+    whose temporaries spill at 4 warps (ptxas, sm_90: GATv2's forward with edge
+    features spilled 2 KB per thread at C = 128 and 3.8 KB in float64 at C = 64;
+    none at 8 warps); else 4. See benchmarks/results/triton_compile.md."""
+    return 8 if width >= 128 or acc == tl.float64 else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs(device: torch.device, H: int) -> int:
+    """Programs per launch: the kernels loop over their blocks of lanes (a block
+    ``b`` is run by program ``b mod programs``), so the grid is a constant of the
+    device and no launch depends on the graph's degrees. A multiple of ``H``, so
+    that each lane of a program keeps one head (GATv2's ``att`` partials)."""
+    if device.type == "cuda":
+        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n *= _PROGRAMS_PER_SM
+    else:  # the interpreter runs programs one after another
+        n = _PROGRAMS_INTERPRETER
+    return H * -(-n // H)
+
+
+def _bucket_launches(width: int) -> List[Tuple[int, int, int]]:
+    """``(first bucket, end bucket, BLOCK_E)`` of each launch: consecutive buckets
+    whose edge tiles are clamped to one width at wide channels compile to one
+    kernel, and run as one launch."""
+    tile = _tile()[0]
+    cap = 1 << (max(1, tile // width).bit_length() - 1)
+    out: List[Tuple[int, int, int]] = []
+    for b, (_, block_e) in enumerate(_BUCKETS):
+        block_e = min(block_e, cap)
+        if out and out[-1][2] == block_e:
+            out[-1] = (out[-1][0], b + 1, block_e)
+        else:
+            out.append((b, b + 1, block_e))
+    return out
+
+
+def _launch(kernel, items: _Schedule, H: int, width: int, *args, part_att: Optional[Tensor] = None,
+            **consts) -> None:
+    """Launch ``kernel`` over the length buckets of ``items`` (longest first), one
+    launch per distinct edge tile, each of :func:`_programs` programs.
+
+    The kernel's leading arguments are the item arrays, ``bounds`` and the range
+    of buckets it covers; it reads where its items start and end from ``bounds``
+    on the device. ``part_att`` (GATv2's ``att`` gradient) takes one ``[CK]``
+    partial per lane of each program, the launches' one after another.
+    """
+    programs = _programs(items.bounds.device, H)
+    offset = 0
+    for lo, hi, block_e in _bucket_launches(width):
+        lanes = _rows_per_program(block_e, width)
+        extra = {} if part_att is None else {"part_att": part_att[offset:]}
+        offset += programs * lanes
+        warps = _warps(width, consts["ACC"])
+        wrap_triton(kernel)[(programs,)](items.row, items.start, items.length, items.slot, items.bounds,
+                            *args, B_LO=lo, B_HI=hi, BLOCK_R=lanes, BLOCK_E=block_e,
+                            num_warps=warps, maxnreg=_max_registers(warps, kernel is _bwd_dst_kernel),
+                            **extra, **consts)
+
+
+def _att_partials(width: int, H: int, device: torch.device) -> int:
+    """Rows of the ``part_att`` buffer :func:`_launch` fills."""
+    return sum(_programs(device, H) * _rows_per_program(block_e, width)
+               for _, _, block_e in _bucket_launches(width))
+
+
+def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,
+           part_lse: Optional[Tensor] = None) -> None:
+    """Combine the pieces of split rows into their rows, one launch: plain sums
+    (``out[row] = sum_p part_p``), or with ``lse`` the pieces' softmax results
+    (``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``)."""
+    if not items.max_split:  # no row can be split on a graph this small
+        return
+    C = out.size(2) if out.dim() == 3 else 1
+    block_c = triton.next_power_of_2(C)
+    lanes = max(1, min(_tile()[1], _tile()[0] // block_c))
+    lanes = 1 << (lanes.bit_length() - 1)
+    softmax = lse is not None
+    wrap_triton(_merge_kernel)[(_programs(out.device, H),)](
+        items.bounds, items.split_row, items.split_first, items.split_count, part,
+        part_lse if softmax else part, out, lse if softmax else out, H, C,
+        SOFTMAX=softmax, ACC=_tl_acc(part.dtype), BLOCK_R=lanes, BLOCK_C=block_c)
+
+
+def _tl_acc(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
