@@ -291,3 +291,20 @@ def test_the_private_name_rule_catches_each_form():
     for code, where in [*flagged.items(), *((c, bench) for c in allowed)]:
         found = private_uses(where, code, library_private)
         assert bool(found) == (code in flagged), (code, found)
+
+
+def test_only_the_plan_module_touches_the_plans_internals():
+    """GraphPlan's private attributes and methods are read or written only in
+    gatlib/_plan.py (the rest of the library calls its functions); other
+    objects' own ``self._x`` of the same names are theirs."""
+    tree = ast.parse((PKG / "_plan.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GraphPlan")
+    internals = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and _private(n.attr)}
+    internals |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and _private(n.name)}
+    assert {"_layout", "_base_ei", "_owned", "_derived"} <= internals
+    offenders = [f"{path.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}"
+                 for path in sorted(PKG.rglob("*.py")) if path.name != "_plan.py"
+                 for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Attribute) and n.attr in internals
+                 and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+    assert not offenders, "GraphPlan's internals outside gatlib/_plan.py:\n" + "\n".join(offenders)
