@@ -406,6 +406,20 @@ def checked_edge_list(edge_index, num_src: Optional[int], num_dst: Optional[int]
     return ei, layout_fn
 
 
+def owned_plan(ei: Tensor, num_src: int, num_dst: int,
+               layout_fn: Optional[Callable[[], Layout]] = None) -> GraphPlan:
+    """A plan around a checked int64 ``[2, E]`` (:func:`checked_edge_list`'s) that
+    nobody else holds: no copy."""
+    return GraphPlan._owned(ei, num_src, num_dst, layout_fn)
+
+
+def base_edge_index(plan: GraphPlan) -> Optional[Tensor]:
+    """The ``[2, E]`` edges of a :meth:`~GraphPlan.with_self_loops` plan (or of
+    :func:`as_plan`'s with ``self_loops``) before the loops were added (read-only);
+    ``None`` for a plan made otherwise."""
+    return plan._base_ei
+
+
 def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.device,
             self_loops: bool = False, loop_nodes: Optional[int] = None) -> GraphPlan:
     """The plan a layer runs on: ``edge_index`` itself if it is a :class:`GraphPlan`

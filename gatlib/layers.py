@@ -66,7 +66,7 @@ from ._core import EdgeScore, combine_heads, segment_softmax
 from ._dispatch import attend_planned, check_backend_name
 from ._heads import per_head_mm
 from ._record import log as _log
-from ._plan import GraphPlan, as_plan, checked_edge_list
+from ._plan import GraphPlan, as_plan, base_edge_index, checked_edge_list, owned_plan
 
 # MessagePassing's extension points: a subclass (or an instance) that replaces one
 # of these asks for PyG's message-passing flow, which the attention core cannot run.
@@ -203,7 +203,7 @@ class _AttentionConv(MessagePassing):
         :func:`gatlib._adjacency.edge_features`).
         """
         plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
-        edges = plan._base_ei if self_loops else None  # [2, E] before the loops (read-only)
+        edges = base_edge_index(plan) if self_loops else None  # [2, E] before the loops (read-only)
         if V.is_adjacency(edge_index):
             edge_attr = A.edge_features(edge_index, edge_attr, self.edge_dim, self_loops, x)
             if self_loops:
@@ -436,7 +436,7 @@ class GATConv(_AttentionConv):
             num_dst = int(ei[1].max()) + 1 if ei.numel() > 0 else 0
             # PyG adds self-loops for all N_s source nodes in this case.
             num_dst = max(num_dst, num_src) if self.add_self_loops else num_dst
-            graph = GraphPlan._owned(ei, num_src, num_dst, layout_fn)
+            graph = owned_plan(ei, num_src, num_dst, layout_fn)
         # Self-loops go on the first min(N_s, N_t) nodes, as in PyG.
         loop_nodes = min(size) if size is not None else None
         plan, edge_attr = self._graph(graph, edge_attr, num_src, num_dst, x_src,

@@ -348,7 +348,7 @@ def _tiny_spec(tmp_path, n=300, e=1000, f=8):
     data = synthetic.synthetic_graph(f"synthetic:{n}:{e}:{f}")
     inputs = tmp_path / "inputs.pt"
     torch.save({"x": data.x, "edge_index": data.edge_index,
-                "edge_index_loops": compare._with_self_loops(data.edge_index, n)}, inputs)
+                "edge_index_loops": compare.with_self_loops(data.edge_index, n)}, inputs)
     return {"builder": "gatlib.bench.compare:measured_call", "inputs": str(inputs),
             "layer": "gatv2", "pass": "forward+backward", "scope": "layer", "heads": 2,
             "channels": 8, "classes": None, "dtype": "float32", "backend": "auto",

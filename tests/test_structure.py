@@ -1,6 +1,7 @@
 """Architecture rules: each piece of attention maths in its one home; no import cycles; the
 library imports nothing from the benchmark harness; kernels read the score's
-kind, not its class; provenance and result files are written in one place."""
+kind, not its class; provenance and result files are written in one place;
+the harness and benchmarks/ use public names only (gatlib.introspect for the kernels)."""
 import ast
 import io
 import re
@@ -272,3 +273,157 @@ def test_private_torch_api_only_where_listed():
     assert found == set(PRIVATE_TORCH_API)  # (and the list holds nothing that is gone)
     doc = (ROOT / "docs" / "compile.md").read_text()
     assert all(name.split(".")[-1] in doc for name in PRIVATE_TORCH_API)
+
+
+# ---------------------------------------------------------------------------
+# Public names only outside the library
+# ---------------------------------------------------------------------------
+HARNESS = [*sorted((PKG / "bench").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+# getattr-like calls whose string argument names an attribute
+ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr", "object"}  # (mock.patch.object)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def library_private_names():
+    """The private names the library defines: functions, classes and methods,
+    module-level names, and attributes it assigns (``self._layout = ...``)."""
+    names = set()
+    for path in PKG.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+        names.add(path.stem)
+    return {n for n in names if _private(n)}
+
+
+def _root(node):
+    """The name an attribute chain, call or subscript starts from (or None)."""
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_uses(rel: str, source: str, library_private) -> list:
+    """Where ``source``, of ``rel`` (a module of gatlib/bench or a script of benchmarks/), uses
+    a private name of gatlib: imports a private gatlib module or name
+    (``from gatlib._x import``, ``from gatlib import _x``, ``import gatlib._x``,
+    ``from .._x import``, ``from .mod import _name``), reads a private attribute of
+    a gatlib module (``_triton.x``, ``measure._child_env``) or a private name the
+    library defines on any object that is not another package's (``plan._layout``,
+    ``getattr(m, "_tile")``); or, in benchmarks/, imports another script."""
+    tree = ast.parse(source)
+    package = "gatlib.bench" if rel.startswith("gatlib/bench/") else None
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} | {"benchmarks"}
+    gatlib_names, foreign_names, found = set(), {"self", "cls"}, []
+
+    def flag(node, what):
+        found.append(f"{rel}:{node.lineno}: {what}")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                bound = a.asname or parts[0]
+                if parts[0] == "gatlib":
+                    gatlib_names.add(bound)
+                    if any(map(_private, parts)):
+                        flag(node, f"import {a.name}")
+                else:
+                    foreign_names.add(bound)
+                if package is None and parts[0] in scripts:
+                    flag(node, f"a script imports another script: import {a.name}")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                assert package, f"{rel}: a relative import outside gatlib/bench"
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            parts = module.split(".")
+            bound = {a.asname or a.name for a in node.names}
+            if package is None and parts[0] in scripts:
+                flag(node, f"a script imports another script: from {module} import ...")
+            if parts[0] != "gatlib":
+                foreign_names |= bound
+                continue
+            gatlib_names |= bound
+            if any(map(_private, parts)) or any(_private(a.name) for a in node.names):
+                flag(node, f"from {module} import {', '.join(a.name for a in node.names)}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            root = _root(node.value)
+            if root in gatlib_names or (node.attr in library_private and root not in foreign_names):
+                flag(node, f"private attribute: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))
+              and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr) in ATTRIBUTE_CALLS
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+              and node.args[1].value in library_private):
+            flag(node, f"private attribute by name: {ast.unparse(node)}")
+    return sorted(found, key=lambda f: int(f.split(":")[1]))
+
+
+def test_the_harness_and_benchmarks_use_public_names_only():
+    """gatlib/bench and benchmarks/ see the library as its users do — gatlib,
+    gatlib.layers, gatlib.models — plus the kernels' documented introspection
+    surface, gatlib.introspect; no script imports another script's helper, no
+    harness module another's private name. (The library's internals stay free
+    to change; tests/ may look inside.)"""
+    library_private = library_private_names()
+    assert {"_layout", "_triton", "_dispatch", "_SPLIT", "_check_interpreter"} <= library_private
+    offenders = [f for path in HARNESS
+                 for f in private_uses(path.relative_to(ROOT).as_posix(), path.read_text(), library_private)]
+    assert not offenders, "private gatlib names outside the library:\n" + "\n".join(offenders)
+
+
+def test_the_private_name_rule_catches_each_form():
+    """The rule above, on one line of each form it must flag, and on the
+    private names of other packages that the harness may use."""
+    library_private = library_private_names()
+    bench, benchmarks = "gatlib/bench/probe.py", "benchmarks/probe.py"
+    flagged = {
+        "from gatlib._triton import attention": bench,
+        "from gatlib import _triton": bench,
+        "import gatlib._plan": bench,
+        "from .. import _dispatch": bench,
+        "from .._plan import GraphPlan": bench,
+        "from .compare import _helper": bench,
+        "from . import measure\nmeasure._child_env()": bench,
+        "import gatlib\ngatlib._triton.attention": bench,
+        "plan = make()\nplan._layout = None": benchmarks,
+        "x = getattr(m, '_tile')": benchmarks,
+        "import plan_cost": benchmarks,
+        "from per_batch import main": benchmarks,
+    }
+    allowed = ["import torch\ntorch._dynamo.reset()",
+               "from torch._dynamo.utils import counters",
+               "from triton.runtime import driver\ndriver._active = None",
+               "def f(func):\n    return func._schema.name",
+               "from gatlib import introspect\nintrospect.TRITON_SPLIT",
+               "from .compare import with_self_loops"]
+    for code, where in [*flagged.items(), *((c, bench) for c in allowed)]:
+        found = private_uses(where, code, library_private)
+        assert bool(found) == (code in flagged), (code, found)
+
+
+def test_only_the_plan_module_touches_the_plans_internals():
+    """GraphPlan's private attributes and methods are read or written only in
+    gatlib/_plan.py (the rest of the library calls its functions); other
+    objects' own ``self._x`` of the same names are theirs."""
+    tree = ast.parse((PKG / "_plan.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GraphPlan")
+    internals = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and _private(n.attr)}
+    internals |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and _private(n.name)}
+    assert {"_layout", "_base_ei", "_owned", "_derived"} <= internals
+    offenders = [f"{path.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}"
+                 for path in sorted(PKG.rglob("*.py")) if path.name != "_plan.py"
+                 for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Attribute) and n.attr in internals
+                 and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+    assert not offenders, "GraphPlan's internals outside gatlib/_plan.py:\n" + "\n".join(offenders)

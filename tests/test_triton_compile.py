@@ -226,7 +226,7 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
 
         knobs.runtime.jit_cache_hook = hook
         N = selftest.NUM_NODES
-        with triton_compile._stand_in_driver():
+        with triton_compile.stand_in_driver():
             for n, e, seed in ((N, 4 * (N - 21), 0), (N - 13, 4 * (N - 34) + 7, 1)):
                 keys.append(set())
                 g = torch.Generator().manual_seed(seed)

@@ -179,7 +179,9 @@ def load_graph(name: str, data_dir: Path, seed: int = 0) -> Graph:
                  "gatlib.bench.synthetic (Chung-Lu power-law degrees, made undirected)", params)
 
 
-def _with_self_loops(edge_index: Tensor, num_nodes: int) -> Tensor:
+def with_self_loops(edge_index: Tensor, num_nodes: int) -> Tensor:
+    """``edge_index`` with its self-loops replaced by one per node (PyG's
+    ``remove_self_loops`` then ``add_self_loops``): what TransformerConv gets."""
     from torch_geometric.utils import add_self_loops, remove_self_loops
 
     return add_self_loops(remove_self_loops(edge_index)[0], num_nodes=num_nodes)[0]
@@ -860,7 +862,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg["scope"] == "layer":
         x.requires_grad_()  # the input gradient is part of a layer's backward
     ei = graph.edge_index.to(device)
-    ei_loops = _with_self_loops(ei, N)
+    ei_loops = with_self_loops(ei, N)
     report = {
         "schema": SCHEMA,
         "command": command_line(),

@@ -9,7 +9,7 @@ launch, on CPU tensors:
   :mod:`gatlib.bench.triton_compile`. Its ``jit_cache_hook`` counts every
   launch attempt and skips the compile and the launch — so nothing is ever
   cached and the hook sees each launch, not each specialisation. The kernels'
-  tiles and buckets are the GPU's (``_triton._tile()`` is the compiled one),
+  tiles and buckets are the GPU's (those of the compiled kernels, not the interpreter's),
   so the number of launches per call is what a GPU gets; the grid size is the
   interpreter's (it does not change the number of launches).
 * **ATen ops**, through a ``TorchDispatchMode`` that also looks inside gatlib's
@@ -227,21 +227,19 @@ def triton_on_cpu(tally: Tally):
     """Inside: gatlib's Triton backend takes CPU tensors and runs its host code,
     with every launch counted into ``tally.triton`` and skipped.
 
-    ``TritonKernel.available`` admits CPU tensors only under Triton's interpreter
-    (``_dispatch._interpreting``), and the wrapper refuses CPU tensors whose
-    kernels were not built for it (``_triton._check_interpreter``); both are
-    patched for the block — the kernels are Triton's compiled ones, bound and
-    specialised by its real launcher against a stand-in sm_90 driver."""
-    from unittest import mock
-
+    The Triton backend admits CPU tensors only under Triton's interpreter;
+    :func:`gatlib.introspect.triton_admits_cpu_tensors` lifts that for the block
+    — the kernels are Triton's compiled ones, bound and specialised by its real
+    launcher against a stand-in sm_90 driver
+    (:func:`gatlib.bench.triton_compile.stand_in_driver`)."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # (read when triton was first imported)
         raise RuntimeError("counting Triton launches needs Triton's launch path, which "
                            "TRITON_INTERPRET=1 replaces: unset it")
     from triton import knobs
 
-    from gatlib import _dispatch, _triton
+    from gatlib import introspect
 
-    from .triton_compile import _stand_in_driver
+    from .triton_compile import stand_in_driver
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         tally.triton[fn.name] += 1
@@ -250,8 +248,7 @@ def triton_on_cpu(tally: Tally):
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        with _stand_in_driver(), mock.patch.object(_dispatch, "_interpreting", lambda: True), \
-                mock.patch.object(_triton, "_check_interpreter", lambda: None):
+        with stand_in_driver(), introspect.triton_admits_cpu_tensors():
             yield
     finally:
         knobs.runtime.jit_cache_hook = previous
@@ -310,14 +307,14 @@ def cora_like(seed: int = 0) -> Graph:
     power-law degrees, made undirected), its directed edge count chosen so that
     the undirected graph has about Cora's 10,556 edges; Cora's 1,433 features
     and 7 classes. (Launch counts depend on the graph only through whether it
-    can have split rows: any graph of more than ``_triton._SPLIT`` edges.)"""
+    can have split rows: any graph of more than ``gatlib.introspect.TRITON_SPLIT`` edges.)"""
     from . import synthetic
-    from .compare import _with_self_loops
+    from .compare import with_self_loops
 
     n, e, f = CORA["num_nodes"], CORA["num_edges"], CORA["num_features"]
     spec = synthetic.GraphSpec("cora-like", n, e // 2, f)
     data = synthetic.synthetic_graph(spec, seed=seed)
-    return Graph(data.x, data.edge_index, _with_self_loops(data.edge_index, n), CORA["num_classes"],
+    return Graph(data.x, data.edge_index, with_self_loops(data.edge_index, n), CORA["num_classes"],
                  f"gatlib.bench.synthetic {spec}")
 
 

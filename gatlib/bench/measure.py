@@ -277,7 +277,9 @@ def measure_peak_rss(build: Callable[[], Callable], limit_memory: bool = False,
             "hwm_bytes": hwm, "hwm_reset": hwm_reset}
 
 
-def _child_env() -> Dict[str, str]:
+def child_env() -> Dict[str, str]:
+    """The environment for a measuring child process: this process's, with this
+    gatlib first on ``PYTHONPATH`` and glibc's mmap threshold fixed."""
     env = dict(os.environ)
     # Import the same gatlib as the parent, installed or not.
     root = str(Path(__file__).resolve().parents[2])
@@ -310,7 +312,7 @@ def peak_rss_child(spec: Dict, workdir: Path, timeout: Optional[float] = None) -
     with os.fdopen(fd, "w") as f:
         json.dump({**spec, "result": str(result_path)}, f)
     proc = subprocess.run([sys.executable, "-m", module, "--_child", str(spec_path)],
-                          env=_child_env(), capture_output=True, text=True, timeout=timeout)
+                          env=child_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode == 0 and result_path.exists():
         return json.loads(result_path.read_text())
     tail = (proc.stderr or "").strip()[-800:]

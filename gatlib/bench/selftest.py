@@ -310,7 +310,7 @@ def gpu_checks(device: torch.device) -> List[Dict]:
       draws a new mask on every replay (the seed is drawn on the device).
     """
     import gatlib
-    from gatlib import _triton
+    from gatlib import introspect
 
     def call(plan, n, inputs, p=0.5, backward=True):
         leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
@@ -336,7 +336,8 @@ def gpu_checks(device: torch.device) -> List[Dict]:
         return gatlib.GraphPlan(ei, num_nodes=n), inputs
 
     def compiled() -> int:
-        kernels = (_triton._fwd_kernel, _triton._bwd_dst_kernel, _triton._bwd_src_kernel)
+        every = introspect.triton_kernels()
+        kernels = (every["_fwd_kernel"], every["_bwd_dst_kernel"], every["_bwd_src_kernel"])
         return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
 
     checks = []
@@ -363,7 +364,7 @@ def gpu_checks(device: torch.device) -> List[Dict]:
     def no_recompile():
         plan2, inputs2 = graph(NUM_NODES - 13, 4 * (NUM_NODES - 34) + 7, 1)
         plan2.layout()
-        _triton._plan(plan2)  # the schedule is the plan's, built before the count
+        introspect.triton_schedule(plan2)  # the schedule is the plan's, built before the count
         before = compiled()
         call(plan2, NUM_NODES - 13, inputs2)
         torch.cuda.synchronize(device)
@@ -414,7 +415,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
     # The child's progress goes to our stderr as it comes; its last lines are kept.
     tail: collections.deque = collections.deque(maxlen=20)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=measure._child_env())
+                            env=measure.child_env())
     for line in proc.stderr:
         sys.stderr.write(line)
         tail.append(line)
@@ -527,7 +528,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _preflight(device: torch.device) -> None:
     """Raise :class:`CannotRun` with what to do when the kernels cannot run here."""
-    from gatlib._dispatch import KERNELS
+    from gatlib import introspect
 
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -540,14 +541,12 @@ def _preflight(device: torch.device) -> None:
         raise CannotRun("--device cpu runs the Triton kernels in Triton's CPU interpreter, which "
                         "needs TRITON_INTERPRET=1 set at the start of the process: "
                         "TRITON_INTERPRET=1 gatlib selftest --device cpu ...")
-    reason = KERNELS["triton"].available(device)
+    reason = introspect.kernel("triton").available(device)
     if reason is not None:
         raise CannotRun(reason)
     if device.type == "cpu":
-        from gatlib import _triton
-
         try:
-            _triton._check_interpreter()
+            introspect.check_triton_interpreter()
         except RuntimeError as exc:
             raise CannotRun(str(exc)) from None
 

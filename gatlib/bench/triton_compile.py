@@ -4,7 +4,7 @@ Triton's interpreter (``TRITON_INTERPRET=1``), which runs the kernels' tests on
 CPU, never uses Triton's launch path: the generated argument binder, the
 specialisation of arguments and the compiler. This module runs that path:
 
-1. **capture** — the real dispatcher (:func:`gatlib._triton.attention`, forward
+1. **capture** — the real dispatcher (:func:`gatlib.introspect.triton_attention`, forward
    and backward) runs on CPU tensors with a stand-in driver whose current
    target is an NVIDIA GPU. Every ``kernel[grid](...)`` goes through Triton's
    real binder and specialisation; a ``jit_cache_hook`` records what would be
@@ -41,16 +41,16 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from gatlib import EdgeScore, GraphPlan  # noqa: E402
-from gatlib import _triton  # noqa: E402
+from gatlib import introspect  # noqa: E402
 
 TARGETS = {"sm_80": 80, "sm_90": 90}
 KINDS = ("gat", "gatv2", "dot")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 # Channel counts per head: one per power-of-two tile width the kernels pad to,
-# up to the largest they accept (_triton._MAX_C).
+# up to the largest they accept (introspect.TRITON_MAX_CHANNELS).
 CHANNELS = tuple(2 ** i for i in range(11))
-assert CHANNELS[-1] == _triton._MAX_C
+assert CHANNELS[-1] == introspect.TRITON_MAX_CHANNELS
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,14 @@ def default_cases() -> List[Case]:
 
 def capture_graph() -> Tuple[torch.Tensor, int]:
     """A graph whose destination and source schedules fill every length bucket
-    and split a hub (rows longer than ``_triton._SPLIT`` edges)."""
+    and split a hub (rows longer than ``introspect.TRITON_SPLIT`` edges)."""
     g = torch.Generator().manual_seed(0)
     n = 64
-    hub_in = torch.stack([torch.randint(0, n, (2 * _triton._SPLIT + 5,), generator=g),
-                          torch.zeros(2 * _triton._SPLIT + 5, dtype=torch.long)])
-    hub_out = torch.stack([torch.ones(_triton._SPLIT + 3, dtype=torch.long),
-                           torch.randint(0, n, (_triton._SPLIT + 3,), generator=g)])
+    split = introspect.TRITON_SPLIT
+    hub_in = torch.stack([torch.randint(0, n, (2 * split + 5,), generator=g),
+                          torch.zeros(2 * split + 5, dtype=torch.long)])
+    hub_out = torch.stack([torch.ones(split + 3, dtype=torch.long),
+                           torch.randint(0, n, (split + 3,), generator=g)])
     deg = torch.arange(2, n) % 24  # rows of 0..23 edges: every bucket
     dst = torch.repeat_interleave(torch.arange(2, n), deg)
     src = torch.randint(0, n, (dst.numel(),), generator=g)
@@ -160,7 +161,10 @@ class _Driver:
 
 
 @contextlib.contextmanager
-def _stand_in_driver(arch: int = 90):
+def stand_in_driver(arch: int = 90):
+    """Inside: Triton's active driver is a stand-in NVIDIA GPU of compute
+    capability ``arch`` (no GPU needed): its launch binder and compiler target
+    that GPU; nothing can be launched or timed."""
     from triton.runtime import driver
 
     previous = driver._active  # None until first used: without a GPU it cannot be made
@@ -189,7 +193,7 @@ class Spec:
     def specialised_ints(self) -> List[str]:
         """Integer arguments Triton specialised on their value (== 1, or divisible
         by 16): each new value of those compiles a new kernel."""
-        fn = getattr(_triton, self.kernel)
+        fn = introspect.triton_kernels()[self.kernel]
         names = []
         for i, name in enumerate(fn.arg_names):
             if self.signature.get(name) in ("i32", "i64", "constexpr") and not name.isupper():
@@ -199,7 +203,7 @@ class Spec:
 
     def consts_label(self) -> str:
         names = {}
-        fn = getattr(_triton, self.kernel)
+        fn = introspect.triton_kernels()[self.kernel]
         for k, v in self.constexprs.items():
             name = fn.arg_names[k[0]] if isinstance(k, tuple) else k
             if not name.isupper():
@@ -238,17 +242,18 @@ def capture(cases: Iterable[Case]) -> List[Spec]:
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        with _stand_in_driver():
+        with stand_in_driver():
             for case in cases:
                 current[:] = [case.label]
                 torch.manual_seed(0)
                 score, value, value_edge = _case_tensors(case, n, E)
-                out, alpha = _triton.attention(score, value, plan, value_edge, 0.1 if case.dropout else 0.0,
-                                               case.alpha)
+                out, alpha = introspect.triton_attention(score, value, plan, value_edge,
+                                                          0.1 if case.dropout else 0.0, case.alpha)
                 loss = out.float().sum() + (alpha.float().sum() if case.alpha else 0)
                 loss.backward()
                 if case.dropout:  # the mask the double backward regenerates
-                    _triton.dropout_keep_mask(plan, case.heads, 0.1, _triton._draw_seed(torch.device("cpu")))
+                    introspect.dropout_keep_mask(plan, case.heads, 0.1,
+                                                 introspect.draw_dropout_seed(torch.device("cpu")))
     finally:
         knobs.runtime.jit_cache_hook = previous
     return list(specs.values())
@@ -342,7 +347,7 @@ def ttir(spec: Spec, target: str = "sm_90", fn=None) -> str:
     gpu = GPUTarget("cuda", TARGETS[target], 32)
     backend = make_backend(gpu)
     options = backend.parse_options(dict(spec.options))
-    src = ASTSource(fn or getattr(_triton, spec.kernel), spec.signature, spec.constexprs,
+    src = ASTSource(fn or introspect.triton_kernels()[spec.kernel], spec.signature, spec.constexprs,
                     spec.attrs)
     context = ir.context()
     ir.load_dialects(context)
@@ -366,7 +371,7 @@ def compile_spec(spec: Spec, target: str) -> Dict:
     from triton import knobs
     from triton.compiler import ASTSource
 
-    fn = getattr(_triton, spec.kernel)
+    fn = introspect.triton_kernels()[spec.kernel]
     src = ASTSource(fn, spec.signature, spec.constexprs, spec.attrs)
     log = io.StringIO()
     start = time.perf_counter()
