@@ -45,14 +45,16 @@ __all__ = [
 
 # Public name -> the Triton module's constant (resolved on first read, below).
 _TRITON_CONSTANTS = {
-    "TRITON_SPLIT": "_SPLIT",  # longest run of edges one work item handles; longer rows are split
-    "TRITON_MAX_CHANNELS": "_MAX_C",  # most channels per head the kernels take
+    # longest run of edges one work item handles; longer rows are split
+    "TRITON_SPLIT": ("_triton_schedule", "_SPLIT"),
+    "TRITON_MAX_CHANNELS": ("_triton", "_MAX_C"),  # most channels per head the kernels take
 }
 
 
 def __getattr__(name: str):
     if name in _TRITON_CONSTANTS:
-        return getattr(_kernels(), _TRITON_CONSTANTS[name])
+        module, attr = _TRITON_CONSTANTS[name]
+        return getattr(_triton_module(module), attr)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -61,10 +63,16 @@ def __dir__():
 
 
 def _kernels():
-    """The Triton kernels' module (imports triton)."""
-    from . import _triton
+    """The Triton kernels' entry module (imports triton)."""
+    return _triton_module("_triton")
 
-    return _triton
+
+def _triton_module(name: str):
+    """One of the Triton kernels' modules (``_triton``, ``_triton_kernels``,
+    ``_triton_schedule``; imports triton)."""
+    import importlib
+
+    return importlib.import_module(f"gatlib.{name}")
 
 
 def kernel(name: str) -> "_dispatch.Kernel":
@@ -82,7 +90,7 @@ def triton_kernels() -> Dict[str, object]:
     from triton.runtime import JITFunction
     from triton.runtime.interpreter import InterpretedFunction
 
-    return {name: fn for name, fn in vars(_kernels()).items()
+    return {name: fn for name, fn in vars(_triton_module("_triton_kernels")).items()
             if name.endswith("_kernel") and isinstance(fn, (JITFunction, InterpretedFunction))}
 
 
@@ -99,7 +107,7 @@ def triton_schedule(plan: "GraphPlan") -> object:
     """The Triton kernels' view of ``plan`` (layout, edge permutations, the
     destination and source work schedules), built on first use and kept on the
     plan: call it to build it before something is counted or timed."""
-    return _kernels()._plan(plan)
+    return _triton_module("_triton_schedule")._plan(plan)
 
 
 def check_triton_interpreter() -> None:

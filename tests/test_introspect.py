@@ -36,24 +36,24 @@ def test_importing_it_needs_no_triton():
 
 @needs_triton
 def test_triton_names_are_the_kernels_own():
-    from gatlib import _triton
+    from gatlib import _triton, _triton_kernels, _triton_schedule
 
-    assert introspect.TRITON_SPLIT == _triton._SPLIT
+    assert introspect.TRITON_SPLIT == _triton_schedule._SPLIT
     assert introspect.TRITON_MAX_CHANNELS == _triton._MAX_C
     kernels = introspect.triton_kernels()
     assert {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel", "_alpha_kernel", "_keep_kernel",
             "_merge_kernel"} == set(kernels)
     for name, fn in kernels.items():
-        assert fn is getattr(_triton, name) and fn.__name__ == name
+        assert fn is getattr(_triton_kernels, name) and fn.__name__ == name
     assert not hasattr(introspect, "NO_SUCH_NAME")  # (__getattr__ raises AttributeError)
 
 
 @needs_triton
 def test_triton_functions_call_the_kernels_own(monkeypatch):
-    from gatlib import _triton
+    from gatlib import _triton, _triton_schedule
 
     plan = gatlib.GraphPlan(torch.tensor([[0, 1, 2, 2], [1, 2, 0, 1]]), num_nodes=3)
-    assert introspect.triton_schedule(plan) is _triton._plan(plan)  # built once, kept on the plan
+    assert introspect.triton_schedule(plan) is _triton_schedule._plan(plan)  # built once, kept on the plan
     seed = introspect.draw_dropout_seed(torch.device("cpu"))
     assert seed.shape == (1,) and seed.dtype == torch.int64
     calls = []
