@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:  # (annotations only: the module needs nothing from the plan)
-    from ._plan import Layout
+    from ._layout import Layout
 
 # Transient per-edge blocks ([chunk, H, C] in the compute dtype) stay this small:
 # large enough that Python overhead per block is noise, small enough to stay in

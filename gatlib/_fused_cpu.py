@@ -18,7 +18,7 @@ passes (:mod:`gatlib._native`) over the plan's CSR and CSC, each reading one
   over blocks of edges of :data:`gatlib._blocks.CHUNK_BYTES` with torch ops.
 
 Per-edge tensors are ``[E, H]`` in the destination-sorted (CSR) edge order of
-the plan's :class:`~gatlib._plan.Layout`.
+the plan's :class:`~gatlib._layout.Layout`.
 
 A call is two ``torch.library`` operators, ``gatlib::fused_cpu_attention`` and
 its backward ``gatlib::fused_cpu_attention_backward``, whose inputs are tensors
@@ -56,7 +56,8 @@ from . import _blocks as B
 from . import _native, _record
 from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads,
                     score_heads)
-from ._plan import GraphPlan, Layout
+from ._layout import Layout
+from ._plan import GraphPlan
 from ._scores import KINDS
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -1,4 +1,4 @@
-r"""Per-head products of the input-space layers (:func:`gatlib.layers._input_space`).
+r"""Per-head products of the input-space layers (:func:`gatlib._conv._input_space`).
 
 Attending the inputs leaves one ``[N, H, K]`` tensor and one matrix per head,
 ``out_h = a_h @ b_h`` for ``h = 1..H`` (the value projection after the

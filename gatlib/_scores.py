@@ -24,7 +24,7 @@ hold every backend to the reference formula (``tests/test_core.py``,
 
 Names: ``s``/``x``/``k`` the per-source term, ``t``/``y``/``q`` the
 per-destination term, ``w`` the per-edge term (edge-list order), ``att``
-GATv2's attention vector; ``lay`` the plan's :class:`~gatlib._plan.Layout`.
+GATv2's attention vector; ``lay`` the plan's :class:`~gatlib._layout.Layout`.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from torch import Tensor
 from . import _blocks as B
 from . import _native
 if TYPE_CHECKING:  # (annotations only: the module needs nothing from the plan)
-    from ._plan import Layout
+    from ._layout import Layout
 
 
 # ---------------------------------------------------------------------------

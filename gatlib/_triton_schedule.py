@@ -21,7 +21,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from ._plan import GraphPlan, Layout, index_dtype
+from ._layout import Layout, index_dtype
+from ._plan import GraphPlan
 from ._triton_kernels import _bwd_dst_kernel, _fwd_kernel, _merge_kernel
 
 # Longest run of edges one work item handles; longer rows are split.

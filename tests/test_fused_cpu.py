@@ -9,7 +9,7 @@ import torch
 import gatlib
 from gatlib import _blocks
 from gatlib import _fused_cpu as fc
-from gatlib import _plan
+from gatlib import _layout
 from gatlib import graph_attention
 from gatlib._plan import GraphPlan
 
@@ -29,7 +29,7 @@ def blocks(request, monkeypatch):
     Returns the mode."""
     mode = request.param
     if mode != "small_layout":
-        monkeypatch.setattr(_plan, "SMALL_EDGES", 0)
+        monkeypatch.setattr(_layout, "SMALL_EDGES", 0)
         monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)  # GAT recomputes alpha
     if mode == "tiny_blocks":
         monkeypatch.setattr(_blocks, "CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
@@ -336,7 +336,7 @@ def test_backward_keeps_one_copy_of_the_edges(edge_dim, monkeypatch):
     positions (int32 on a large graph), the edge permutation only with edge
     features, and the offsets — not the destinations in either order, and no copy
     of the edge list, even given a raw edge_index (whose plan dies with the call)."""
-    monkeypatch.setattr(_plan, "SMALL_EDGES", 0)  # the layout of a large graph: int32 indices
+    monkeypatch.setattr(_layout, "SMALL_EDGES", 0)  # the layout of a large graph: int32 indices
     n = 200
     ei = random_graph(n, 3000, seed=7, self_loops=False)
     E = ei.size(1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import gatlib
-from gatlib import _native, _plan
+from gatlib import _layout, _native
 
 from testing import hub_graph, random_graph
 
@@ -22,7 +22,7 @@ def graph(request, monkeypatch):
     """``(layout, src, dst)``: 1,500 sources into 1,200 destinations (the last 200
     without in-edges) with a hub of 3,000 in-edges and repeated edges, its
     layout's indices of the parameter's dtype; ``src``/``dst`` int64, CSR order."""
-    monkeypatch.setattr(_plan, "SMALL_EDGES", 0 if request.param == "int32" else 1 << 62)
+    monkeypatch.setattr(_layout, "SMALL_EDGES", 0 if request.param == "int32" else 1 << 62)
     ei = torch.cat([random_graph(1500, 20000, num_dst=1000, seed=3),
                     hub_graph(1000, 3000, hub=7)[:, :3000], random_graph(1500, 50, num_dst=1000, seed=3)],
                    dim=1)

@@ -11,8 +11,8 @@ from torch_geometric.utils import add_self_loops, remove_self_loops
 
 import gatlib
 from gatlib import GraphPlan
-from gatlib import _plan
-from gatlib._plan import build_layout
+from gatlib import _layout
+from gatlib._layout import build_layout
 
 from testing import count_sorts, graphs, random_graph
 
@@ -220,7 +220,7 @@ def test_nbytes_counts_what_the_plan_derived(monkeypatch):
     assert plan.nbytes == 2 * E * 8 + 8 * ((n + 1) + 3 * E)
     _ = lay.csc_ptr  # + int64 csc_ptr [N+1], csc_edge/csc_dst [E], derived when first read
     assert plan.nbytes == 2 * E * 8 + 8 * (2 * (n + 1) + 5 * E)
-    monkeypatch.setattr(_plan, "SMALL_EDGES", E)  # as a large graph: int32, CSC with the CSR
+    monkeypatch.setattr(_layout, "SMALL_EDGES", E)  # as a large graph: int32, CSC with the CSR
     plan = GraphPlan(random_graph(n, E, seed=7), num_nodes=n)
     lay = plan.layout()
     assert lay.csc is not None and lay.src.dtype == torch.int32 and lay.perm.dtype == torch.int64

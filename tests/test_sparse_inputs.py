@@ -14,7 +14,7 @@ from torch_geometric.utils import (to_edge_index, to_torch_coo_tensor, to_torch_
 
 import gatlib
 from gatlib import GraphPlan
-from gatlib._plan import build_layout
+from gatlib._layout import build_layout
 
 from testing import LAYERS, count_sorts, kernels
 
@@ -502,7 +502,9 @@ def forbid(monkeypatch, name):
     def fail(*a, **kw):
         raise AssertionError(f"{name} ran")
 
-    monkeypatch.setattr(gatlib._plan, name, fail)
+    for module in (gatlib._plan, gatlib._layout):  # wherever the name is looked up
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, fail)
 
 
 @pytest.mark.parametrize("fmt", ["csr", pytest.param("sparse_tensor", marks=requires_torch_sparse), "csc"])

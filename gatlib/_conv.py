@@ -1,0 +1,238 @@
+r"""What the three layers of :mod:`gatlib.layers` share: their ``MessagePassing``
+base (argument checks, input splitting, the graph and its self-loops, the call
+of the attention core, the output, the detour through ``propagate`` where a
+subclass or a hook asks for PyG's flow), and the rule for attending in input
+space (:func:`_input_space`) with the per-head projection after it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn.parameter import UninitializedTensorMixin
+from torch_geometric.nn.conv import MessagePassing
+from torch_geometric.nn.dense.linear import Linear
+from torch_geometric.typing import OptPairTensor
+from torch_geometric.utils import add_self_loops as _add_self_loops
+from torch_geometric.utils import remove_self_loops as _remove_self_loops
+
+from . import _adjacency as A
+from . import _validate as V
+from ._dispatch import attend_planned, check_backend_name
+from ._heads import per_head_mm
+from ._plan import GraphPlan, as_plan, base_edge_index
+from ._record import log as _log
+
+# The module of gatlib's own layers: a class defined there is a gatlib layer, a
+# subclass defined anywhere else a user's (see _AttentionConv.__init_subclass__).
+LAYERS_MODULE = "gatlib.layers"
+
+# MessagePassing's extension points: a subclass (or an instance) that replaces one
+# of these asks for PyG's message-passing flow, which the attention core cannot run.
+_EXTENSION_POINTS = ("message", "aggregate", "update", "message_and_aggregate", "edge_update",
+                     "explain_message")
+_HOOKS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
+          "_message_forward_pre_hooks", "_message_forward_hooks",
+          "_aggregate_forward_pre_hooks", "_aggregate_forward_hooks",
+          "_message_and_aggregate_forward_pre_hooks", "_message_and_aggregate_forward_hooks",
+          "_edge_update_forward_pre_hooks", "_edge_update_forward_hooks")
+
+
+class _AttentionConv(MessagePassing):
+    """Shared plumbing: argument checks, input splitting, self-loops, output.
+
+    The layers are PyG ``MessagePassing`` modules, so PyG recognises them wherever
+    it looks for one (``to_hetero``, ``HeteroConv``, explainers). An ordinary call
+    runs the attention core. A call that uses one of MessagePassing's extension
+    points — a subclass's (or instance's) own ``message``, ``edge_update``,
+    ``aggregate``, ``update`` or ``explain_message``, or a registered propagate,
+    message, aggregate or edge-update hook — runs through
+    :meth:`MessagePassing.propagate` with the layer's ``edge_update`` and
+    ``message``, exactly as PyG's layer would; it is logged as ``"propagate"`` by
+    :func:`gatlib.record_kernels`, and a layer built with a backend other than
+    ``"auto"``/``"torch"`` raises instead, since that kernel cannot honour it.
+    Explain mode (PyG's explainers' edge masks) needs no such detour: the mask
+    becomes a per-edge weight of the attention core (:meth:`_explain_weight`).
+
+    A ``*_type`` comment above each ``propagate``/``edge_updater`` call names the
+    types passed, as in PyG's layers: PyG's ``Inspector`` reads it (for the
+    ``propagate`` that ``MessagePassing`` generates, and for code that inspects a
+    layer) and would otherwise take every argument for a ``Tensor``.
+    """
+
+    def __init__(self):
+        super().__init__(aggr="add", node_dim=0)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == LAYERS_MODULE:  # gatlib's own layers; a user's subclass inherits it
+            cls._gatlib_layer = cls
+
+    def _propagate_reason(self) -> Optional[str]:
+        """Why this call must run through ``propagate``, or ``None``."""
+        cls, base, own = type(self), self._gatlib_layer, self.__dict__
+        for name in _EXTENSION_POINTS:  # a gatlib class is compared only when subclassed
+            if name in own or (cls is not base and getattr(cls, name) is not getattr(base, name)):
+                return f"{name}() is overridden"
+        for name in _HOOKS:
+            if own[name] if name in own else getattr(self, name):
+                return f"a {name.strip('_').replace('_', ' ')[:-1]} is registered"
+        return None
+
+    def _explain_weight(self, plan: GraphPlan) -> Optional[Tensor]:
+        """In explain mode, the edge mask PyG's explainer set, as a weight per edge
+        of ``plan`` — by ``MessagePassing.explain_message``'s rule: sigmoid if
+        asked, and where the layer added self-loops, the mask's own self-loop
+        entries dropped and the added loops weighted 1."""
+        if not self.explain:
+            return None
+        mask = self._edge_mask
+        if mask is None:
+            raise ValueError(f"{type(self).__name__} is in explain mode but has no edge mask "
+                             "(_edge_mask); set one with torch_geometric.explain.algorithm."
+                             "utils.set_masks")
+        if self._apply_sigmoid:
+            mask = mask.sigmoid()
+        if mask.size(0) != plan.num_edges and self._loop_mask is not None:
+            mask = torch.cat([mask[self._loop_mask], mask.new_ones(plan.num_dst)])
+        if mask.size(0) != plan.num_edges:
+            raise ValueError(f"the edge mask has {mask.size(0)} entries but the layer attends "
+                             f"over {plan.num_edges} edges")
+        return mask
+
+    def _use_propagate(self) -> Optional[str]:
+        reason = self._propagate_reason()
+        if reason is not None:
+            if self.backend not in ("auto", "torch"):
+                raise ValueError(f"backend={self.backend!r} cannot run this call: {reason}, "
+                                 "which only MessagePassing.propagate honours; build the layer "
+                                 "with backend='auto' or 'torch'")
+            _log("propagate")
+        return reason
+
+    def _user_edge_attr(self, edge_attr) -> bool:
+        """Whether a subclass's own ``edge_update``/``message`` may read ``edge_attr``
+        (asked only where it matters: features given to a layer without ``edge_dim``)."""
+        if edge_attr is None or self.edge_dim is not None:
+            return False
+        reason = self._propagate_reason()
+        return reason is not None and reason.startswith(("edge_update", "message"))
+
+    # With a torch.sparse adjacency, PyG's GAT layers return the adjacency holding
+    # alpha; its TransformerConv returns the adjacency it was given.
+    _adjacency_holds_alpha = True
+
+    def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend,
+                      value_dropout):
+        V.check_in_channels("in_channels", in_channels)
+        V.check_positive_int("out_channels", out_channels)
+        V.check_positive_int("heads", heads)
+        V.check_probability("dropout", dropout)
+        V.check_probability("value_dropout", value_dropout)
+        if edge_dim is not None:
+            V.check_positive_int("edge_dim", edge_dim)
+        check_backend_name(backend)
+
+    def _split(self, x, weight: Tensor, allow_missing_dst: bool = False) -> OptPairTensor:
+        """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels``."""
+        in_src, in_dst = ((self.in_channels, self.in_channels)
+                          if isinstance(self.in_channels, int) else self.in_channels)
+        if isinstance(x, Tensor):
+            V.check_features("x", x, in_src, weight)
+            if in_dst != in_src:
+                V.check_features("x", x, in_dst, weight)
+            return x, x
+        if not isinstance(x, (tuple, list)) or len(x) != 2:
+            raise TypeError("x must be a tensor [N, F] or a pair (x_src, x_dst) of tensors; "
+                            f"got {type(x).__name__}")
+        x_src = V.check_features("x[0] (source features)", x[0], in_src, weight)
+        if x[1] is None and allow_missing_dst:
+            return x_src, None
+        x_dst = V.check_features("x[1] (destination features)", x[1], in_dst, weight)
+        return x_src, x_dst
+
+    def _graph(self, edge_index, edge_attr, num_src: int, num_dst: Optional[int], x: Tensor,
+               self_loops: bool, fill_value=None, loop_nodes: Optional[int] = None):
+        """The :class:`GraphPlan` to attend over (with self-loops if asked) and the
+        checked ``edge_attr`` (with the self-loops' fill values).
+
+        ``edge_index`` may be a plan already (then its self-loop'ed twin is kept on
+        it for the next call) or a tensor or sparse adjacency (then the plan lives
+        for this call; an adjacency's values may be the edge features, see
+        :func:`gatlib._adjacency.edge_features`).
+        """
+        plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
+        edges = base_edge_index(plan) if self_loops else None  # [2, E] before the loops (read-only)
+        if V.is_adjacency(edge_index):
+            edge_attr = A.edge_features(edge_index, edge_attr, self.edge_dim, self_loops, x)
+            if self_loops:
+                A.check_loops(edge_index, edges, plan.num_src, plan.num_dst)
+        edge_attr = V.check_edge_attr(edge_attr, plan.num_edges if edges is None else edges.size(1),
+                                      self.edge_dim, x,
+                                      user_defined=self._user_edge_attr(edge_attr))
+        if edges is not None and edge_attr is not None:
+            n = min(plan.num_src, plan.num_dst) if loop_nodes is None else loop_nodes
+            if plan.sink:  # the graph's own loops kept, pointed at the sink (GraphPlan.num_rows)
+                E, sink = edges.size(1), plan.num_dst
+                ei = torch.stack([edges[0], torch.where(edges[0] != edges[1], edges[1], sink)])
+                # PyG's loop features over the remaining edges: the sink's are computed and cut
+                edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value,
+                                            num_nodes=sink + 1)[1][:E + n]
+            else:
+                ei, edge_attr = _remove_self_loops(edges, edge_attr)
+                edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
+        return plan, edge_attr
+
+    def _attend(self, score, value, plan, want_alpha, value_edge=None, concat=None):
+        """Run the attention core over ``plan`` (built by :meth:`_graph` for
+        ``value``'s sources) with this layer's dropout, head mode (or
+        ``concat``) and backend.
+
+        ``alpha`` is only asked for when the caller wants it: a fused backend
+        then skips the extra ``[E, H]`` pass.
+        """
+        if self.value_dropout > 0.0:  # scores above came from the undropped features
+            value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
+        return attend_planned(score, value, plan, value_edge, self.dropout, self.training,
+                              self.concat if concat is None else concat, self.backend,
+                              bool(want_alpha), self._explain_weight(plan))
+
+    def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
+        if not return_attention_weights:
+            return out
+        if V.is_adjacency(edge_index):  # what PyG returns for it
+            return out, A.attention_weights(edge_index, plan, alpha,
+                                            looped=getattr(self, "add_self_loops", False),
+                                            alpha_values=self._adjacency_holds_alpha)
+        # plan.edge_index is a copy: editing it cannot reach the plan
+        return out, (plan.edge_index, alpha)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
+
+
+def _input_space(x: Tensor, lin: Linear, channels: int) -> bool:
+    r"""Whether a layer aggregates its sources' *inputs* and projects afterwards,
+    :math:`\mathbf{out}^h_i = \mathbf{W}_h \sum_j \alpha^h_{ij} \mathbf{x}_j`, instead
+    of aggregating the projected :math:`\mathbf{W}_h \mathbf{x}_j` (the two are
+    equal: the projection is linear). Applied where the input is narrower than a
+    head, ``F < C``: every edge then moves ``F`` instead of ``C`` values per head in
+    both passes of every backend (the fused CPU kernel's forward reads one ``F``-wide
+    row per edge for all heads, against ``H*C``; its backward one ``[H, F]`` gradient
+    row, against ``[H, C]``; a Triton lane and the reference's messages ``F`` per
+    head), while the node-sized work stays one product of the same size, moved to
+    after the aggregation (:func:`_project_heads`). Weights not yet initialised
+    (``in_channels=-1``) take the usual path on their first call."""
+    return x.size(-1) < channels and not isinstance(lin.weight, UninitializedTensorMixin)
+
+
+def _project_heads(agg: Tensor, weight: Tensor, heads: int, concat: bool) -> Tensor:
+    """``W_h agg_h`` for each head from input-space aggregates ``agg`` ``[N, H*F]``
+    and a projection ``weight`` ``[H*C, F]``: heads concatenated ``[N, H*C]``, or
+    averaged ``[N, C]`` (as one ``[N, H*F] @ [H*F, C]`` product)."""
+    HC, F_in = weight.shape
+    w = weight.view(heads, HC // heads, F_in).transpose(1, 2)  # [H, F, C]
+    if concat:
+        return per_head_mm(agg, w)
+    return agg @ w.reshape(heads * F_in, HC // heads) / heads
