@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from gatlib.bench.compare import IMPL_LABELS, LAYERS, has_compiled, report_tables
+from gatlib.bench.compare_report import IMPL_LABELS, LAYERS, has_compiled, report_tables
 from gatlib.bench.report import format_table
 
 # The target setting; with a fresh edge_index per call (graph_input "tensor") every call

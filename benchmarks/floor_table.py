@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from gatlib.bench import floor
-from gatlib.bench.compare import IMPL_LABELS, LAYERS
+from gatlib.bench.compare_report import IMPL_LABELS, LAYERS
 from gatlib.bench.report import format_table
 
 

@@ -57,7 +57,7 @@ def render(reports: List[dict]) -> str:
         "",
         "Written by `benchmarks/make_tables.py` from the `gatlib bench` JSON files in this folder",
         "(`bash benchmarks/run_accuracy.sh`). Test accuracy in %, mean ± sample std over seeds",
-        "0..N-1; model selection on the validation split only (see `gatlib/bench/train.py`).",
+        "0..N-1; model selection on the validation split only (see `gatlib/bench/recipes.py`).",
         "",
     ]
     headers = ["dataset", "model", "device", "runs", "test acc (%)", "val acc (%)", "target",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from gatlib.bench.train import SampledRecipe, recipe
+from gatlib.bench.recipes import SampledRecipe, recipe
 
 from ogb_fake import write_fake_ogbn
 

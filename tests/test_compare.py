@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gatlib
-from gatlib.bench import compare, measure, synthetic
+from gatlib.bench import compare, compare_report, measure, synthetic
 
 TINY = ["--graph", "synthetic:2000:10000:32", "--heads", "2", "--channels", "8",
         "--repeats", "1", "--threads", "1", "--block-seconds", "0.01", "--no-compile"]
@@ -173,7 +173,7 @@ def _check_four_sides(rep, passes):
     assert rep["config"]["compile_options"] == {"backend": "inductor", "mode": None,
                                                 "fullgraph": False, "dynamic": False}
     check = rep["checks"]["gat"]
-    assert check["status"] == "ok" and set(check["compiled"]) == set(compare.COMPILED_IMPLS)
+    assert check["status"] == "ok" and set(check["compiled"]) == set(compare_report.COMPILED_IMPLS)
     for impl, c in check["compiled"].items():
         assert c["status"] == "ok", (impl, c)
         for key in compare._QUANTITIES[rep["config"]["scope"]]:
@@ -182,7 +182,7 @@ def _check_four_sides(rep, passes):
     # were reset for the layer), the compiled gatlib ran the fused operators, and
     # nothing compiled while timing.
     comp = rep["compile"]["gat"]
-    for impl in compare.COMPILED_IMPLS:
+    for impl in compare_report.COMPILED_IMPLS:
         assert comp[impl]["graphs"] >= 1 and comp[impl]["first_call_s"] > 0
     assert comp["gatlib_compiled"]["graph_breaks"] == 0  # the fused operators stay in the graph
     assert rep["kernels_compiled"]["gat"] == ["fused", "fused.backward"]
@@ -196,14 +196,14 @@ def _check_four_sides(rep, passes):
         if compare.is_compiled(impl):  # called until a call compiled nothing
             assert m["settle_calls"][-1]["graphs"] == 0
     first = passes[-1]  # forward+backward or train_step
-    for impl in ("gatlib", *compare.COMPILED_IMPLS):
+    for impl in ("gatlib", *compare_report.COMPILED_IMPLS):
         assert by[impl, first]["first_call_s"] > 0
     assert by["pyg_compiled", first]["first_call_s"] == comp["pyg_compiled"]["first_call_s"]
     assert "first_call_s" not in by["pyg", first]
     assert [(r["layer"], r["pass"]) for r in rep["summary"]] == [("gat", p) for p in passes]
     for row in rep["summary"]:
         assert set(row["median_s"]) == set(compare.ALL_IMPLS)
-        for key in compare.TIME_RATIOS:
+        for key in compare_report.TIME_RATIOS:
             assert row[key] > 0 and len(row[f"{key}_rounds"]) == 1
         assert row["speedup_compiled"] == pytest.approx(
             row["median_s"]["pyg_compiled"] / row["median_s"]["gatlib_compiled"])
@@ -211,7 +211,7 @@ def _check_four_sides(rep, passes):
             row["median_s"]["pyg_compiled"] / row["median_s"]["gatlib"])
         assert row["gatlib_compiled_over_eager"] == pytest.approx(
             row["median_s"]["gatlib_compiled"] / row["median_s"]["gatlib"])
-        assert set(compare.MEMORY_RATIOS) <= set(row)
+        assert set(compare_report.MEMORY_RATIOS) <= set(row)
 
 
 def test_model_scope_end_to_end(tmp_path, capsys, static_compile):
@@ -272,7 +272,7 @@ def test_no_compile_gives_the_eager_two(tmp_path):
     assert "compiled" not in rep["checks"]["gat"] and "kernels_compiled" not in rep
     assert all(r["speedup_compiled"] is None and r["mem_ratio_compiled"] is None
                for r in rep["summary"])
-    assert compare.report_tables(rep)[0][1] == compare.TABLE_HEADERS
+    assert compare_report.report_tables(rep)[0][1] == compare_report.TABLE_HEADERS
 
 
 def _cheap_backend(monkeypatch, scale):
@@ -503,7 +503,7 @@ def test_compare_table_renders_a_report_and_judges_the_target(tmp_path):
     path.write_text(json.dumps(rep))
     md = table.render([path])
     assert "## compare_tiny" in md and "target (" not in md  # a tiny graph is not the target setting
-    rows = compare.table_rows(rep)
+    rows = compare_report.table_rows(rep)
     assert len(rows) == 2
     lines = md.splitlines()
     for r in rows:  # each row's cells on one line of the section's table
@@ -529,14 +529,14 @@ def test_compare_table_renders_compiled_sides(tmp_path, monkeypatch):
     _cheap_backend(monkeypatch, 1.0)
     rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--scope", "model",
                           "--classes", "3")
-    assert rc == 0 and compare.has_compiled(rep)
+    assert rc == 0 and compare_report.has_compiled(rep)
     path = tmp_path / "compare_tiny.json"
     path.write_text(json.dumps(rep))
     md = table.render([path])
     assert "**time (medians)**" in md and "**peak extra memory**" in md
     assert "compiled PyG ok (loss" in md and "compiled gatlib ok (loss" in md
     lines = md.splitlines()
-    for rows in (compare.time_rows(rep), compare.memory_rows(rep), compare.first_call_rows(rep)):
+    for rows in (compare_report.time_rows(rep), compare_report.memory_rows(rep), compare_report.first_call_rows(rep)):
         assert len(rows) == 1, rows
         assert any(all(cell in line for cell in rows[0]) for line in lines), rows[0]
     summary = next(line for line in lines if line.startswith("| synthetic:300:1500:16"))

@@ -112,7 +112,8 @@ def test_ogbn_arxiv_layout_end_to_end(offline, tmp_path):
     """load_dataset('ogbn-arxiv') on a fake arxiv → a model → ogb's Evaluator."""
     from dataclasses import replace
 
-    from gatlib.bench.train import recipe, train_run
+    from gatlib.bench.recipes import recipe
+    from gatlib.bench.train import train_run
 
     write_fake_ogbn(tmp_path, "ogbn-arxiv", num_nodes=300, num_features=16)
     ds = load_dataset("ogbn-arxiv", tmp_path)

@@ -204,7 +204,7 @@ def test_shell_script_exists(command):
     assert (ROOT / command.program).is_file(), f"{command}: no {command.program}"
     if command.program == "benchmarks/run_accuracy.sh":  # its arguments: dataset:model jobs
         from gatlib.bench.data import DATASETS
-        from gatlib.bench.train import MODELS
+        from gatlib.bench.recipes import MODELS
 
         for job in command.argv:
             dataset, _, model = job.partition(":")

@@ -15,8 +15,8 @@ from gatlib import GATConv, GATv2Conv, TransformerConv
 from gatlib.bench.data import load_dataset
 from gatlib.models import (GAT, GATv2, DeepGAT, GraphTransformer, SampledGAT, UniMP, input_dropout,
                            positional_encoding)
-from gatlib.bench.train import (Recipe, _Stopping, benchmark, build_model, prepare_graph, recipe,
-                                train_run)
+from gatlib.bench.recipes import Recipe, recipe
+from gatlib.bench.train import _Stopping, benchmark, build_model, prepare_graph, train_run
 
 from ogb_fake import planetoid_raw_dir
 from testing import random_graph

@@ -20,7 +20,8 @@ from gatlib.bench import cli
 from gatlib.bench.data import load_dataset
 from gatlib.bench.distributed import Distributed, chunk_range
 from gatlib.bench.sampled import batch_hop_counts, hop_counts, layerwise_inference, neighbor_loader
-from gatlib.bench.train import benchmark, recipe, train_sampled_run, with_sampling
+from gatlib.bench.recipes import recipe, with_sampling
+from gatlib.bench.train import benchmark, train_sampled_run
 from gatlib.models import SampledGAT
 
 from sampled_setup import deterministic_recipe, write_fake_products

@@ -32,7 +32,7 @@ from gatlib import BACKENDS
 
 from .data import DATASETS, DatasetNotFoundError
 from .report import format_table, write_json
-from .train import LOADERS, MODELS
+from .recipes import LOADERS, MODELS
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -116,7 +116,7 @@ def _fanouts(text: str) -> List[int]:
 def _bench_options(args: argparse.Namespace) -> Optional[str]:
     """Why the options cannot run together (checked before any data is loaded), or ``None``."""
     from .distributed import launched_by_torchrun
-    from .train import recipe, with_sampling
+    from .recipes import recipe, with_sampling
 
     if args.runs < 1:
         return "--runs must be at least 1"

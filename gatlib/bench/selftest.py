@@ -439,7 +439,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
 # ---------------------------------------------------------------------------
 def render_markdown(result: Dict) -> str:
     """The Markdown summary: kernel checks (failures listed), then the comparison rows."""
-    from .compare import LAYERS, TABLE_HEADERS, table_rows
+    from .compare_report import LAYERS, TABLE_HEADERS, table_rows
 
     kc, env = result["kernel_checks"], result["environment"]
     lines = [f"## gatlib selftest on {env['device_name']} ({env['device']}"
@@ -485,7 +485,7 @@ def render_markdown(result: Dict) -> str:
 
 def _comparison_status(comp: Dict) -> str:
     """``graph status``, with the layers whose agreement check did not pass."""
-    from .compare import LAYERS
+    from .compare_report import LAYERS
 
     checks = (comp["report"] or {}).get("checks", {})
     bad = [f"{LAYERS[k]} {c.get('status')}" for k, c in checks.items() if c.get("status") != "ok"]
