@@ -10,6 +10,7 @@ r"""The attention core: every layer of gatlib is these three stages.
    concatenate or average the heads.
 
 The pure-PyTorch functions in this module (:meth:`EdgeScore.edge_scores`,
+which applies each kind's formula from :mod:`gatlib._scores`,
 :func:`segment_softmax`, :func:`segment_aggregate`, put together by
 :func:`reference_attention`) are the *specification*: they need nothing beyond
 torch, and every other kernel is tested against them. Kernels and the switch

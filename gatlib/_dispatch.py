@@ -20,8 +20,8 @@ differentiate the reference instead. Tests assert that the kernel under test ran
 (The fused CPU kernel looks the log up when it runs, forward or backward, so a
 backward, or a replay of a ``torch.jit.trace``, logs into the block around it.)
 
-Kernels import only :mod:`gatlib._core` and :mod:`gatlib._plan`; this module
-imports the kernels, never the other way round.
+Kernels import the core, the plan and their own modules, never this one; this
+module imports the kernels.
 """
 from __future__ import annotations
 
