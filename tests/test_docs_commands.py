@@ -295,3 +295,17 @@ def test_relative_links_resolve(path):
         if anchor:
             headings = re.findall(r"^#+ (.*)$", FENCE.sub("", dest.read_text()), re.M)
             assert anchor in {_anchor(h) for h in headings}, f"{path.name}: no heading #{anchor} in {file}"
+
+
+def test_the_gpu_run_commands_parse():
+    """``scripts/gpu_run.sh``, the run kept ready for a session lent a GPU, runs commands that
+    parse (it cannot run here: no GPU)."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print"],
+                         capture_output=True, text=True, check=True).stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 4, out
+    for line in lines:
+        (words,) = split_commands(line)
+        program, argv = invocation(words)
+        assert program in ("gatlib.bench.selftest", "gatlib.bench.compare"), line
+        parse(Command("scripts/gpu_run.sh", line, program, argv))
