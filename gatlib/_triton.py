@@ -62,7 +62,7 @@ from . import _record
 from . import _triton_schedule as TS
 from ._core import EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads
 from ._plan import GraphPlan
-from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,  # noqa: F401
+from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
 from ._triton_schedule import (_att_partials, _interpreted, _launch, _merge, _Plan, _plan,
                                _Schedule, _schedule_sizes, _tile, _tl_acc, _warps)
