@@ -245,9 +245,11 @@ def segment_aggregate(
 
 
 def combine_heads(out: Tensor, concat: bool) -> Tensor:
-    """``[N, H, C]`` -> ``[N, H * C]`` (concatenate) or ``[N, C]`` (average)."""
+    """``[N, H, C]`` -> ``[N, H * C]`` (concatenate) or ``[N, C]`` (average). The
+    average of one head is that head, exactly: a view, not a kernel launch each
+    way (an output layer's single head)."""
     N, H, C = out.shape  # explicit sizes: a graph with no nodes has no -1 to infer
-    return out.reshape(N, H * C) if concat else out.mean(dim=1)
+    return out.reshape(N, H * C) if concat or H == 1 else out.mean(dim=1)
 
 
 def reference_attention(

@@ -122,8 +122,8 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
     return score, z, xs, xd, xe
 
 
-@triton.jit(do_not_specialize=_PER_CALL)
-def _fwd_kernel(
+@triton.jit
+def _fwd_items(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
@@ -208,6 +208,38 @@ def _fwd_kernel(
         tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
         tl.store(part_lse + prow, row_lse, mask=piece)
 
+@triton.jit(do_not_specialize=_PER_CALL)
+def _fwd_kernel(
+    item_row, item_start, item_len, item_slot, bounds,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
+    out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+):
+    # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
+    # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
+    # (equal bounds) compiles to nothing; the first group is never empty
+    _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+        s_dst, s_edge, s_att, value, value_edge, coef, out, lse, part_out, part_lse, seed,
+        p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V, SHARE_VE, DROPOUT, ACC,
+        0, B1, R0, E0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+    if B2 > B1:
+        _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+            s_dst, s_edge, s_att, value, value_edge, coef, out, lse, part_out, part_lse, seed,
+            p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V, SHARE_VE, DROPOUT, ACC,
+            B1, B2, R1, E1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+    if B3 > B2:
+        _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+            s_dst, s_edge, s_att, value, value_edge, coef, out, lse, part_out, part_lse, seed,
+            p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V, SHARE_VE, DROPOUT, ACC,
+            B2, B3, R2, E2, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+
+
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _alpha_kernel(
@@ -287,8 +319,8 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
         tl.store(out + orow[:, None] * C + c, acc, mask=valid[:, None] & cm)
 
 
-@triton.jit(do_not_specialize=_PER_CALL)
-def _bwd_dst_kernel(
+@triton.jit
+def _bwd_dst_items(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
@@ -298,6 +330,7 @@ def _bwd_dst_kernel(
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
@@ -425,14 +458,57 @@ def _bwd_dst_kernel(
                 km = ckm[None, :]
                 tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
                 tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
-    if NEED_ATT:  # one partial per lane of each program, summed by the caller
+    if NEED_ATT:  # one partial per lane of each program, summed by the caller; the
+        # groups of buckets one after another (R_BEFORE lanes per program before this one)
         ck = tl.arange(0, BLOCK_CK)
-        slot = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
+            + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         tl.store(part_att + slot[:, None] * CK + ck[None, :], att_acc, mask=(ck < CK)[None, :])
 
-
 @triton.jit(do_not_specialize=_PER_CALL)
-def _bwd_src_kernel(
+def _bwd_dst_kernel(
+    item_row, item_start, item_len, item_slot, bounds,
+    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
+    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
+    seed, p_drop, H, CK, CV, part_att,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+    NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
+    NEED_ATT: tl.constexpr, ACC: tl.constexpr,
+    B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+):
+    # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
+    # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
+    # (equal bounds) compiles to nothing; the first group is never empty
+    _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+        s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse, delta_alpha,
+        grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop, H, CK, CV,
+        part_att, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V, SHARE_VE, DROPOUT, GALPHA,
+        NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, ACC, 0, B1, R0, E0, 0, BLOCK_CK, BLOCK_CV,
+        FULL_CK, FULL_CV)
+    if B2 > B1:
+        _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+            s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse, delta_alpha,
+            grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop, H, CK, CV,
+            part_att, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V, SHARE_VE, DROPOUT, GALPHA,
+            NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, ACC, B1, B2, R1, E1, R0, BLOCK_CK, BLOCK_CV,
+            FULL_CK, FULL_CV)
+    if B3 > B2:
+        _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+            s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse, delta_alpha,
+            grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop, H, CK, CV,
+            part_att, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V, SHARE_VE, DROPOUT, GALPHA,
+            NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, ACC, B2, B3, R2, E2, R0 + R1, BLOCK_CK,
+            BLOCK_CV, FULL_CK, FULL_CV)
+
+
+
+@triton.jit
+def _bwd_src_items(
     item_row, item_start, item_len, item_slot, bounds,
     csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
@@ -519,3 +595,35 @@ def _bwd_src_kernel(
                 km = ckm[None, :]
                 tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
                 tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
+
+@triton.jit(do_not_specialize=_PER_CALL)
+def _bwd_src_kernel(
+    item_row, item_start, item_len, item_slot, bounds,
+    csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
+    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
+    KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
+    ACC: tl.constexpr,
+    B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+):
+    # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
+    # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
+    # (equal bounds) compiles to nothing; the first group is never empty
+    _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
+        csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
+        part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, ACC, 0,
+        B1, R0, E0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+    if B2 > B1:
+        _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
+            csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
+            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, ACC, B1,
+            B2, R1, E1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+    if B3 > B2:
+        _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
+            csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
+            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, ACC, B2,
+            B3, R2, E2, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+

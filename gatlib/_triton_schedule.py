@@ -4,8 +4,8 @@ CSR/CSC, and the launches over them (:mod:`gatlib._triton` has the design).
 Rows are cut into work items of at most :data:`_SPLIT` edges, sorted longest
 first and bucketed by length (:data:`_BUCKETS`); a :class:`_Schedule` is device
 tensors sized by the graph's node and edge counts alone, built once per graph
-and kept on its plan (:func:`_plan`). :func:`_launch` runs a kernel over the
-buckets with a fixed number of programs per launch; :func:`_merge` combines the
+and kept on its plan (:func:`_plan`). :func:`_launch` runs a kernel over all the
+buckets in one launch of a fixed number of programs; :func:`_merge` combines the
 pieces of split rows. The constants here are the kernels' tiling: the compiled
 kernels' register budget, or the interpreter's few wide programs.
 """
@@ -205,10 +205,10 @@ def _programs(device: torch.device, H: int) -> int:
     return H * -(-n // H)
 
 
-def _bucket_launches(width: int) -> List[Tuple[int, int, int]]:
-    """``(first bucket, end bucket, BLOCK_E)`` of each launch: consecutive buckets
-    whose edge tiles are clamped to one width at wide channels compile to one
-    kernel, and run as one launch."""
+def _bucket_groups(width: int) -> List[Tuple[int, int, int]]:
+    """``(first bucket, end bucket, BLOCK_E)`` of each group of buckets: consecutive
+    buckets whose edge tiles are clamped to one width at wide channels compile to
+    the same code, and are one group."""
     tile = _tile()[0]
     cap = 1 << (max(1, tile // width).bit_length() - 1)
     out: List[Tuple[int, int, int]] = []
@@ -221,33 +221,40 @@ def _bucket_launches(width: int) -> List[Tuple[int, int, int]]:
     return out
 
 
-def _launch(kernel, items: _Schedule, H: int, width: int, *args, part_att: Optional[Tensor] = None,
-            **consts) -> None:
-    """Launch ``kernel`` over the length buckets of ``items`` (longest first), one
-    launch per distinct edge tile, each of :func:`_programs` programs.
+def _group_consts(width: int) -> dict:
+    """The row kernels' constexprs for :func:`_bucket_groups`: bounds ``B1, B2, B3``
+    (groups ``[0, B1)``, ``[B1, B2)``, ``[B2, B3)`` of buckets, empty where equal)
+    and each group's lanes per program ``R*`` and edge tile ``E*`` (1 where empty)."""
+    groups = _bucket_groups(width)
+    assert 1 <= len(groups) <= 3 == len(_BUCKETS)
+    ends = [hi for _, hi, _ in groups] + [len(_BUCKETS)] * (3 - len(groups))
+    tiles = [(_rows_per_program(e, width), e) for _, _, e in groups] + [(1, 1)] * (3 - len(groups))
+    return {"B1": ends[0], "B2": ends[1], "B3": ends[2],
+            **{f"R{g}": r for g, (r, _) in enumerate(tiles)},
+            **{f"E{g}": e for g, (_, e) in enumerate(tiles)}}
 
-    The kernel's leading arguments are the item arrays, ``bounds`` and the range
-    of buckets it covers; it reads where its items start and end from ``bounds``
-    on the device. ``part_att`` (GATv2's ``att`` gradient) takes one ``[CK]``
-    partial per lane of each program, the launches' one after another.
+
+def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> None:
+    """Launch ``kernel`` over the length buckets of ``items`` (longest first): one
+    launch of :func:`_programs` programs, which run the groups of buckets of
+    :func:`_bucket_groups` one after another, each with its own edge tile (the
+    kernel reads where its items start and end from ``bounds`` on the device).
+
+    The kernel's leading arguments are the item arrays and ``bounds``. GATv2's
+    ``att`` gradient (``part_att``) takes one ``[CK]`` partial per lane of each
+    program, the groups' one after another (:func:`_att_partials`).
     """
-    programs = _programs(items.bounds.device, H)
-    offset = 0
-    for lo, hi, block_e in _bucket_launches(width):
-        lanes = _rows_per_program(block_e, width)
-        extra = {} if part_att is None else {"part_att": part_att[offset:]}
-        offset += programs * lanes
-        warps = _warps(width, consts["ACC"])
-        wrap_triton(kernel)[(programs,)](items.row, items.start, items.length, items.slot, items.bounds,
-                            *args, B_LO=lo, B_HI=hi, BLOCK_R=lanes, BLOCK_E=block_e,
-                            num_warps=warps, maxnreg=_max_registers(warps, kernel is _bwd_dst_kernel),
-                            **extra, **consts)
+    warps = _warps(width, consts["ACC"])
+    wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
+        items.row, items.start, items.length, items.slot, items.bounds, *args,
+        num_warps=warps, maxnreg=_max_registers(warps, kernel is _bwd_dst_kernel),
+        **_group_consts(width), **consts)
 
 
 def _att_partials(width: int, H: int, device: torch.device) -> int:
     """Rows of the ``part_att`` buffer :func:`_launch` fills."""
     return sum(_programs(device, H) * _rows_per_program(block_e, width)
-               for _, _, block_e in _bucket_launches(width))
+               for _, _, block_e in _bucket_groups(width))
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,

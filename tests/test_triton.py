@@ -310,15 +310,50 @@ def test_schedule_covers_every_edge_once_longest_first():
         upper = lo
 
 
-def test_one_launch_per_distinct_edge_tile(monkeypatch):
-    """Buckets whose edge tiles are clamped to one width at wide channels run as
-    one launch (the GPU's tile budget)."""
+def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
+    """Buckets whose edge tiles are clamped to one width at wide channels are one
+    group (the GPU's tile budget); every group is a part of the one launch."""
     monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", _triton_schedule._TILE)
-    widths = {w: _triton_schedule._bucket_launches(w) for w in (8, 64, 256)}
-    for launches in widths.values():
-        assert launches[0][0] == 0 and launches[-1][1] == len(_triton_schedule._BUCKETS)
-        assert all(a[1] == b[0] and a[2] != b[2] for a, b in zip(launches, launches[1:], strict=False))
+    widths = {w: _triton_schedule._bucket_groups(w) for w in (8, 64, 256)}
+    for groups in widths.values():
+        assert groups[0][0] == 0 and groups[-1][1] == len(_triton_schedule._BUCKETS)
+        assert all(a[1] == b[0] and a[2] != b[2] for a, b in zip(groups, groups[1:], strict=False))
     assert len(widths[8]) == 3 and len(widths[256]) < 3
+    for w, groups in widths.items():
+        consts = _triton_schedule._group_consts(w)
+        bounds = [consts["B1"], consts["B2"], consts["B3"]]
+        assert bounds == sorted(bounds) and bounds[-1] == len(_triton_schedule._BUCKETS)
+        # each non-empty group's bounds and edge tile as _bucket_groups has them
+        ends = [hi for _, hi, _ in groups]
+        assert bounds[:len(ends)] == ends and all(b == bounds[-1] for b in bounds[len(ends):])
+        assert [consts[f"E{g}"] for g in range(len(groups))] == [e for *_, e in groups]
+
+
+def test_one_launch_per_kernel_over_every_bucket(monkeypatch):
+    """A graph whose rows fill all three buckets runs each kernel once, and each
+    group of buckets does its rows' work: the results equal the reference
+    (tiles as the GPU's, 3 groups at these channels)."""
+    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", _triton_schedule._TILE)
+    monkeypatch.setattr(_triton_schedule, "_MAX_ROWS_INTERPRETER", _triton_schedule._MAX_ROWS)
+    C = 8
+    assert len(_triton_schedule._bucket_groups(C)) == 3
+    g = torch.Generator().manual_seed(0)
+    deg = torch.arange(40) % 24  # rows of 0..23 edges: every bucket
+    dst = torch.repeat_interleave(torch.arange(40), deg)
+    ei = torch.stack([torch.randint(0, 40, (dst.numel(),), generator=g), dst]).to(DEVICE)
+    launched = []
+    launch = _triton._launch
+
+    def counted(kernel, *args, **kwargs):
+        launched.append(kernel)
+        return launch(kernel, *args, **kwargs)
+    monkeypatch.setattr(_triton, "_launch", counted)
+    for kind in KINDS:
+        launched.clear()
+        s = make_score(kind, 40, 40, ei.size(1), 2, C, seed=1, device=DEVICE)
+        v = torch.randn(40, 2, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        compare(s, v, ei, 40, tol=dict(rtol=1e-9, atol=1e-9))
+        assert launched == [_triton._fwd_kernel, _triton._bwd_dst_kernel, _triton._bwd_src_kernel]
 
 
 def test_unsupported_calls_raise_with_the_reason():

@@ -283,14 +283,32 @@ def narrow_index_math(ttir: str) -> List[str]:
     are fine in 32 bits. Loaded values are data: their own addresses are
     checked where they are loaded.
     """
+    # MLIR numbers values per region: sibling regions (the loops of two inlined
+    # calls of one jit function) reuse names. Each name is resolved in the scopes
+    # open where it is used, innermost first, to a definition's line number.
     defs = {}
-    for line in ttir.splitlines():
+    scopes: List[Dict[str, int]] = [{}]
+
+    def resolve(name: str):
+        for scope in reversed(scopes):
+            if name in scope:
+                return scope[name]
+        return name  # a kernel argument or a block argument (loop-carried)
+
+    for lineno, line in enumerate(ttir.splitlines()):
         code = line.split(" loc(")[0]
+        stripped = code.strip()
+        while stripped.startswith("}"):  # closes a region (also "} else {", "} do {")
+            scopes.pop()
+            stripped = stripped[1:].lstrip(") ")
         m = _DEF.match(code)
         if m:
             rhs = m.group(3)
-            operands = [v.split("#")[0] for v in _VALUE.findall(rhs.split(" : ")[0])]
-            defs[m.group(1)] = (m.group(2), operands, rhs.rsplit(":", 1)[-1].strip(), code.strip())
+            operands = [resolve(v.split("#")[0]) for v in _VALUE.findall(rhs.split(" : ")[0])]
+            scopes[-1][m.group(1)] = lineno
+            defs[lineno] = (m.group(2), operands, rhs.rsplit(":", 1)[-1].strip(), code.strip())
+        if stripped.endswith("{"):
+            scopes.append({})
 
     def runtime(v, seen) -> bool:  # depends on a value known only at run time
         if v in seen:
