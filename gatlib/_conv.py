@@ -6,7 +6,8 @@ space (:func:`_input_space`) with the per-head projection after it.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -210,6 +211,99 @@ class _AttentionConv(MessagePassing):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}({self.in_channels}, {self.out_channels}, heads={self.heads})"
+
+
+def _plain(lin) -> bool:
+    """Whether calling ``lin`` is exactly ``F.linear(x, lin.weight, lin.bias)``: a
+    PyG ``Linear`` (not a subclass or a replacement), initialised, without module
+    hooks of its own or global ones (a lazy layer's initialising hook among them)."""
+    return (type(lin) is Linear and not isinstance(lin.weight, UninitializedTensorMixin)
+            and not (lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks
+                     or lin._backward_pre_hooks)
+            and not (torch.nn.modules.module._global_forward_hooks
+                     or torch.nn.modules.module._global_forward_pre_hooks
+                     or torch.nn.modules.module._global_backward_hooks
+                     or torch.nn.modules.module._global_backward_pre_hooks))
+
+
+def project(x: Tensor, *lins) -> List[Tensor]:
+    """``[lin(x) for lin in lins]``, as one batched product where the layers are
+    plain PyG ``Linear`` layers (:func:`_plain`) of one shape, all with a bias or
+    none: one kernel launch forward, one per gradient (weights, biases, input) and
+    one to gather the parameters, for all of them, where separate calls
+    launch one each per layer both ways and autograd adds their input gradients
+    up one at a time — and each output is a contiguous block, as the attention
+    kernels take it (a column slice of one wide product would have to be copied).
+    A TransformerConv's query, key, value and skip in a Cora-sized 2-layer
+    training step: 19 fewer launches (benchmarks/NOTES.md, "Launches per call and
+    per step"). Any other layer is called as itself."""
+    lins = list(lins)
+    if (len(lins) < 2 or not all(map(_plain, lins))
+            or len({tuple(lin.weight.shape) for lin in lins}) > 1
+            or len({lin.bias is None for lin in lins}) > 1):
+        return [lin(x) for lin in lins]
+    out_f, in_f = lins[0].weight.shape
+    lead = x.shape[:-1]
+    biased = lins[0].bias is not None
+    # every weight and bias in one vector: one launch to gather them, and one
+    # gradient vector whose pieces are the parameters' gradients, contiguous
+    flat = torch.cat([lin.weight.reshape(-1) for lin in lins]
+                     + ([lin.bias for lin in lins] if biased else []))
+    y = _StackedLinear.apply(x.reshape(math.prod(lead), in_f), flat, len(lins), out_f, biased)
+    return [t.view(*lead, out_f) for t in y.unbind(0)]
+
+
+class _StackedLinear(torch.autograd.Function):
+    """``y[g] = x @ w[g]^T + b[g]`` for ``x [R, F_in]`` and ``G`` weights
+    ``w [G, F_out, F_in]`` with biases ``b [G, F_out]`` (or none), all in the one
+    vector ``flat``, as one batched product. Its backward writes the weights' and
+    biases' gradients into one vector in that layout (the pieces of ``flat``'s
+    gradient are then the parameters' own, contiguous: accumulating them copies
+    nothing; autograd's backward of ``bmm(x, w^T)`` would give each weight a
+    transposed, strided gradient). Under ``create_graph`` it computes the same
+    with differentiable ops."""
+
+    @staticmethod
+    def forward(x, flat, groups: int, out_f: int, biased: bool):
+        w, b = _StackedLinear._split(flat, groups, out_f, x.size(1), biased)
+        xs = x.unsqueeze(0).expand(groups, *x.shape)  # one x for all: no copy
+        if b is None:
+            return torch.bmm(xs, w.transpose(1, 2))
+        return torch.baddbmm(b.unsqueeze(1), xs, w.transpose(1, 2))
+
+    @staticmethod
+    def _split(flat, groups, out_f, in_f, biased):
+        n = groups * out_f * in_f
+        return flat[:n].view(groups, out_f, in_f), (flat[n:].view(groups, out_f) if biased else None)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, flat, groups, out_f, biased = inputs
+        ctx.save_for_backward(x, flat)
+        ctx.shape = (groups, out_f, x.size(1), biased)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, flat = ctx.saved_tensors
+        groups, out_f, in_f, biased = ctx.shape
+        w, _ = _StackedLinear._split(flat, groups, out_f, in_f, biased)
+        xs = x.unsqueeze(0).expand(groups, *x.shape)
+        gx = gflat = None
+        if ctx.needs_input_grad[0]:
+            # sum_g g[g] @ w[g] as one product over (g, out): the only temporary is
+            # g in [rows, G * F_out] order, no [G, rows, F_in] stack of products
+            gx = g.transpose(0, 1).reshape(x.size(0), groups * out_f) @ w.reshape(-1, in_f)
+        if ctx.needs_input_grad[1]:
+            if torch.is_grad_enabled():  # double backward: out= is not differentiable
+                parts = [torch.bmm(g.transpose(1, 2), xs).reshape(-1)]
+                gflat = torch.cat(parts + ([g.sum(1).reshape(-1)] if biased else []))
+            else:
+                gflat = torch.empty_like(flat)
+                gw, gb = _StackedLinear._split(gflat, groups, out_f, in_f, biased)
+                torch.bmm(g.transpose(1, 2), xs, out=gw)
+                if biased:
+                    torch.sum(g, 1, out=gb)
+        return gx, gflat, None, None, None
 
 
 def _input_space(x: Tensor, lin: Linear, channels: int) -> bool:

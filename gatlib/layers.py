@@ -58,7 +58,7 @@ from torch_geometric.typing import OptPairTensor, OptTensor, PairTensor
 
 from . import _scores as S
 from . import _validate as V
-from ._conv import _AttentionConv, _input_space, _project_heads
+from ._conv import _AttentionConv, _input_space, _project_heads, project
 from ._core import EdgeScore, combine_heads, segment_softmax
 from ._heads import per_head_mm
 from ._plan import GraphPlan, checked_edge_list, owned_plan
@@ -577,11 +577,13 @@ class TransformerConv(_AttentionConv):
         x_src, x_dst = self._split(x, self.lin_key.weight)
         plan, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
                                       x_src, self_loops=False)
-        query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
         propagate = self._use_propagate()
+        x_r = None
         if propagate is None and self._input_space(x_src):
+            query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
             out, alpha = self._attend_inputs(x_src, query, plan, return_attention_weights)
         elif propagate:  # PyG's flow: score, softmax and weigh in message
+            query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
             key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
             value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
             if self.value_dropout > 0.0:
@@ -592,21 +594,39 @@ class TransformerConv(_AttentionConv):
             out = combine_heads(out, self.concat)
             alpha, self._alpha = self._alpha, None  # message() left it there, as in PyG
         else:
-            key = self.lin_key(x_src).view(-1, H, C)  # [N_s, H, C]
-            value = self.lin_value(x_src).view(-1, H, C)  # [N_s, H, C]
+            query, key, value, x_r = self._projections(x_src, x_dst)
             h_edge = None
             if self.lin_edge is not None:
                 h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
             out, alpha = self._attend(EdgeScore.dot(query, key, h_edge, 1.0 / math.sqrt(C)),
                                       value, plan, return_attention_weights, value_edge=h_edge)
         if self.root_weight:
-            x_r = self.lin_skip(x_dst)
+            if x_r is None:
+                x_r = self.lin_skip(x_dst)
             if self.lin_beta is not None:
                 beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1)).sigmoid()
                 out = beta * x_r + (1 - beta) * out
             else:
                 out = out + x_r
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
+
+    def _projections(self, x_src: Tensor, x_dst: Tensor):
+        """``(query [N_t, H, C], key, value [N_s, H, C], skip [N_t, ·] or None)``:
+        the projections of one input as one product (:func:`gatlib._conv.project`),
+        the skip among them where it is used and as wide as the others."""
+        H, C = self.heads, self.out_channels
+        by_input = {}  # id(input) -> (input, [(name, layer)])
+        lins = [("query", self.lin_query, x_dst), ("key", self.lin_key, x_src),
+                ("value", self.lin_value, x_src)]
+        if self.root_weight and self.lin_skip.out_channels == H * C:
+            lins.append(("skip", self.lin_skip, x_dst))
+        for name, lin, x in lins:
+            by_input.setdefault(id(x), (x, []))[1].append((name, lin))
+        out = {"skip": None}
+        for x, group in by_input.values():
+            out.update(zip([n for n, _ in group], project(x, *[lin for _, lin in group]), strict=True))
+        return (out["query"].view(-1, H, C), out["key"].view(-1, H, C),
+                out["value"].view(-1, H, C), out["skip"])
 
     def _input_space(self, x_src: Tensor) -> bool:
         """Whether keys and values are attended in input space (:func:`_input_space`,

@@ -30,15 +30,16 @@ pytest.importorskip("triton")
 # Today's counts (benchmarks/NOTES.md, "Launches per call and per step", has them
 # before and after).
 LAYER_BUDGET = {
-    "gatlib": {("gat", 3, 256): 17, ("gat", 8, 8): 23, ("gatv2", 3, 256): 16,
-               ("gatv2", 8, 8): 22, ("transformer", 3, 256): 23, ("transformer", 8, 8): 29},
-    "gatlib_tensor": {("gat", 3, 256): 153, ("gat", 8, 8): 159, ("gatv2", 3, 256): 152,
-                      ("gatv2", 8, 8): 158, ("transformer", 3, 256): 157,
-                      ("transformer", 8, 8): 163},
+    "gatlib": {("gat", 3, 256): 17, ("gat", 8, 8): 17, ("gatv2", 3, 256): 16,
+               ("gatv2", 8, 8): 16, ("transformer", 3, 256): 11, ("transformer", 8, 8): 11},
+    "gatlib_tensor": {("gat", 3, 256): 153, ("gat", 8, 8): 153, ("gatv2", 3, 256): 152,
+                      ("gatv2", 8, 8): 152, ("transformer", 3, 256): 145,
+                      ("transformer", 8, 8): 145},
 }
-# ... of a warmed 2-layer training step (H=3, C=256, Adam): layer -> budget.
-STEP_BUDGET = {"gatlib": {"gat": 55, "gatv2": 51, "transformer": 61},
-               "gatlib_tensor": {"gat": 327, "gatv2": 323, "transformer": 329}}
+# ... of a warmed 2-layer training step (H=3, C=256, Adam): layer -> budget. The
+# issue's target is half of 68 / 71 / 68, 34 / 35 / 34 (met by the Transformer).
+STEP_BUDGET = {"gatlib": {"gat": 47, "gatv2": 43, "transformer": 34},
+               "gatlib_tensor": {"gat": 319, "gatv2": 315, "transformer": 302}}
 # Value reads (syncs) per layer call on a new plan: the index check's two (one on
 # CUDA, see gatlib.bench.launches), the self-loops' (GAT layers) or whether the
 # edges are sorted already (TransformerConv), whether any row is split.
