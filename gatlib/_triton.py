@@ -244,8 +244,19 @@ def _attention_op(s_src: Tensor, s_dst: Optional[Tensor], s_edge: Optional[Tenso
 def _fake_backward(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, seed, out,
                    lse, alpha, graph, kind, scale, slope, p, share_v, share_ve, need):
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
+    need = _returned(share_v, need)
     return [torch.empty_like(t) if n and t is not None else value.new_empty(0)
             for t, n in zip(ins, need, strict=True)]
+
+
+def _returned(share_v: bool, need) -> List[bool]:
+    """Which of the six gradients the backward operator returns (``need``, but
+    for ``s_src``'s where the two are one tensor, GATv2's ``x_src``, and both are
+    needed: the kernel sums it into ``value``'s)."""
+    need = list(need)
+    if share_v and need[0] and need[4]:
+        need[0] = False
+    return need
 
 
 @_operator("triton_attention_backward", _fake_backward)
@@ -288,7 +299,7 @@ def _grads(ctx, grad_out: Optional[Tensor], grad_alpha: Optional[Tensor]) -> Lis
     grads = torch.ops.gatlib.triton_attention_backward.default(
         grad_out, grad_alpha, *ins, seed, out, lse, alpha, list(graph), kind, scale, slope, p,
         share_v, share_ve, list(need))
-    return [g if n else None for g, n in zip(grads, need, strict=True)]
+    return [g if n else None for g, n in zip(grads, _returned(share_v, need), strict=True)]
 
 
 def _op_backward(ctx, grad_out, grad_alpha, _grad_lse):
@@ -448,26 +459,29 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
         if need_dst:
             _merge(d_dst, part_dst, items, H)
         need_value, need_src = need[4], need[0]
+        # value is the scorer's x_src (GATv2): both gradients summed in the kernel,
+        # returned as value's (no [N, H, C] gradient for autograd to add)
+        sum_src = need[0] and not _returned(meta.share_v, need)[0]
         d_value = d_src = None
         if need_value or need_src:
             sitems = plan.src_items
             d_value = torch.empty_like(value) if need_value else None
-            d_src = torch.empty_like(s_src) if need_src else None
+            d_src = torch.empty_like(s_src) if need_src and not sum_src else None
             part_value = torch.empty(sitems.max_pieces, H, CV, dtype=acc, device=dev) \
                 if need_value else None
             part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
-                                   dtype=acc, device=dev) if need_src else None
+                                   dtype=acc, device=dev) if d_src is not None else None
             _launch(_bwd_src_kernel, sitems, H, width,
                     lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
                     _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
                     _or(part_src, dummy), H, CK, CV,
                     KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
-                    NEED_SRC=need_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
+                    NEED_SRC=need_src, SUM_SRC=sum_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
                     BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
             if need_value:
                 _merge(d_value, part_value, sitems, H)
-            if need_src:
+            if d_src is not None:
                 _merge(d_src, part_src, sitems, H)
     d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype) if need_att else None
     return [d_src, d_dst, d_edge, d_att, d_value, d_vedge]

@@ -513,6 +513,7 @@ def _bwd_src_items(
     csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
+    SUM_SRC: tl.constexpr,
     ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
@@ -581,11 +582,13 @@ def _bwd_src_items(
                     else:
                         ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
         prow = slot * H + h
+        if SUM_SRC:  # value is the scorer's x_src (GATv2): one gradient, its two parts summed
+            dv_acc += ds_acc
         if NEED_VALUE:
             vm = cvm[None, :]
             tl.store(d_value + orow[:, None] * CV + cv[None, :], dv_acc, mask=final[:, None] & vm)
             tl.store(part_value + prow[:, None] * CV + cv[None, :], dv_acc, mask=piece[:, None] & vm)
-        if NEED_SRC:
+        if NEED_SRC and not SUM_SRC:
             if KIND == 0:
                 tl.store(d_src + orow, ds_acc, mask=final)
                 tl.store(part_src + prow, ds_acc, mask=piece)
@@ -602,6 +605,7 @@ def _bwd_src_kernel(
     csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
+    SUM_SRC: tl.constexpr,
     ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
@@ -614,16 +618,16 @@ def _bwd_src_kernel(
     # (equal bounds) compiles to nothing; the first group is never empty
     _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
         csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-        part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, ACC, 0,
+        part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, SUM_SRC, ACC, 0,
         B1, R0, E0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, ACC, B1,
+            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, SUM_SRC, ACC, B1,
             B2, R1, E1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, ACC, B2,
+            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, SUM_SRC, ACC, B2,
             B3, R2, E2, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 

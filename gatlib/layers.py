@@ -421,10 +421,12 @@ class GATv2Conv(_AttentionConv):
         plan, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
                                       self.add_self_loops, self.fill_value)
         res = self.res(x_dst) if self.res is not None else None
-        h_src = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
         if self.share_weights and x_dst is x_src:
-            h_dst = h_src
+            h_src = h_dst = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
+        elif x_dst is x_src:  # both projections of one x as one product
+            h_src, h_dst = (h.view(-1, H, C) for h in project(x_src, self.lin_l, self.lin_r))
         else:
+            h_src = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
             h_dst = self.lin_r(x_dst).view(-1, H, C)  # [N_t, H, C]
         if self._use_propagate():  # PyG's flow: edge_update, then message per edge
             ei = plan.edge_index.long()

@@ -101,7 +101,12 @@ def test_aliased_value_and_edge_tensors():
     ei, n_src, n_dst = graph_case("bipartite", DEVICE)
     E, H, C = ei.size(1), 2, 6
     s2 = make_score("gatv2", n_src, n_dst, E, H, C, edge=False, dtype=torch.float32, device=DEVICE)
-    compare(s2, s2.src, ei, n_dst)
+    compare(s2, s2.src, ei, n_dst)  # x_src's two gradients summed in the kernel
+    hub, n_hub, _ = graph_case("hub", DEVICE)
+    hub = hub.flip(0)  # ... also over split source rows: node 0 sends 600 edges
+    s3 = make_score("gatv2", n_hub, n_hub, hub.size(1), H, C, edge=True, dtype=torch.float64,
+                    device=DEVICE)
+    compare(s3, s3.src, hub, n_hub)
     sd = make_score("dot", n_src, n_dst, E, H, C, edge=True, dtype=torch.float32, device=DEVICE)
     v = torch.randn(n_src, H, C, device=DEVICE, requires_grad=True)
     compare(sd, v, ei, n_dst, sd.edge)
