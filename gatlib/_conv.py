@@ -249,7 +249,13 @@ def project(x: Tensor, *lins) -> List[Tensor]:
     # gradient vector whose pieces are the parameters' gradients, contiguous
     flat = torch.cat([lin.weight.reshape(-1) for lin in lins]
                      + ([lin.bias for lin in lins] if biased else []))
-    y = _StackedLinear.apply(x.reshape(math.prod(lead), in_f), flat, len(lins), out_f, biased)
+    x = x.reshape(math.prod(lead), in_f)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # as F.linear under autocast: in its dtype
+        dtype = torch.get_autocast_dtype(device)
+        x, flat = x.to(dtype), flat.to(dtype)
+    with torch.autocast(device, enabled=False):
+        y = _StackedLinear.apply(x, flat, len(lins), out_f, biased)
     return [t.view(*lead, out_f) for t in y.unbind(0)]
 
 

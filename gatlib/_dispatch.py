@@ -386,12 +386,19 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
+    if score.projected and (plan.sink or value is not score.src):
+        # the Triton kernels form GAT's terms from the values' rows: where the
+        # values are not h (dropped) or the destinations gain a sink row, the terms
+        score = score.node_terms()
     if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
         dst = score.dst
         score = score.with_tensors(score.src, torch.cat([dst, dst.new_zeros(1, *dst.shape[1:])]),
                                    score.edge, score.att)
     call = AttentionCall(score, value, plan, value_edge, p, need_alpha, edge_weight)
-    out, alpha = select_kernel(backend, call).run(call)
+    kernel = select_kernel(backend, call)
+    if score.projected and kernel.name != "triton":  # the others take GAT's per-node terms
+        call = call._replace(score=score.node_terms())
+    out, alpha = kernel.run(call)
     if plan.sink:  # the row that collected the edges attention ignores (GraphPlan.num_rows)
         out = out[:plan.num_dst]
         if alpha is not None:

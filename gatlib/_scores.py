@@ -92,8 +92,7 @@ def gat_node_term_pair(x: Tensor, weight: Tensor, att_a: Tensor, att_b: Tensor,
         # product and one reduction, forward and per input in backward, not two
         # (a Cora-sized GAT step: 6 fewer kernel launches; benchmarks/NOTES.md,
         # "Launches per call and per step")
-        att = torch.cat([att_a, att_b])  # [2, H, C]
-        return (h.unsqueeze(0) * att.unsqueeze(1)).sum(-1).unbind(0)
+        return gat_projected_terms(h, h, torch.cat([att_a, att_b]))  # att [2, H, C]
     att = torch.stack([att_a, att_b]).view(2, H, C, 1)
     w = (weight.view(1, H, C, -1) * att).sum(2)  # [2, H, F]
     return (x @ w.view(2 * H, -1).t()).split(H, dim=1)
@@ -104,6 +103,16 @@ def folds(x: Tensor, heads: int, channels: int) -> bool:
     (see :func:`gat_node_terms`): where the projection is no narrower than ``x``
     and has at least :data:`FOLD_MIN_ENTRIES` entries."""
     return heads * channels >= x.size(-1) and x.size(0) * heads * channels >= FOLD_MIN_ENTRIES
+
+
+def gat_projected_terms(h_src: Tensor, h_dst: Tensor, att: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(a_src·h_j, a_dst·h_i)``, two ``[N, H]``, from projected rows ``[N, H, C]``
+    and ``att = [a_src; a_dst]`` ``[2, H, C]``: one ``[2, N, H]`` product where
+    ``h_src`` is ``h_dst`` (:meth:`gatlib.EdgeScore.node_terms`; the Triton kernels
+    form the same in-kernel, KIND 3)."""
+    if h_src is h_dst:
+        return (h_src.unsqueeze(0) * att.unsqueeze(1)).sum(-1).unbind(0)
+    return (h_src * att[0]).sum(-1), (h_dst * att[1]).sum(-1)
 
 
 # Below this many projected entries (N*H*C) GATConv reduces the projection

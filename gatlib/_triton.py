@@ -70,7 +70,8 @@ from ._triton_schedule import (_att_partials, _interpreted, _launch, _merge, _Pl
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024
 _KINDS = {"gat": 0, "gatv2": 1, "dot": 2}  # EdgeScore.kind -> the kernels' KIND
-_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+# KIND 3: GAT over the projected rows (EdgeScore.gat_projected), its terms in-kernel
+_KIND_NAMES = {**{v: k for k, v in _KINDS.items()}, 3: "gat"}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -91,7 +92,7 @@ class _Meta:
     need_alpha: bool
     alpha_dtype: torch.dtype
     acc: torch.dtype  # accumulation dtype: float32, or float64 for float64 inputs
-    share_v: bool  # value is the scorer's x_src (GATv2 layers)
+    share_v: bool  # value is the scorer's x_src (GATv2 layers; KIND 3: h)
     share_ve: bool  # value_edge is the scorer's edge term (Transformer layers)
 
 
@@ -244,18 +245,20 @@ def _attention_op(s_src: Tensor, s_dst: Optional[Tensor], s_edge: Optional[Tenso
 def _fake_backward(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, seed, out,
                    lse, alpha, graph, kind, scale, slope, p, share_v, share_ve, need):
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
-    need = _returned(share_v, need)
+    need = _returned(kind, share_v, need)
     return [torch.empty_like(t) if n and t is not None else value.new_empty(0)
             for t, n in zip(ins, need, strict=True)]
 
 
-def _returned(share_v: bool, need) -> List[bool]:
+def _returned(kind: int, share_v: bool, need) -> List[bool]:
     """Which of the six gradients the backward operator returns (``need``, but
     for ``s_src``'s where the two are one tensor, GATv2's ``x_src``, and both are
     needed: the kernel sums it into ``value``'s)."""
     need = list(need)
     if share_v and need[0] and need[4]:
         need[0] = False
+    if kind == 3 and need[4]:  # h is also the destinations' terms: s_dst's in value's too
+        need[1] = False
     return need
 
 
@@ -299,7 +302,7 @@ def _grads(ctx, grad_out: Optional[Tensor], grad_alpha: Optional[Tensor]) -> Lis
     grads = torch.ops.gatlib.triton_attention_backward.default(
         grad_out, grad_alpha, *ins, seed, out, lse, alpha, list(graph), kind, scale, slope, p,
         share_v, share_ve, list(need))
-    return [g if n else None for g, n in zip(grads, _returned(share_v, need), strict=True)]
+    return [g if n else None for g, n in zip(grads, _returned(kind, share_v, need), strict=True)]
 
 
 def _op_backward(ctx, grad_out, grad_alpha, _grad_lse):
@@ -432,21 +435,31 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     coef = _params(meta, value)
     a_buf = torch.empty(E, H, dtype=acc, device=dev)
     ds_buf = torch.empty(E, H, dtype=acc, device=dev)
+    returned = _returned(meta.kind, meta.share_v, need)
     need_vedge = value_edge is not None and need[5]
     need_edge = s_edge is not None and need[2]
-    need_dst = s_dst is not None and need[1]
+    need_dst = s_dst is not None and returned[1]
     need_att = s_att is not None and need[3]
+    projected = meta.kind == 3
+    # KIND 3: the destination term's gradient [N, H], for the source kernel
+    need_dt = projected and (need[4] or need_att)
     d_vedge = torch.empty_like(value_edge) if need_vedge else None
     d_edge = torch.empty_like(s_edge) if need_edge else None
     d_dst = torch.empty_like(s_dst) if need_dst else None
+    if need_dt:
+        d_dst = torch.empty(lay.num_dst, H, dtype=acc, device=dev)
     items = plan.dst_items
-    part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind else []), dtype=acc,
-                           device=dev) if need_dst else None
+    part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind in (1, 2) else []),
+                           dtype=acc, device=dev) if d_dst is not None else None
     width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-    # GATv2's att gradient: one [CK] partial per lane of each program (a fixed
-    # number, whatever the graph), summed once after the launches
-    part_att = torch.empty(_att_partials(width, H, dev), CK, dtype=acc, device=dev) \
-        if need_att else None
+    # the att gradients (GATv2's in the destination kernel, KIND 3's two in the
+    # source kernel): one [CK] partial per lane of each program (a fixed number,
+    # whatever the graph), summed once after the launches
+    rows = _att_partials(width, H, dev)
+    part_att = torch.empty(rows, CK, dtype=acc, device=dev) if need_att and not projected \
+        else None
+    part_att2 = torch.empty(2, rows, CK, dtype=acc, device=dev) if need_att and projected \
+        else None
     with _device(value):
         _launch(_bwd_dst_kernel, items, H, width,
                 lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
@@ -455,36 +468,47 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                 _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
                 _or(part_dst, dummy), _or(seed, dummy), meta.p, H, CK, CV,
                 part_att=_or(part_att, dummy), DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
-                NEED_EDGE=need_edge, NEED_DST=need_dst, NEED_ATT=need_att, **consts)
-        if need_dst:
+                NEED_EDGE=need_edge, NEED_DST=d_dst is not None, NEED_ATT=part_att is not None,
+                **consts)
+        if d_dst is not None:
             _merge(d_dst, part_dst, items, H)
-        need_value, need_src = need[4], need[0]
-        # value is the scorer's x_src (GATv2): both gradients summed in the kernel,
-        # returned as value's (no [N, H, C] gradient for autograd to add)
-        sum_src = need[0] and not _returned(meta.share_v, need)[0]
+        need_value = need[4]
+        # the source term's gradient: KIND 3 needs it for h's and the att gradients
+        need_src = need[0] or need_dt
+        # value is the scorer's x_src (GATv2; KIND 3: h, also its destination terms):
+        # the gradients summed in the kernel, returned as value's (no [N, H, C]
+        # gradient for autograd to add)
+        sum_src = need[0] and not returned[0]
         d_value = d_src = None
         if need_value or need_src:
             sitems = plan.src_items
             d_value = torch.empty_like(value) if need_value else None
-            d_src = torch.empty_like(s_src) if need_src and not sum_src else None
+            d_src = torch.empty_like(s_src) if need_src and not (sum_src or projected) else None
             part_value = torch.empty(sitems.max_pieces, H, CV, dtype=acc, device=dev) \
                 if need_value else None
             part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
                                    dtype=acc, device=dev) if d_src is not None else None
             _launch(_bwd_src_kernel, sitems, H, width,
-                    lay.csc_edge, lay.csc_dst, plan.csc_eid, s_src, _or(s_dst, dummy),
+                    lay.csc_edge, lay.csc_dst, plan.csc_eid, lay.src, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
                     _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
-                    _or(part_src, dummy), H, CK, CV,
+                    _or(part_src, dummy), _or(d_dst, dummy),
+                    *((part_att2[0], part_att2[1]) if part_att2 is not None else (dummy, dummy)),
+                    H, CK, CV,
                     KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
-                    NEED_SRC=need_src, SUM_SRC=sum_src, ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
+                    NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT=part_att2 is not None,
+                    ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
                     BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
             if need_value:
                 _merge(d_value, part_value, sitems, H)
             if d_src is not None:
                 _merge(d_src, part_src, sitems, H)
-    d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype) if need_att else None
-    return [d_src, d_dst, d_edge, d_att, d_value, d_vedge]
+    d_att = None
+    if part_att is not None:
+        d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype)
+    elif part_att2 is not None:  # [a_src; a_dst]
+        d_att = part_att2.view(2, -1, H, CK).sum(1).to(s_att.dtype)
+    return [d_src, d_dst if need_dst else None, d_edge, d_att, d_value, d_vedge]
 
 
 def _reference_backward(kind: int, scale: float, slope: float, p: float, seed: Optional[Tensor],
@@ -551,7 +575,7 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
             return f"all tensors must be on one device; got {t.device} and {dev}"
         if t.dtype not in _FLOATS:
             return f"the Triton kernels compute in {', '.join(map(str, _FLOATS))}; got {t.dtype}"
-    CK = 1 if score.kind == "gat" else score.src.size(-1)
+    CK = 1 if score.kind == "gat" and not score.projected else score.src.size(-1)
     if max(CK, value.size(-1)) > _MAX_C:
         return f"the Triton kernels take at most {_MAX_C} channels per head; got {max(CK, value.size(-1))}"
     if dev.type == "cpu":
@@ -575,8 +599,11 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         ``(out [N_dst, H, C], alpha [E, H] or None)`` with ``out`` in
         ``value``'s dtype and ``alpha`` in edge-list order.
     """
-    kind = _KINDS[score.kind]
+    kind = 3 if score.projected else _KINDS[score.kind]
     s_src, s_dst, s_edge, s_att = score.tensors()
+    if kind == 3 and not (value is s_src and s_dst is s_src):
+        raise ValueError("a projected GAT score's h must be the values (gatlib's dispatcher "
+                         "gives any other call the per-node terms: EdgeScore.node_terms)")
     # A value (or a dot key) of one head that all heads share: each lane of these
     # kernels reads one (row, head), so the shared rows are copied per head; the
     # per-edge reads are C wide per head either way (the rule in gatlib.layers).
@@ -586,7 +613,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     if kind == 2 and s_src.size(1) != H:
         s_src = s_src.expand(-1, H, -1)
     tensors = (s_src, s_dst, s_edge, s_att, value, value_edge)
-    share_v = kind == 1 and s_src is value
+    share_v = kind in (1, 3) and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
     seed = _draw_seed(value.device) if p > 0 else None
     alpha_dtype = promoted_dtype(s_src, s_dst, s_edge, s_att)

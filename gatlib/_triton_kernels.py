@@ -62,6 +62,10 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
     per-node terms are loaded at their own shape, so a row's query is read
     once per tile, not once per edge.
 
+    ``KIND`` 0 GAT from per-node terms, 1 GATv2, 2 dot product, 3 GAT from the
+    projected rows ``h`` (``s_src``, ``s_dst``) and ``s_att = [a_src; a_dst]``
+    (:meth:`gatlib.EdgeScore.gat_projected`).
+
     Returns ``(score, z, xs, xd, xe)``: the ``[R, E]`` scores; ``z`` the
     pre-activation (GAT ``[R, E]``, GATv2 ``[R, E, CK]``) or ``k_j + e_ij``
     (dot product ``[R, E, CK]``); and the loaded channel tiles of the source,
@@ -89,7 +93,7 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
                          other=0).to(ACC)
             xd = tl.load(s_dst + (dst * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_dst[:, :, None],
                          other=0).to(ACC)
-            if HAS_EDGE:
+            if HAS_EDGE and KIND != 3:
                 xe = tl.load(s_edge + (eid * H + h)[:, :, None] * BLOCK_CK + ck,
                              mask=m_edge[:, :, None], other=0).to(ACC)
             else:
@@ -100,7 +104,7 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
                          other=0).to(ACC)
             xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
                          other=0).to(ACC)
-            if HAS_EDGE:
+            if HAS_EDGE and KIND != 3:
                 xe = tl.load(s_edge + (eid * H + h)[:, :, None] * CK + ck,
                              mask=m_edge[:, :, None] & cm, other=0).to(ACC)
             else:
@@ -114,11 +118,22 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
             else:
                 att = tl.load(s_att + h[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
             score = tl.sum(tl.where(z > 0, z, z * slope) * att, 2)
-        else:  # dot product: q_i . (k_j + e_ij) * scale
+        elif KIND == 2:  # dot product: q_i . (k_j + e_ij) * scale
             z = xs
             if HAS_EDGE:
                 z = z + xe
             score = tl.sum(xd * z, 2) * scale
+        else:  # GAT from the projected rows h (KIND 3): a_src.h_j + a_dst.h_i + a_edge[ij]
+            if FULL_CK:
+                a_s = tl.load(s_att + h[:, :, None] * BLOCK_CK + ck).to(ACC)
+                a_d = tl.load(s_att + (H + h)[:, :, None] * BLOCK_CK + ck).to(ACC)
+            else:
+                a_s = tl.load(s_att + h[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
+                a_d = tl.load(s_att + (H + h)[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
+            z = tl.sum(xs * a_s, 2) + tl.sum(xd * a_d, 2)
+            if HAS_EDGE:
+                z = z + tl.load(s_edge + eid * H + h, mask=m_edge, other=0).to(ACC)
+            score = tl.where(z > 0, z, z * slope)  # LeakyReLU
     return score, z, xs, xd, xe
 
 
@@ -373,7 +388,7 @@ def _bwd_dst_items(
         row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
         if GALPHA:
             row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
-        if KIND == 0:
+        if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
             d_acc = tl.zeros([BLOCK_R], ACC)
         else:
             d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
@@ -426,7 +441,7 @@ def _bwd_dst_items(
             tl.store(a_buf + eoff, a, mask=emask)
             if NEED_VEDGE:
                 tl.store(d_vedge + (eid * H + h2)[:, :, None] * CV + cv3, a[:, :, None] * g, mask=vmask)
-            if KIND == 0:
+            if KIND == 0 or KIND == 3:
                 dz = ds * tl.where(z > 0, 1.0, slope)
                 tl.store(ds_buf + eoff, dz, mask=emask)
                 d_acc += tl.sum(dz, 1)
@@ -449,7 +464,7 @@ def _bwd_dst_items(
                              mask=emask[:, :, None] & (ck3 < CK))
         prow = slot * H + h
         if NEED_DST:
-            if KIND == 0:
+            if KIND == 0 or KIND == 3:  # (KIND 3: the per-node scalar, for the source kernel)
                 tl.store(d_dst + orow, d_acc, mask=final)
                 tl.store(part_dst + prow, d_acc, mask=piece)
             else:
@@ -510,16 +525,22 @@ def _bwd_dst_kernel(
 @triton.jit
 def _bwd_src_items(
     item_row, item_start, item_len, item_slot, bounds,
-    csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
-    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
+    csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
+    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
+    H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
-    SUM_SRC: tl.constexpr,
+    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr,
     ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
     first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    # KIND 3's att gradients (a_src, a_dst), summed over the blocks this program
+    # runs: each lane keeps one head, as the grid is a multiple of H (_programs)
+    att_s_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    att_d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
         lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
             item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
@@ -533,7 +554,7 @@ def _bwd_src_items(
         ckm = ck < CK
         ck3 = ck[None, None, :]
         dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
-        if KIND == 0:
+        if KIND == 0 or KIND == 3:  # GAT: the source term's gradient, a scalar
             ds_acc = tl.zeros([BLOCK_R], ACC)
         else:
             ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
@@ -561,7 +582,7 @@ def _bwd_src_items(
                 dv_acc += tl.sum(a[:, :, None] * gi, 1)
             if NEED_SRC:
                 ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
-                if KIND == 0:
+                if KIND == 0 or KIND == 3:
                     ds_acc += tl.sum(ds, 1)
                 else:
                     if FULL_CK:  # (as the value rows above)
@@ -582,13 +603,33 @@ def _bwd_src_items(
                     else:
                         ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
         prow = slot * H + h
-        if SUM_SRC:  # value is the scorer's x_src (GATv2): one gradient, its two parts summed
+        if KIND == 3:
+            # GAT's terms formed in-kernel from h (EdgeScore.gat_projected): h_j's
+            # source-term gradient ds_acc and, once per node (on its row's first
+            # piece: the CSC position before it is another source's), its
+            # destination-term gradient dt from the destination kernel, times the
+            # attention vectors into h's one gradient and times h_j into the
+            # vectors' gradients
+            km = valid[:, None] & ckm[None, :]
+            a_s = tl.load(s_att + h[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
+            a_d = tl.load(s_att + (H + h)[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
+            prev = tl.load(csc_edge + tl.maximum(start - 1, 0), mask=piece, other=0).to(tl.int64)
+            prev_src = tl.load(csr_src + prev, mask=piece & (start > 0), other=-1).to(tl.int64)
+            once = final | (piece & (prev_src != row))
+            dt = tl.load(d_dst + orow, mask=once, other=0).to(ACC)
+            if SUM_SRC:
+                dv_acc += ds_acc[:, None] * a_s + dt[:, None] * a_d
+            if NEED_ATT:
+                hj = tl.load(s_src + orow[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
+                att_s_acc += ds_acc[:, None] * hj
+                att_d_acc += dt[:, None] * hj
+        elif SUM_SRC:  # value is the scorer's x_src (GATv2): one gradient, its two parts summed
             dv_acc += ds_acc
         if NEED_VALUE:
             vm = cvm[None, :]
             tl.store(d_value + orow[:, None] * CV + cv[None, :], dv_acc, mask=final[:, None] & vm)
             tl.store(part_value + prow[:, None] * CV + cv[None, :], dv_acc, mask=piece[:, None] & vm)
-        if NEED_SRC and not SUM_SRC:
+        if NEED_SRC and not SUM_SRC and KIND != 3:
             if KIND == 0:
                 tl.store(d_src + orow, ds_acc, mask=final)
                 tl.store(part_src + prow, ds_acc, mask=piece)
@@ -598,14 +639,24 @@ def _bwd_src_items(
                 km = ckm[None, :]
                 tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
                 tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
+    if NEED_ATT:  # one partial per lane of each program and vector, summed by the caller;
+        # the groups of buckets one after another (R_BEFORE lanes per program before)
+        slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
+            + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ck = tl.arange(0, BLOCK_CK)
+        poff = slot[:, None] * CK + ck[None, :]
+        tl.store(part_att + poff, att_s_acc, mask=(ck < CK)[None, :])
+        tl.store(part_att_d + poff, att_d_acc, mask=(ck < CK)[None, :])
+
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_src_kernel(
     item_row, item_start, item_len, item_slot, bounds,
-    csc_edge, csc_dst, csc_eid, s_src, s_dst, s_edge, s_att, coef,
-    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, H, CK, CV,
+    csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
+    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
+    H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
-    SUM_SRC: tl.constexpr,
+    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr,
     ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
@@ -616,18 +667,19 @@ def _bwd_src_kernel(
     # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
     # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
     # (equal bounds) compiles to nothing; the first group is never empty
-    _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
-        csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-        part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, SUM_SRC, ACC, 0,
-        B1, R0, E0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+    _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
+        csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
+        d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
+        NEED_SRC, SUM_SRC, NEED_ATT, ACC, 0, B1, R0, E0, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
-            csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, SUM_SRC, ACC, B1,
-            B2, R1, E1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
+            part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
+            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B1, B2, R1, E1, R0, BLOCK_CK, BLOCK_CV,
+            FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
-            csc_eid, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE, NEED_SRC, SUM_SRC, ACC, B2,
-            B3, R2, E2, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
-
+            csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
+            part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
+            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B2, B3, R2, E2, R0 + R1, BLOCK_CK,
+            BLOCK_CV, FULL_CK, FULL_CV)

@@ -242,14 +242,19 @@ class GATConv(_AttentionConv):
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
         # and a_edge·W_e e_ij one [E, H] term per edge (see gatlib._scores.gat_node_terms).
-        a_dst = None
-        if x_dst is x_src and lin_dst is lin_src:  # one x under one weight: both terms at once
+        # Where they would be reduced from h (not folded into the weights), one x
+        # under one weight leaves them to the kernel (EdgeScore.gat_projected).
+        projected = (not propagate and h_src is not None and x_dst is x_src
+                     and lin_dst is lin_src and not S.folds(x_src, H, C))
+        if projected:
+            a_src = a_dst = None
+        elif x_dst is x_src and lin_dst is lin_src:  # one x under one weight: both terms at once
             a_src, a_dst = S.gat_node_term_pair(x_src, lin_src.weight, self.att_src, self.att_dst,
                                                   h_src)
         else:
             a_src = S.gat_node_terms(x_src, lin_src.weight, self.att_src, h_src)  # [N_s, H]
-            if x_dst is not None:
-                a_dst = S.gat_node_terms(x_dst, lin_dst.weight, self.att_dst)  # [N_t, H]
+            a_dst = None if x_dst is None else S.gat_node_terms(x_dst, lin_dst.weight,
+                                                                self.att_dst)  # [N_t, H]
         if propagate:  # PyG's flow: edge_update, then message per edge
             if self.value_dropout > 0.0:
                 h_src = F.dropout(h_src, self.value_dropout, self.training)
@@ -267,7 +272,11 @@ class GATConv(_AttentionConv):
             a_edge = None
             if self.lin_edge is not None:
                 a_edge = S.gat_node_terms(edge_attr, self.lin_edge.weight, self.att_edge)  # [E, H]
-            score = EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope)
+            if projected:
+                score = EdgeScore.gat_projected(h_src, self.att_src, self.att_dst, a_edge,
+                                                self.negative_slope)
+            else:
+                score = EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope)
             if in_space:  # every head aggregates x_j [N_s, 1, F]; then W_h per head
                 agg, alpha = self._attend(score, x_src.unsqueeze(1), plan, return_attention_weights,
                                           concat=True)

@@ -123,3 +123,20 @@ def test_weight_gradients_in_the_weights_layout():
         torch.autograd.backward(project(x, *lins), [torch.ones(7, 6, dtype=torch.float64)] * 3)
     assert "aten.copy_" not in rec.ops, rec.ops
     assert all(p.grad.is_contiguous() for lin in lins for p in lin.parameters())
+
+
+def test_under_autocast_as_linear():
+    """Under CPU autocast the product runs in the autocast dtype, as F.linear
+    would, and its gradients reach the float32 parameters."""
+    lins = [Linear(5, 6).float() for _ in range(3)]
+    x = torch.randn(7, 5, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = project(x, *lins)
+        refs = [lin(x) for lin in lins]
+    for y, r in zip(ys, refs, strict=True):
+        assert y.dtype == r.dtype == torch.bfloat16
+        torch.testing.assert_close(y, r)
+    sum(y.float().sum() for y in ys).backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for lin in lins for p in lin.parameters())
+    assert x.grad.dtype == torch.float32

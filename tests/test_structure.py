@@ -257,6 +257,10 @@ PRIVATE_TORCH_API = {
     "torch._C._functorch.get_interpreter_stack": "_dispatch.py",
     "_current_level": "_dispatch.py",  # torch.autograd.forward_ad's
     "torch._assert_async": "_validate.py",
+    "torch.nn.modules.module._global_forward_hooks": "_conv.py",
+    "torch.nn.modules.module._global_forward_pre_hooks": "_conv.py",
+    "torch.nn.modules.module._global_backward_hooks": "_conv.py",
+    "torch.nn.modules.module._global_backward_pre_hooks": "_conv.py",
 }
 
 

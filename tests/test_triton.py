@@ -403,3 +403,95 @@ def test_kernel_arguments_do_not_shadow_the_launch_binder():
                                              "_bwd_dst_kernel", "_bwd_src_kernel"}
     for k in kernels:
         assert not binder_locals & set(k.arg_names), (k.__name__, binder_locals & set(k.arg_names))
+
+
+# ---------------------------------------------------------------------------
+# GAT over projected rows (EdgeScore.gat_projected): the terms formed in-kernel.
+# ---------------------------------------------------------------------------
+def _projected(n, E, H, C, edge, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_()
+    h, a_s, a_d = r(n, H, C), r(1, H, C), r(1, H, C)
+    return h, a_s, a_d, (r(E, H) if edge else None)
+
+
+def _kinds_launched(monkeypatch):
+    kinds = []
+    launch = _triton._launch
+
+    def counted(kernel, *args, **kwargs):
+        kinds.append(kwargs["KIND"])
+        return launch(kernel, *args, **kwargs)
+    monkeypatch.setattr(_triton, "_launch", counted)
+    return kinds
+
+
+@pytest.mark.parametrize("case", ["random", "hub", "hub_sources", "isolated", "duplicates", "empty_rows"])
+@pytest.mark.parametrize("H,C,edge", [(1, 3, False), (3, 4, True), (2, 8, True)])
+def test_projected_gat_is_the_reference(case, H, C, edge, monkeypatch):
+    """Outputs, weights and the gradients of h, both attention vectors and the
+    edge terms equal the reference's (the per-node terms formed outside), over
+    split destination rows (hub) and split source rows (hub_sources), nodes
+    without in- or out-edges; and the kernels ran KIND 3 (no per-node terms)."""
+    name = {"hub_sources": "hub", "empty_rows": "isolated"}.get(case, case)
+    ei, n, _ = graph_case(name, DEVICE)
+    if case == "hub_sources":
+        ei = ei.flip(0)  # node 0 sends 600 edges: several pieces of one source row
+    h, a_s, a_d, e = _projected(n, ei.size(1), H, C, edge)
+    kinds = _kinds_launched(monkeypatch)
+    res = {}
+    for backend in ("triton", "torch"):
+        kinds.clear()
+        score = EdgeScore.gat_projected(h, a_s, a_d, e)
+        with gatlib.record_kernels() as log:
+            out, alpha = graph_attention(score, h, ei, n, backend=backend, return_attention=True)
+            w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                            dtype=torch.float64).to(out)
+            loss = (out * w).sum() + (alpha * alpha.detach().cos()).sum()
+            ins = [h, a_s, a_d] + ([e] if edge else [])
+            grads = torch.autograd.grad(loss, ins)
+        res[backend] = (out, alpha, *grads)
+        if backend == "triton":
+            assert log[:1] == ["triton"] and "triton.backward" in log, log
+            assert kinds and set(kinds) == {3}, kinds
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_projected_gat_gradcheck_and_second_order():
+    ei = _small_graph()
+    n = int(ei.max()) + 1
+    h, a_s, a_d, e = _projected(n, ei.size(1), 2, 3, True)
+
+    def f(h, a_s, a_d, e):
+        return graph_attention(EdgeScore.gat_projected(h, a_s, a_d, e), h, ei, n, backend="triton",
+                               return_attention=True)
+    with gatlib.record_kernels() as log:
+        assert torch.autograd.gradcheck(f, (h, a_s, a_d, e), fast_mode=True)
+    assert "triton" in log and "triton.backward" in log
+    res = {}
+    for backend in ("torch", "triton"):
+        out = graph_attention(EdgeScore.gat_projected(h, a_s, a_d, e), h, ei, n, backend=backend)
+        gh, = torch.autograd.grad(out.square().sum(), h, create_graph=True)
+        res[backend] = (gh.detach(), *torch.autograd.grad(gh.square().sum(), (a_s, a_d)))
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_projected_gat_with_dropout_and_dropped_values(monkeypatch):
+    """Attention dropout: the kernels' one mask, as for per-node terms. Values
+    other than h (a layer's value dropout) take the per-node terms (no KIND 3)."""
+    ei, n, _ = graph_case("random", DEVICE)
+    h, a_s, a_d, e = _projected(n, ei.size(1), 2, 4, True)
+    kinds = _kinds_launched(monkeypatch)
+    outs = []
+    for score in (EdgeScore.gat_projected(h, a_s, a_d, e), EdgeScore.gat_projected(h, a_s, a_d, e).node_terms()):
+        torch.manual_seed(5)
+        outs.append(graph_attention(score, h, ei, n, backend="triton", dropout=0.5, training=True))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+    assert kinds == [3, 0], kinds
+    kinds.clear()
+    graph_attention(EdgeScore.gat_projected(h, a_s, a_d, e), h * 2, ei, n, backend="triton")
+    assert kinds == [0], kinds

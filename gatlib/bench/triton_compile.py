@@ -44,7 +44,8 @@ from gatlib import EdgeScore, GraphPlan  # noqa: E402
 from gatlib import introspect  # noqa: E402
 
 TARGETS = {"sm_80": 80, "sm_90": 90}
-KINDS = ("gat", "gatv2", "dot")
+# "gat_projected": GATConv's score from its projected rows (EdgeScore.gat_projected)
+KINDS = ("gat", "gatv2", "dot", "gat_projected")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 # Channel counts per head: one per power-of-two tile width the kernels pad to,
@@ -121,6 +122,11 @@ def _case_tensors(case: Case, n: int, E: int):
             edge = r(E, H)
         score = EdgeScore.gat(r(n, H), r(n, H), edge, 0.2)
         value, value_edge = r(n, H, C), None
+    elif case.kind == "gat_projected":
+        if case.edge:
+            edge = r(E, H)
+        value, value_edge = r(n, H, C), None
+        score = EdgeScore.gat_projected(value, r(H, C), r(H, C), edge, 0.2)
     elif case.kind == "gatv2":
         if case.edge:
             edge = r(E, H, C)
