@@ -346,6 +346,10 @@ class _FusedAttention(torch.autograd.Function):
         dv_j = sum_i A_ij g_i
         GAT: da_src_j = sum_i dz_ij;  GATv2: dx_src_j = sum_i dS_ij att ⊙ leaky'(z_ij);
         dot: dk_j = scale * sum_i dS_ij q_i
+        GAT from h (KIND 3; a_src.h_j and a_dst.h_i formed in-kernel, dt_j = da_dst_j
+        from the destination-major kernel):
+             dh_j = dv_j + (sum_i dz_ij) a_src + dt_j a_dst
+             da_src = sum_j (sum_i dz_ij) h_j;  da_dst = sum_j dt_j h_j   (per-lane partials)
 
     Inputs, in the fused CPU operator's order: the scorer's tensors ``s_src``
     (a_src / x_src / key), ``s_dst`` (a_dst / x_dst / query), ``s_edge`` and
