@@ -496,9 +496,7 @@ def _bwd_dst_kernel(
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
-    # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
-    # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
-    # (equal bounds) compiles to nothing; the first group is never empty
+    # (the groups of buckets as in _fwd_kernel)
     _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
         s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse, delta_alpha,
         grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop, H, CK, CV,
@@ -664,9 +662,7 @@ def _bwd_src_kernel(
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
-    # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
-    # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
-    # (equal bounds) compiles to nothing; the first group is never empty
+    # (the groups of buckets as in _fwd_kernel)
     _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
         csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
         d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
