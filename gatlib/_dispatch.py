@@ -386,9 +386,10 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
-    if score.projected and (plan.sink or value is not score.src):
-        # the Triton kernels form GAT's terms from the values' rows: where the
-        # values are not h (dropped) or the destinations gain a sink row, the terms
+    if score.projected and (plan.sink or value is not score.src or plan.num_dst != value.size(0)):
+        # the Triton kernels form GAT's terms from the values' rows, each node both a
+        # source and a destination: where the values are not h (dropped), the
+        # destinations are fewer or gain a sink row, the terms
         score = score.node_terms()
     if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
         dst = score.dst

@@ -495,3 +495,10 @@ def test_projected_gat_with_dropout_and_dropped_values(monkeypatch):
     kinds.clear()
     graph_attention(EdgeScore.gat_projected(h, a_s, a_d, e), h * 2, ei, n, backend="triton")
     assert kinds == [0], kinds
+    # fewer destinations than nodes (a plan over the first n - 5): the terms, as the reference
+    kinds.clear()
+    few = ei[:, ei[1] < n - 5]
+    score = EdgeScore.gat_projected(h, a_s, a_d, e[:few.size(1)])
+    got = graph_attention(score, h, few, n - 5, backend="triton")
+    torch.testing.assert_close(got, graph_attention(score, h, few, n - 5, backend="torch"))
+    assert kinds == [0], kinds
