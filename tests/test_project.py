@@ -140,3 +140,14 @@ def test_under_autocast_as_linear():
     assert all(p.grad is not None and p.grad.dtype == torch.float32
                for lin in lins for p in lin.parameters())
     assert x.grad.dtype == torch.float32
+
+
+def test_sparse_input_is_given_to_each_layer():
+    """A sparse x (Cora's features as CSR) goes to each Linear, which handles it."""
+    lins = _lins(3)
+    dense = torch.randn(7, 5, dtype=torch.float64).relu()
+    for x in (dense.to_sparse_csr(), dense.to_sparse()):
+        ys, batched = _separate(x, lins)
+        assert batched == 0
+        for y, lin in zip(ys, lins, strict=True):
+            torch.testing.assert_close(y, lin(dense))
