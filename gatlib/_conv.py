@@ -251,10 +251,12 @@ def project(x: Tensor, *lins) -> List[Tensor]:
                      + ([lin.bias for lin in lins] if biased else []))
     x = x.reshape(math.prod(lead), in_f)
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # as F.linear under autocast: in its dtype
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        # as F.linear under autocast: in its dtype
         dtype = torch.get_autocast_dtype(device)
-        x, flat = x.to(dtype), flat.to(dtype)
-    with torch.autocast(device, enabled=False):
+        with torch.autocast(device, enabled=False):
+            y = _StackedLinear.apply(x.to(dtype), flat.to(dtype), len(lins), out_f, biased)
+    else:
         y = _StackedLinear.apply(x, flat, len(lins), out_f, biased)
     return [t.view(*lead, out_f) for t in y.unbind(0)]
 

@@ -151,3 +151,10 @@ def test_sparse_input_is_given_to_each_layer():
         assert batched == 0
         for y, lin in zip(ys, lins, strict=True):
             torch.testing.assert_close(y, lin(dense))
+
+
+def test_meta_tensors_give_shapes():
+    """On the meta device (shape inference), where autocast does not exist."""
+    lins = [Linear(5, 6).to("meta") for _ in range(3)]
+    ys = project(torch.randn(4, 5, device="meta"), *lins)
+    assert [tuple(y.shape) for y in ys] == [(4, 6)] * 3 and ys[0].device.type == "meta"
