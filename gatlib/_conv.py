@@ -185,10 +185,10 @@ class _AttentionConv(MessagePassing):
                 edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return plan, edge_attr
 
-    def _attend(self, score, value, plan, want_alpha, value_edge=None, concat=None):
+    def _attend(self, score, value, plan, want_alpha, value_edge=None, concat=None, bias=None):
         """Run the attention core over ``plan`` (built by :meth:`_graph` for
         ``value``'s sources) with this layer's dropout, head mode (or
-        ``concat``) and backend.
+        ``concat``) and backend, ``bias`` added to its output.
 
         ``alpha`` is only asked for when the caller wants it: a fused backend
         then skips the extra ``[E, H]`` pass.
@@ -197,7 +197,7 @@ class _AttentionConv(MessagePassing):
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
         return attend_planned(score, value, plan, value_edge, self.dropout, self.training,
                               self.concat if concat is None else concat, self.backend,
-                              bool(want_alpha), self._explain_weight(plan))
+                              bool(want_alpha), self._explain_weight(plan), bias)
 
     def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
         if not return_attention_weights:

@@ -58,6 +58,8 @@ class AttentionCall(NamedTuple):
         need_alpha: whether the attention weights are returned.
         edge_weight: optional ``[E]`` multiplier of each edge's attention
             weights after dropout (edge-list order), differentiable.
+        bias: optional ``[H * C]`` added to every row of ``out``: set only for
+            a kernel that adds it (:attr:`Kernel.adds_bias`).
     """
 
     score: EdgeScore
@@ -67,14 +69,15 @@ class AttentionCall(NamedTuple):
     p: float
     need_alpha: bool
     edge_weight: Optional[Tensor] = None
+    bias: Optional[Tensor] = None
 
     @property
     def device(self) -> torch.device:
         return self.value.device
 
     def tensors(self) -> Tuple[Tensor, ...]:
-        return tuple(t for t in (self.value, self.value_edge, self.edge_weight, *self.score.tensors())
-                     if t is not None)
+        return tuple(t for t in (self.value, self.value_edge, self.edge_weight, self.bias,
+                                 *self.score.tensors()) if t is not None)
 
 
 def _transforms() -> Tuple[str, ...]:
@@ -109,6 +112,9 @@ class Kernel(abc.ABC):
     """An implementation of the three stages for the calls it supports."""
 
     name = ""
+    # whether run() adds call.bias to out itself (as it stores each row); for any
+    # other kernel the dispatcher adds it
+    adds_bias = False
 
     def available(self, device: torch.device) -> Optional[str]:
         """``None`` when this kernel can run on ``device`` here (its package is
@@ -208,6 +214,7 @@ class TritonKernel(Kernel):
     under ``TRITON_INTERPRET=1`` (how CI tests the kernels)."""
 
     name = "triton"
+    adds_bias = True
 
     def available(self, device: torch.device) -> Optional[str]:
         if importlib.util.find_spec("triton") is None:
@@ -232,7 +239,7 @@ class TritonKernel(Kernel):
         from . import _triton
 
         return _triton.attention(call.score, call.value, call.plan, call.value_edge, call.p,
-                                 call.need_alpha)
+                                 call.need_alpha, call.bias)
 
 
 def _interpreting() -> bool:
@@ -373,12 +380,17 @@ def graph_attention(
 
 def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
                    dropout: float, training: bool, concat: bool, backend: str, need_alpha: bool,
-                   edge_weight: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+                   edge_weight: Optional[Tensor] = None,
+                   bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """:func:`graph_attention` on a plan of ``value``'s ``N_src`` sources that the
     caller built and checked: what the layers call, having checked their inputs
     once (going through the public function again, its plan check and keyword
     handling, measurably slowed a GATConv call on a NeighborLoader subgraph;
-    benchmarks/NOTES.md, "Fourth round").
+    benchmarks/NOTES.md, "Fourth round"). ``bias``: a layer's output bias, added
+    to the combined heads — by the kernel as it stores each row where it can
+    (:attr:`Kernel.adds_bias`; the heads concatenated or one, the bias one row of
+    them in the values' dtype): one launch and one pass over ``out`` fewer each
+    way (the Triton kernels sum its gradient with their other parameters').
 
     Returns:
         ``(out, alpha or None)``.
@@ -399,9 +411,18 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     kernel = select_kernel(backend, call)
     if score.projected and kernel.name != "triton":  # the others take GAT's per-node terms
         call = call._replace(score=score.node_terms())
+    heads = score.heads
+    fused_bias = (bias is not None and kernel.adds_bias and (concat or heads == 1)
+                  and bias.dim() == 1 and bias.numel() == heads * value.size(-1)
+                  and bias.dtype == value.dtype and bias.device == value.device)
+    if fused_bias:
+        call = call._replace(bias=bias)
     out, alpha = kernel.run(call)
     if plan.sink:  # the row that collected the edges attention ignores (GraphPlan.num_rows)
         out = out[:plan.num_dst]
         if alpha is not None:
             alpha = alpha.masked_fill((plan.coo()[1] == plan.num_dst).unsqueeze(1), 0)
-    return _core.combine_heads(out, concat), alpha
+    out = _core.combine_heads(out, concat)
+    if bias is not None and not fused_bias:
+        out = out + bias
+    return out, alpha

@@ -218,11 +218,11 @@ def _operator(name: str, fake):
     return define
 
 
-def _fake_forward(s_src, s_dst, s_edge, s_att, value, value_edge, seed, graph, kind, scale, slope,
-                  p, need_alpha, alpha_dtype, share_v, share_ve):
+def _fake_forward(s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed, graph, kind, scale,
+                  slope, p, need_alpha, alpha_dtype, share_v, share_ve):
     num_dst, E = graph[0].numel() - 1, graph[1].numel()
     H = value.size(1)
-    acc = acc_dtype(s_src, s_dst, s_edge, s_att, value, value_edge)
+    acc = acc_dtype(s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     alpha = value.new_empty(E, H, dtype=alpha_dtype) if need_alpha else value.new_empty(0)
     return (value.new_empty(num_dst, H, value.size(2)), alpha, value.new_empty(num_dst, H, dtype=acc))
 
@@ -230,49 +230,76 @@ def _fake_forward(s_src, s_dst, s_edge, s_att, value, value_edge, seed, graph, k
 @_operator("triton_attention", _fake_forward)
 def _attention_op(s_src: Tensor, s_dst: Optional[Tensor], s_edge: Optional[Tensor],
                   s_att: Optional[Tensor], value: Tensor, value_edge: Optional[Tensor],
-                  seed: Optional[Tensor], graph: List[Tensor], kind: int, scale: float, slope: float,
-                  p: float, need_alpha: bool, alpha_dtype: torch.dtype, share_v: bool,
-                  share_ve: bool) -> Tuple[Tensor, Tensor, Tensor]:
+                  bias: Optional[Tensor], seed: Optional[Tensor], graph: List[Tensor], kind: int,
+                  scale: float, slope: float, p: float, need_alpha: bool, alpha_dtype: torch.dtype,
+                  share_v: bool, share_ve: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H])``
     of one call (:class:`_FusedAttention` has the maths); ``graph`` as
     :func:`_graph_tensors` flattens it. The tensors in the fused CPU operator's
-    order: the score's ``(src, dst, edge, att)``, then ``(value, value_edge)``."""
-    ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
+    order: the score's ``(src, dst, edge, att)``, then ``(value, value_edge)``,
+    then the output ``bias`` ``[H * CV]`` added to every row, or None."""
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     meta = _meta(kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve, ins)
     return _forward(meta, _graph_of(graph), *ins, seed)
 
 
-def _fake_backward(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, seed, out,
-                   lse, alpha, graph, kind, scale, slope, p, share_v, share_ve, need):
-    ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
-    need = _returned(kind, share_v, need)
-    return [torch.empty_like(t) if n and t is not None else value.new_empty(0)
-            for t, n in zip(ins, need, strict=True)]
+def _fake_backward(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed,
+                   out, lse, alpha, graph, kind, scale, slope, p, share_v, share_ve, need):
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
+    ret = _returned(kind, share_v, need, ins)
+    grads = [torch.empty_like(t) if n and t is not None else value.new_empty(0)
+             for t, n in zip(ins, ret, strict=True)]
+    names, width = _partial_sums(kind, need, ins)
+    summed = value.new_empty(len(names), value.size(1), width, dtype=acc_dtype(*ins)) if width \
+        else value.new_empty(0)
+    return grads + [summed]
 
 
-def _returned(kind: int, share_v: bool, need) -> List[bool]:
-    """Which of the six gradients the backward operator returns (``need``, but
-    for ``s_src``'s where the two are one tensor, GATv2's ``x_src``, and both are
-    needed: the kernel sums it into ``value``'s)."""
+def _returned(kind: int, share_v: bool, need, ins) -> List[bool]:
+    """Which of the seven gradients the backward operator returns on their own
+    (``need``, but for ``s_src``'s where the two are one tensor, GATv2's ``x_src``,
+    and both are needed: the kernel sums it into ``value``'s; and for the
+    parameters' that :func:`_partial_sums` returns as one tensor)."""
     need = list(need)
     if share_v and need[0] and need[4]:
         need[0] = False
     if kind == 3 and need[4]:  # h is also the destinations' terms: s_dst's in value's too
         need[1] = False
+    if _partial_sums(kind, need, ins)[1]:
+        need[3] = need[6] = False
     return need
+
+
+def _partial_sums(kind: int, need, ins) -> Tuple[Tuple[str, ...], int]:
+    """The parameter gradients that the kernels leave as per-lane partials —
+    ``att``'s (GATv2's in the destination kernel, KIND 3's two vectors in the
+    source kernel) and the output ``bias``'s (the destination kernel) — and, where
+    all are one width, that width: their partials then share one buffer, summed
+    by one launch into one ``[k, H, width]`` tensor, the backward operator's last
+    output (an operator's outputs may not alias one another: the pieces are cut
+    by :func:`_grads`). Width 0: each is summed and returned on its own."""
+    s_src, s_att, value, bias = ins[0], ins[3], ins[4], ins[6]
+    names: List[str] = []
+    if s_att is not None and need[3]:
+        names += ["att_src", "att_dst"] if kind == 3 else ["att"]
+    if bias is not None and need[6]:
+        names.append("bias")
+    widths = {value.size(-1) if n == "bias" else s_src.size(-1) for n in names}
+    return tuple(names), (widths.pop() if len(widths) == 1 else 0)
 
 
 @_operator("triton_attention_backward", _fake_backward)
 def _attention_backward_op(grad_out: Optional[Tensor], grad_alpha: Optional[Tensor], s_src: Tensor,
                            s_dst: Optional[Tensor], s_edge: Optional[Tensor], s_att: Optional[Tensor],
-                           value: Tensor, value_edge: Optional[Tensor], seed: Optional[Tensor],
-                           out: Tensor, lse: Tensor, alpha: Tensor, graph: List[Tensor], kind: int,
-                           scale: float, slope: float, p: float, share_v: bool, share_ve: bool,
-                           need: List[bool]) -> List[Tensor]:
-    """The gradients of the forward operator's six float inputs (``s_src``, ...,
-    ``value_edge``) from those of ``out`` and ``alpha``; an empty tensor for each
-    one ``need`` does not ask for."""
-    ins = (s_src, s_dst, s_edge, s_att, value, value_edge)
+                           value: Tensor, value_edge: Optional[Tensor], bias: Optional[Tensor],
+                           seed: Optional[Tensor], out: Tensor, lse: Tensor, alpha: Tensor,
+                           graph: List[Tensor], kind: int, scale: float, slope: float, p: float,
+                           share_v: bool, share_ve: bool, need: List[bool]) -> List[Tensor]:
+    """The gradients of the forward operator's seven float inputs (``s_src``, ...,
+    ``bias``) from those of ``out`` and ``alpha`` (an empty tensor for each one
+    :func:`_returned` leaves out), then :func:`_partial_sums`' summed parameter
+    gradients (or an empty tensor)."""
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     meta = _meta(kind, scale, slope, p, alpha.numel() > 0, alpha.dtype, share_v, share_ve, ins)
     grads = _backward(meta, _graph_of(graph), need, grad_out, grad_alpha, *ins, seed, out, lse, alpha)
     return [g if g is not None else value.new_empty(0) for g in grads]
@@ -289,20 +316,28 @@ def _setup_context(ctx, inputs, output):
 
 
 def _grads(ctx, grad_out: Optional[Tensor], grad_alpha: Optional[Tensor]) -> List[Optional[Tensor]]:
-    """The gradients of the six float inputs (``None`` where not needed): the
+    """The gradients of the seven float inputs (``None`` where not needed): the
     backward operator's, or the reference's where they must be differentiable."""
     saved = ctx.saved_tensors
-    ins, seed, out, lse, alpha, graph = saved[:6], saved[6], saved[7], saved[8], saved[9], saved[10:]
-    need = ctx.needs_input_grad[:6]
+    ins, seed, out, lse, alpha, graph = saved[:7], saved[7], saved[8], saved[9], saved[10], saved[11:]
+    need = ctx.needs_input_grad[:7]
     kind, scale, slope, p, share_v, share_ve = ctx.args
     if torch.is_grad_enabled():  # create_graph=True: the gradients must be differentiable
         _record.log("triton.backward:reference")
         return _reference_backward(kind, scale, slope, p, seed, _graph_of(list(graph)), ins, need,
                                    grad_out, grad_alpha)
-    grads = torch.ops.gatlib.triton_attention_backward.default(
+    *grads, summed = torch.ops.gatlib.triton_attention_backward.default(
         grad_out, grad_alpha, *ins, seed, out, lse, alpha, list(graph), kind, scale, slope, p,
         share_v, share_ve, list(need))
-    return [g if n else None for g, n in zip(grads, _returned(kind, share_v, need), strict=True)]
+    grads = [g if n else None for g, n in zip(grads, _returned(kind, share_v, need, ins), strict=True)]
+    names, width = _partial_sums(kind, need, ins)
+    if width:  # the parameters' gradients, summed as one: each its piece
+        if "att" in names or "att_src" in names:
+            att = summed[:2] if kind == 3 else summed[0]
+            grads[3] = att.to(ins[3].dtype)
+        if "bias" in names:
+            grads[6] = summed[-1].reshape(ins[6].shape).to(ins[6].dtype)
+    return grads
 
 
 def _op_backward(ctx, grad_out, grad_alpha, _grad_lse):
@@ -328,12 +363,13 @@ class _FusedAttention(torch.autograd.Function):
             l     = l * exp(m - m') + sum_j p_j
             acc   = acc * exp(m - m') + sum_j p_j * D_ij / (1 - p) * (v_j + u_ij)
             m     = m'
-        out_i = acc / l;  lse_i = m + log(l)          # saved: out [N, H, C], lse [N, H]
+        out_i = acc / l + b;  lse_i = m + log(l)      # saved: out [N, H, C], lse [N, H]
         alpha_ij = exp(s_ij - lse_i)                  # only when asked for
 
     Backward, with ``g_i = dL/dout_i`` and ``A_ij = alpha_ij D_ij / (1 - p)``::
 
-        Delta_i = <g_i, out_i> + sum_j alpha_ij * dL/dalpha_ij     # [N, H]
+        Delta_i = <g_i, out_i - b> + sum_j alpha_ij * dL/dalpha_ij # [N, H]
+        db     = sum_i g_i                                         (per-lane partials)
         # destination-major (CSR) kernel, recomputing s_ij and alpha_ij from lse_i:
         dP_ij  = D_ij / (1 - p) * <g_i, v_j + u_ij> + dL/dalpha_ij
         dS_ij  = alpha_ij * (dP_ij - Delta_i)                      # softmax gradient
@@ -354,27 +390,31 @@ class _FusedAttention(torch.autograd.Function):
     Inputs, in the fused CPU operator's order: the scorer's tensors ``s_src``
     (a_src / x_src / key), ``s_dst`` (a_dst / x_dst / query), ``s_edge`` and
     ``s_att`` (GATv2's ``att [H, CK]``), then ``value [N_src, H, CV]`` and
-    ``value_edge [E, H, CV]`` or None. The score formulas are
-    :mod:`gatlib._scores`' (``gat_edge``, ``gatv2_edge``, ``dot_edge``).
+    ``value_edge [E, H, CV]`` or None, and the output bias ``b [H * CV]`` or None.
+    The score formulas are :mod:`gatlib._scores`' (``gat_edge``, ``gatv2_edge``,
+    ``dot_edge``). With a bias ``out`` holds the attention output plus ``b`` and
+    the backward takes ``b`` off again for ``Delta`` (in the accumulation dtype, from
+    ``out`` as stored: for float16/bfloat16 outputs ``Delta`` is then rounded at
+    the scale of ``|out_i|`` rather than of ``|out_i - b|``).
     """
 
     @staticmethod
-    def forward(s_src, s_dst, s_edge, s_att, value, value_edge, seed, kind, scale, slope, p,
+    def forward(s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed, kind, scale, slope, p,
                 need_alpha, alpha_dtype, share_v, share_ve, *graph):
         return torch.ops.gatlib.triton_attention.default(
-            s_src, s_dst, s_edge, s_att, value, value_edge, seed, list(graph), kind, scale, slope,
-            p, need_alpha, alpha_dtype, share_v, share_ve)
+            s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed, list(graph), kind, scale,
+            slope, p, need_alpha, alpha_dtype, share_v, share_ve)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _setup_context(ctx, (*inputs[:7], inputs[15:], *inputs[7:15]), output)
+        _setup_context(ctx, (*inputs[:8], inputs[16:], *inputs[8:16]), output)
 
     @staticmethod
     def backward(ctx, grad_out, grad_alpha, _grad_lse):
         return (*_grads(ctx, grad_out, grad_alpha), *([None] * (9 + ctx.num_graph)))
 
 
-def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, value_edge, seed):
+def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed):
     _record.log("triton")
     plan = lay = graph
     H, CK, CV, dev = meta.H, meta.CK, meta.CV, value.device
@@ -387,14 +427,14 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
     part_lse = torch.empty(items.max_pieces, H, dtype=acc, device=dev)
     coef = _params(meta, value)
     dummy = value
-    consts = _consts(meta, s_dst, s_edge, value_edge)
+    consts = _consts(meta, s_dst, s_edge, value_edge, bias)
     with _device(value):
         _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
                 lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
-                _or(s_att, dummy), value, _or(value_edge, dummy), coef,
+                _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
                 out, lse, part_out, part_lse, _or(seed, dummy), meta.p, H, CK, CV,
                 DROPOUT=meta.p > 0, **consts)
-        _merge(out, part_out, items, H, lse, part_lse)
+        _merge(out, part_out, items, H, lse, part_lse, bias=bias)
         alpha = value.new_empty(0)  # (an operator returns tensors only)
         if meta.need_alpha:
             alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
@@ -412,12 +452,12 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
 
 
 def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_dst, s_edge, s_att,
-              value, value_edge, seed, out, lse, alpha):
+              value, value_edge, bias, seed, out, lse, alpha):
     _record.log("triton.backward")
     plan = lay = graph
     H, CK, CV, dev, acc = meta.H, meta.CK, meta.CV, value.device, meta.acc
     E = lay.num_edges
-    # need: (s_src, s_dst, s_edge, s_att, value, value_edge)
+    # need: (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     g = grad_out.contiguous()
@@ -434,12 +474,13 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
         ag = ag * alpha if ag is grad_alpha else ag.mul_(alpha)
         ag = ag.index_select(0, lay.perm)  # [E, H], CSR
         delta_alpha = torch.segment_reduce(ag, "sum", offsets=lay.ptr, unsafe=True)  # [N_dst, H]
-    consts = _consts(meta, s_dst, s_edge, value_edge)
+    consts = _consts(meta, s_dst, s_edge, value_edge, bias)
     dummy = value
     coef = _params(meta, value)
     a_buf = torch.empty(E, H, dtype=acc, device=dev)
     ds_buf = torch.empty(E, H, dtype=acc, device=dev)
-    returned = _returned(meta.kind, meta.share_v, need)
+    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
+    returned = _returned(meta.kind, meta.share_v, need, ins)
     need_vedge = value_edge is not None and need[5]
     need_edge = s_edge is not None and need[2]
     need_dst = s_dst is not None and returned[1]
@@ -456,24 +497,29 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind in (1, 2) else []),
                            dtype=acc, device=dev) if d_dst is not None else None
     width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-    # the att gradients (GATv2's in the destination kernel, KIND 3's two in the
-    # source kernel): one [CK] partial per lane of each program (a fixed number,
-    # whatever the graph), summed once after the launches
+    # the parameters' gradients (_partial_sums): one partial per lane of each program
+    # (a fixed number, whatever the graph), summed after the launches — in one
+    # buffer, by one launch, where they are one width
     rows = _att_partials(width, H, dev)
-    part_att = torch.empty(rows, CK, dtype=acc, device=dev) if need_att and not projected \
-        else None
-    part_att2 = torch.empty(2, rows, CK, dtype=acc, device=dev) if need_att and projected \
-        else None
+    names, one_width = _partial_sums(meta.kind, need, ins)
+    if one_width:
+        part_buf = torch.empty(len(names), rows, one_width, dtype=acc, device=dev)
+        parts = dict(zip(names, part_buf.unbind(0), strict=True))
+    else:
+        parts = {n: torch.empty(rows, CV if n == "bias" else CK, dtype=acc, device=dev)
+                 for n in names}
+    part_att, part_bias = parts.get("att"), parts.get("bias")
     with _device(value):
         _launch(_bwd_dst_kernel, items, H, width,
-                lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
-                _or(s_att, dummy), value, _or(value_edge, dummy), coef,
+                lay.src, plan.csr_eid, lay.ptr, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
+                _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
                 g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
                 _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
                 _or(part_dst, dummy), _or(seed, dummy), meta.p, H, CK, CV,
-                part_att=_or(part_att, dummy), DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
+                part_att=_or(part_att, dummy), part_bias=_or(part_bias, dummy),
+                DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                 NEED_EDGE=need_edge, NEED_DST=d_dst is not None, NEED_ATT=part_att is not None,
-                **consts)
+                NEED_BIAS=part_bias is not None, **consts)
         if d_dst is not None:
             _merge(d_dst, part_dst, items, H)
         need_value = need[4]
@@ -497,29 +543,32 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                     _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
                     _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
                     _or(part_src, dummy), _or(d_dst, dummy),
-                    *((part_att2[0], part_att2[1]) if part_att2 is not None else (dummy, dummy)),
+                    _or(parts.get("att_src"), dummy), _or(parts.get("att_dst"), dummy),
                     H, CK, CV,
                     KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
-                    NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT=part_att2 is not None,
+                    NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT="att_src" in parts,
                     ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
                     BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
             if need_value:
                 _merge(d_value, part_value, sitems, H)
             if d_src is not None:
                 _merge(d_src, part_src, sitems, H)
-    d_att = None
-    if part_att is not None:
-        d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype)
-    elif part_att2 is not None:  # [a_src; a_dst]
-        d_att = part_att2.view(2, -1, H, CK).sum(1).to(s_att.dtype)
-    return [d_src, d_dst if need_dst else None, d_edge, d_att, d_value, d_vedge]
+    d_att = d_bias = summed = None
+    if one_width:  # [k, H, width], cut by _grads
+        summed = part_buf.view(len(names), -1, H, one_width).sum(1)
+    else:
+        if part_att is not None:
+            d_att = part_att.view(-1, H, CK).sum(0).to(s_att.dtype)
+        if part_bias is not None:
+            d_bias = part_bias.view(-1, H * CV).sum(0).to(bias.dtype)
+    return [d_src, d_dst if need_dst else None, d_edge, d_att, d_value, d_vedge, d_bias, summed]
 
 
 def _reference_backward(kind: int, scale: float, slope: float, p: float, seed: Optional[Tensor],
                         graph: _Graph, ins, need, g_out, g_alpha) -> List[Optional[Tensor]]:
     """Differentiable gradients of the same call: the reference's, on the edge list
     with the kernels' dropout mask. Builds ``[E, H, C]`` tensors, as the reference does."""
-    value = ins[4]
+    value, bias = ins[4], ins[6]
     drop = None
     if p > 0:
         acc = acc_dtype(*ins)
@@ -528,8 +577,13 @@ def _reference_backward(kind: int, scale: float, slope: float, p: float, seed: O
     perm = graph.perm.long()
     src = torch.empty_like(perm).index_copy_(0, perm, graph.src.long())  # edge-list order
     dst = torch.empty_like(perm).index_copy_(0, perm, graph.dst.long())
-    return reference_grads(_KIND_NAMES[kind], scale, slope, ins, src, dst, graph.num_dst, drop,
-                           (g_out, g_alpha), need)
+    grads = reference_grads(_KIND_NAMES[kind], scale, slope, ins[:6], src, dst, graph.num_dst, drop,
+                            (g_out, g_alpha), need[:6])
+    d_bias = None
+    if bias is not None and need[6]:  # out + bias: the sum of out's gradient over the rows
+        d_bias = (g_out.sum(0).reshape(bias.shape).to(bias.dtype) if g_out is not None
+                  else torch.zeros_like(bias))
+    return grads + [d_bias]
 
 
 def _or(t: Optional[Tensor], default: Tensor) -> Tensor:
@@ -537,10 +591,10 @@ def _or(t: Optional[Tensor], default: Tensor) -> Tensor:
     return default if t is None else t
 
 
-def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
+def _consts(meta: _Meta, s_dst, s_edge, value_edge, bias) -> dict:
     return dict(
         KIND=meta.kind, HAS_DST=s_dst is not None, HAS_EDGE=s_edge is not None,
-        HAS_VEDGE=value_edge is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
+        HAS_VEDGE=value_edge is not None, HAS_BIAS=bias is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
         ACC=_tl_acc(meta.acc), BLOCK_CK=triton.next_power_of_2(meta.CK),
         BLOCK_CV=triton.next_power_of_2(meta.CV), FULL_CV=meta.CV == triton.next_power_of_2(meta.CV),
         FULL_CK=meta.CK == triton.next_power_of_2(meta.CK),
@@ -588,7 +642,8 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
 
 
 def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
-              p: float, need_alpha: bool) -> Tuple[Tensor, Optional[Tensor]]:
+              p: float, need_alpha: bool,
+              bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Fused attention (see :class:`_FusedAttention`) of a call :func:`unsupported` accepts.
 
     Args:
@@ -598,6 +653,8 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         value_edge: optional ``[E, H, C]`` per-edge value term.
         p: attention dropout probability in effect (0 outside training).
         need_alpha: also return the ``[E, H]`` weights (before dropout).
+        bias: optional ``[H * C]`` added to every row of ``out`` as it is stored
+            (a layer's output bias; in ``value``'s dtype and on its device).
 
     Returns:
         ``(out [N_dst, H, C], alpha [E, H] or None)`` with ``out`` in
@@ -616,7 +673,12 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
         value = value.expand(-1, H, -1)
     if kind == 2 and s_src.size(1) != H:
         s_src = s_src.expand(-1, H, -1)
-    tensors = (s_src, s_dst, s_edge, s_att, value, value_edge)
+    if bias is not None and (bias.dtype != value.dtype or bias.device != value.device
+                             or bias.numel() != H * value.size(-1)):
+        raise ValueError(f"bias must be [H * C] = [{H * value.size(-1)}] in the values' dtype "
+                         f"({value.dtype}) on their device; got {tuple(bias.shape)} {bias.dtype} "
+                         f"on {bias.device}")
+    tensors = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     share_v = kind in (1, 3) and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
     seed = _draw_seed(value.device) if p > 0 else None
@@ -632,7 +694,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins):
         out, alpha, _ = _FusedAttention.apply(*args, *graph)
     else:  # nothing to differentiate: the operator alone (as the fused CPU kernel)
-        out, alpha, _ = torch.ops.gatlib.triton_attention.default(*ins, seed, graph, *args[7:])
+        out, alpha, _ = torch.ops.gatlib.triton_attention.default(*ins, seed, graph, *args[8:])
     return out, (alpha if need_alpha else None)
 
 

@@ -95,12 +95,13 @@ def triton_kernels() -> Dict[str, object]:
 
 
 def triton_attention(score: "EdgeScore", value: "Tensor", plan: "GraphPlan",
-                     value_edge: Optional["Tensor"], p: float,
-                     need_alpha: bool) -> Tuple["Tensor", Optional["Tensor"]]:
+                     value_edge: Optional["Tensor"], p: float, need_alpha: bool,
+                     bias: Optional["Tensor"] = None) -> Tuple["Tensor", Optional["Tensor"]]:
     """The Triton kernels' fused attention called directly, as the dispatcher
     calls it for ``backend="triton"`` (no ``supports`` check, no kernel log):
-    ``(out [N_dst, H, C], alpha [E, H] or None)``."""
-    return _kernels().attention(score, value, plan, value_edge, p, need_alpha)
+    ``(out [N_dst, H, C], alpha [E, H] or None)``, ``bias`` ``[H * C]`` added to
+    every row of ``out`` if given."""
+    return _kernels().attention(score, value, plan, value_edge, p, need_alpha, bias)
 
 
 def triton_schedule(plan: "GraphPlan") -> object:

@@ -236,6 +236,9 @@ class GATConv(_AttentionConv):
         # own dropout needs them projected.
         in_space = (propagate is None and _input_space(x_src, lin_src, C)
                     and not (self.value_dropout > 0.0 and self.training))
+        # the output bias goes to the attention core (the Triton kernels add it as they
+        # store each row) where it is the next thing added, as PyG adds it
+        core_bias = self.bias if not (propagate or in_space or res is not None) else None
         h_src = None if in_space else lin_src(x_src).view(-1, H, C)  # [N_s, H, C], the values
         if x_dst is not None and isinstance(lin_dst.weight, UninitializedTensorMixin):
             lin_dst(x_dst)  # lazy in_channels: let the layer take its shape
@@ -282,10 +285,11 @@ class GATConv(_AttentionConv):
                                           concat=True)
                 out = _project_heads(agg, lin_src.weight, H, self.concat)
             else:
-                out, alpha = self._attend(score, h_src, plan, return_attention_weights)
+                out, alpha = self._attend(score, h_src, plan, return_attention_weights,
+                                          bias=core_bias)
         if res is not None:
             out = out + res
-        if self.bias is not None:
+        if self.bias is not None and core_bias is None:
             out = out + self.bias
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
@@ -437,6 +441,7 @@ class GATv2Conv(_AttentionConv):
         else:
             h_src = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
             h_dst = self.lin_r(x_dst).view(-1, H, C)  # [N_t, H, C]
+        core_bias = None  # (the output bias to the attention core as in GATConv.forward)
         if self._use_propagate():  # PyG's flow: edge_update, then message per edge
             ei = plan.edge_index.long()
             # edge_updater_type: (x: PairTensor, edge_attr: OptTensor)
@@ -451,12 +456,13 @@ class GATv2Conv(_AttentionConv):
             h_edge = None
             if self.lin_edge is not None:
                 h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
+            core_bias = self.bias if res is None else None
             out, alpha = self._attend(
                 EdgeScore.gatv2(h_src, h_dst, self.att.view(H, C), h_edge, self.negative_slope),
-                h_src, plan, return_attention_weights)
+                h_src, plan, return_attention_weights, bias=core_bias)
         if res is not None:
             out = out + res
-        if self.bias is not None:
+        if self.bias is not None and core_bias is None:
             out = out + self.bias
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
 

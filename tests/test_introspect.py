@@ -61,7 +61,7 @@ def test_triton_functions_call_the_kernels_own(monkeypatch):
             ("_check_interpreter", "check_triton_interpreter", ()),
             ("_draw_seed", "draw_dropout_seed", ("cpu",)),
             ("dropout_keep_mask", "dropout_keep_mask", (plan, 2, 0.5, seed)),
-            ("attention", "triton_attention", (None, None, plan, None, 0.0, False))):
+            ("attention", "triton_attention", (None, None, plan, None, 0.0, False, None))):
         monkeypatch.setattr(_triton, private, lambda *a, _n=private: calls.append((_n, a)) or _n)
         result = getattr(introspect, public)(*args)
         assert calls[-1] == (private, args)

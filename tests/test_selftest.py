@@ -64,9 +64,9 @@ def test_selftest_end_to_end(tmp_path, capsys, monkeypatch):
 def _skip_merge(monkeypatch, softmax: bool):
     merge = _triton._merge
 
-    def skipping(out, part, items, H, lse=None, part_lse=None):
+    def skipping(out, part, items, H, lse=None, part_lse=None, bias=None):
         if (lse is not None) != softmax:
-            merge(out, part, items, H, lse, part_lse)
+            merge(out, part, items, H, lse, part_lse, bias=bias)
     monkeypatch.setattr(_triton, "_merge", skipping)
 
 
@@ -86,9 +86,9 @@ def _unseeded_dropout(monkeypatch):  # a dropout mask torch.manual_seed does not
 def _backward_mask_differs(monkeypatch):  # the backward draws another dropout mask
     real = _triton._backward
 
-    def backward(*args):  # (meta, graph, need, grad_out, grad_alpha, the 6 inputs, seed, ...)
+    def backward(*args):  # (meta, graph, need, grad_out, grad_alpha, the 7 inputs, seed, ...)
         args = list(args)
-        args[11] = args[11] + 1
+        args[12] = args[12] + 1
         return real(*args)
 
     monkeypatch.setattr(_triton, "_backward", backward)

@@ -502,3 +502,172 @@ def test_projected_gat_with_dropout_and_dropped_values(monkeypatch):
     got = graph_attention(score, h, few, n - 5, backend="triton")
     torch.testing.assert_close(got, graph_attention(score, h, few, n - 5, backend="torch"))
     assert kinds == [0], kinds
+
+
+# ---------------------------------------------------------------------------
+# A layer's output bias, added by the kernels as they store each row; its
+# gradient summed with the other parameters' (gatlib._dispatch.attend_planned).
+# ---------------------------------------------------------------------------
+def _bias_flags(monkeypatch):
+    """``(HAS_BIAS, NEED_BIAS)`` of each row-kernel launch (the source kernel has neither)."""
+    flags = []
+    launch = _triton._launch
+
+    def counted(kernel, *args, **kwargs):
+        if "HAS_BIAS" in kwargs:
+            flags.append((kwargs["HAS_BIAS"], kwargs.get("NEED_BIAS")))
+        return launch(kernel, *args, **kwargs)
+    monkeypatch.setattr(_triton, "_launch", counted)
+    return flags
+
+
+def _attend(score, value, ei, n_dst, backend, bias, concat=True, **kw):
+    plan = gatlib._plan.as_plan(ei, value.size(0), n_dst, value.device)
+    with gatlib.record_kernels() as log:
+        out, alpha = gatlib._dispatch.attend_planned(score, value, plan, None, 0.0, False, concat,
+                                                     backend, True, bias=bias, **kw)
+    assert log[:1] == [backend], log
+    return out, alpha
+
+
+def _bias_score(kind, ei, n, H, C, seed=0):
+    if kind == "gat_projected":
+        h, a_s, a_d, e = _projected(n, ei.size(1), H, C, True, seed)
+        return EdgeScore.gat_projected(h, a_s, a_d, e), h
+    score = make_score(kind, n, n, ei.size(1), H, C, device=DEVICE, seed=seed)
+    if kind == "gatv2":  # the layer's values are its source projection
+        return score, score.src
+    return score, torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+
+
+@pytest.mark.parametrize("case", ["hub", "isolated", "random"])
+@pytest.mark.parametrize("kind", ["gat", "gatv2", "gat_projected"])
+def test_output_bias_is_added_by_the_kernels(kind, case, monkeypatch):
+    """``out + bias`` and every gradient, the bias's included, equal the reference's
+    with the bias added after; rows without in-edges are the bias; a hub's split
+    row gets it once (in the merge) and adds its gradient once (on its first piece);
+    and the kernels added it (HAS_BIAS forward, NEED_BIAS backward), so nothing
+    else could have."""
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 64)  # the hub's 600 edges: 10 pieces
+    ei, n, _ = graph_case(case, DEVICE)
+    H, C = 3, 4
+    score, value = _bias_score(kind, ei, n, H, C)
+    bias = torch.randn(H * C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    flags = _bias_flags(monkeypatch)
+    res = {}
+    for backend in ("triton", "torch"):
+        flags.clear()
+        out, alpha = _attend(score, value, ei, n, backend, bias)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                        dtype=torch.float64).to(out)
+        ins = list(dict.fromkeys([value, bias, *leaves(score)]))
+        grads = torch.autograd.grad((out * w).sum() + alpha.cos().sum(), ins)
+        res[backend] = (out, alpha, *grads)
+        if backend == "triton":
+            assert flags == [(True, None), (True, True)], flags
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    if case == "isolated":  # destinations 0..7 have no in-edges: the bias alone
+        torch.testing.assert_close(res["triton"][0][:8], bias.detach().expand(8, -1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["gat", "gatv2", "gat_projected"])
+def test_output_bias_gradcheck_and_second_order(kind, monkeypatch):
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 3)  # rows of 4+ edges are merged pieces
+    ei = _small_graph()
+    n, H, C = 5, 2, 3
+    score, value = _bias_score(kind, ei, n, H, C, seed=2)
+    bias = torch.randn(H * C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    ins = list(dict.fromkeys([value, bias, *leaves(score)]))
+
+    def f(*ts):
+        sub = dict(zip(map(id, ins), ts, strict=True))
+        s = score.with_tensors(*(None if t is None else sub[id(t)] for t in score.tensors()))
+        return _attend(s, sub[id(value)], ei, n, "triton", sub[id(bias)])
+    assert torch.autograd.gradcheck(f, tuple(ins), fast_mode=True)
+    res = {}
+    for backend in ("torch", "triton"):  # a gradient penalty: the differentiable backward
+        out, _ = _attend(score, value, ei, n, backend, bias)
+        gv, gb = torch.autograd.grad(out.square().sum(), (value, bias), create_graph=True)
+        res[backend] = (gv.detach(), gb.detach(),
+                        *torch.autograd.grad(gv.square().sum() + gb.square().sum(), (value, bias)))
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_output_bias_where_the_kernels_do_not_add_it(monkeypatch):
+    """The dispatcher adds the bias after the heads are combined where the kernels
+    cannot: averaged heads, a bias in another dtype, another kernel — the same
+    result, no HAS_BIAS launch."""
+    ei, n, _ = graph_case("random", DEVICE)
+    H, C = 3, 4
+    score, value = _bias_score("gatv2", ei, n, H, C)
+    flags = _bias_flags(monkeypatch)
+    for concat, bias in ((False, torch.randn(C, dtype=torch.float64)),
+                         (True, torch.randn(H * C, dtype=torch.float32))):
+        flags.clear()
+        out, _ = _attend(score, value, ei, n, "triton", bias.to(DEVICE), concat=concat)
+        ref, _ = _attend(score, value, ei, n, "torch", None, concat=concat)
+        torch.testing.assert_close(out, ref + bias.to(DEVICE))
+        assert out.dtype == torch.promote_types(value.dtype, bias.dtype)
+        assert flags and all(not has for has, _ in flags), flags
+
+
+@pytest.mark.parametrize("need", ["bias", "att", "both", "other_width"])
+def test_output_bias_gradient_with_or_without_the_att_gradient(need, monkeypatch):
+    """GATv2's att and bias partials share one buffer and one sum where they are one
+    width; a value wider than the scorer's rows (other_width) sums them apart;
+    either alone is summed alone."""
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 64)
+    ei, n, _ = graph_case("hub", DEVICE)
+    H, C = 2, 4
+    CV = 8 if need == "other_width" else C
+    score = make_score("gatv2", n, n, ei.size(1), H, C, device=DEVICE, edge=False)
+    score.att.requires_grad_(need != "bias")
+    value = torch.randn(n, H, CV, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    bias = torch.randn(H * CV, dtype=torch.float64, device=DEVICE, requires_grad=need != "att")
+    ins = [t for t in (value, bias, score.att) if t.requires_grad]
+    res = {}
+    for backend in ("triton", "torch"):
+        out, _ = _attend(score, value, ei, n, backend, bias)
+        res[backend] = (out, *torch.autograd.grad(out.sin().sum(), ins))
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_output_bias_of_the_wrong_shape_is_refused():
+    ei, n, _ = graph_case("random", DEVICE)
+    score, value = _bias_score("gatv2", ei, n, 2, 4)
+    plan = gatlib._plan.as_plan(ei, n, n, value.device)
+    with pytest.raises(ValueError, match=r"bias must be \[H \* C\] = \[8\]"):
+        _triton.attention(score, value, plan, None, 0.0, False, torch.zeros(4, dtype=value.dtype))
+
+
+@pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv"])
+@pytest.mark.parametrize("heads,concat,residual", [(3, True, False), (1, False, False),
+                                                   (3, False, False), (3, True, True)])
+def test_layers_output_bias_in_the_kernels(layer, heads, concat, residual, monkeypatch):
+    """A GAT layer on the Triton kernels with a trained (non-zero) bias: PyG's result
+    and gradients (the reference backend's), the bias added by the kernels where the
+    heads are concatenated or one and nothing comes between (a residual is added
+    first, as in PyG)."""
+    n = 40
+    ei = torch.cat([hub_graph(n, 150), torch.randint(0, n, (2, 60))], 1).to(DEVICE)
+    x = torch.randn(n, 6, dtype=torch.float64, device=DEVICE)
+    torch.manual_seed(0)
+    ref = getattr(gatlib, layer)(6, 4, heads=heads, concat=concat, residual=residual,
+                                 backend="torch").double().to(DEVICE)
+    with torch.no_grad():
+        ref.bias.normal_()
+    ours = getattr(gatlib, layer)(6, 4, heads=heads, concat=concat, residual=residual,
+                                  backend="triton").double().to(DEVICE)
+    ours.load_state_dict(ref.state_dict())
+    flags = _bias_flags(monkeypatch)
+    res = []
+    for m in (ours, ref):
+        out = m(x, ei)
+        res.append((out, *torch.autograd.grad(out.sin().sum(), list(m.parameters()))))
+    for a, b in zip(*res, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    fused = (concat or heads == 1) and not residual
+    assert flags and {has for has, _ in flags} == {fused}, flags

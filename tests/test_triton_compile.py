@@ -66,14 +66,14 @@ def test_every_specialisation_binds_and_compiles_for_sm80_and_sm90(report):
     fwd = [r for r in rows if r["kernel"] == "_fwd_kernel"]
     assert {_consts(r)["KIND"] for r in fwd} == {"0", "1", "2", "3"}
     assert {r["signature"]["value"] for r in fwd} == {"*fp16", "*bf16", "*fp32", "*fp64"}
-    for flag in ("HAS_EDGE", "HAS_VEDGE", "DROPOUT", "SHARE_V", "SHARE_VE"):
+    for flag in ("HAS_EDGE", "HAS_VEDGE", "HAS_BIAS", "DROPOUT", "SHARE_V", "SHARE_VE"):
         assert {_consts(r)[flag] for r in fwd} == {"True", "False"}, flag
     assert {_consts(r)["BLOCK_CV"] for r in fwd} == {str(2 ** i) for i in range(11)}
     # every edge tile, and launches whose buckets run as three groups
     assert {_consts(r)[f"E{g}"] for r in fwd for g in range(3)} >= {"4", "16", "64"}
     assert any(_consts(r)["B1"] < _consts(r)["B2"] < _consts(r)["B3"] for r in fwd)
     bwd = [r for r in rows if r["kernel"] == "_bwd_dst_kernel"]
-    for flag in ("GALPHA", "NEED_EDGE", "NEED_VEDGE", "NEED_ATT"):
+    for flag in ("GALPHA", "NEED_EDGE", "NEED_VEDGE", "NEED_ATT", "NEED_BIAS"):
         assert {_consts(r)[flag] for r in bwd} == {"True", "False"}, flag
     # integers that change with the graph are not specialised on their value
     # (a new mini-batch must not compile new kernels)

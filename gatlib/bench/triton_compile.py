@@ -110,6 +110,8 @@ def capture_graph() -> Tuple[torch.Tensor, int]:
 
 
 def _case_tensors(case: Case, n: int, E: int):
+    """``(score, value, value_edge, bias)`` of a case: GAT and GATv2 layers give the
+    kernels their output bias (concatenated heads), the Transformer has none."""
     dt = DTYPES[case.dtype]
     H, C = case.heads, case.channels
 
@@ -138,7 +140,8 @@ def _case_tensors(case: Case, n: int, E: int):
             edge = r(E, H, C)
         score = EdgeScore.dot(r(n, H, C), r(n, H, C), edge, C ** -0.5)
         value, value_edge = r(n, H, C), edge  # TransformerConv adds the edge term to values
-    return score, value, value_edge
+        return score, value, value_edge, None
+    return score, value, value_edge, r(H * C)
 
 
 class _Driver:
@@ -252,9 +255,10 @@ def capture(cases: Iterable[Case]) -> List[Spec]:
             for case in cases:
                 current[:] = [case.label]
                 torch.manual_seed(0)
-                score, value, value_edge = _case_tensors(case, n, E)
+                score, value, value_edge, bias = _case_tensors(case, n, E)
                 out, alpha = introspect.triton_attention(score, value, plan, value_edge,
-                                                          0.1 if case.dropout else 0.0, case.alpha)
+                                                          0.1 if case.dropout else 0.0, case.alpha,
+                                                          bias)
                 loss = out.float().sum() + (alpha.float().sum() if case.alpha else 0)
                 loss.backward()
                 if case.dropout:  # the mask the double backward regenerates
