@@ -2,7 +2,8 @@
 # The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in one call:
 # the Triton kernels checked against the reference, then gatlib against PyG, each eager and under
 # torch.compile, on the 2-layer training step (arxiv-like, Cora: the GPU targets) and on one layer
-# (arxiv-like: each pass against its bandwidth floor). About 9 minutes at most:
+# (arxiv-like: each pass against its bandwidth floor), and Cora's step with both compiled sides
+# replayed as CUDA graphs. About 9 minutes; the steps' limits add up to 11, so the last may be cut:
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh", carry [".planetoid"], timeout_s 590
@@ -60,4 +61,9 @@ step 90 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --d
 # 3. one layer, forward and forward+backward, with the bandwidth floor of each pass
 step 150 "$PY" -m gatlib.bench.compare --scope layer --layer all --graph arxiv-like --device cuda \
   --backend triton --pass both --repeats 5 --json "$OUT/compare_arxiv-like_cuda_$gpu.json"
+# 4. Cora's step with both compiled sides replayed as CUDA graphs (the captured step; last: the
+#    first to go if the call's time runs out)
+step 90 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
+  --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
+  --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
 exit $status

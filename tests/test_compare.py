@@ -318,6 +318,36 @@ def test_a_compiled_side_that_disagrees_or_fails_is_not_timed(tmp_path, monkeypa
     assert "torch.compile(gatlib.GATConv(backend='fused')) " in err and "Not timing it" in err
 
 
+def test_compile_mode_reaches_both_compiled_sides(tmp_path, monkeypatch):
+    """--compile-mode goes to torch.compile for PyG's and gatlib's modules alike (each
+    graph a backend compiled was given it) and into the report's options."""
+    from torch._dynamo.backends import registry
+
+    modes = []
+
+    def backend(gm, example_inputs, mode=None, **kwargs):
+        modes.append(mode)
+        return gm.forward
+
+    monkeypatch.setitem(registry._BACKENDS, "gatlib_test_backend", None)
+    monkeypatch.setitem(registry._COMPILER_FNS, "gatlib_test_backend", backend)
+    monkeypatch.setattr(compare, "COMPILE_OPTIONS", {"backend": "gatlib_test_backend"})
+    rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--scope", "model",
+                          "--classes", "3", "--compile-mode", "reduce-overhead")
+    assert rc == 0, rep["checks"]
+    assert rep["config"]["compile_options"] == {"backend": "gatlib_test_backend",
+                                                "mode": "reduce-overhead"}
+    assert {c["status"] for c in rep["checks"]["gat"]["compiled"].values()} == {"ok"}
+    assert modes and set(modes) == {"reduce-overhead"}
+    assert all(rep["compile"]["gat"][impl]["graphs"] > 0 for impl in compare_report.COMPILED_IMPLS)
+
+
+def test_compile_mode_without_compiled_sides_is_refused(tmp_path, capsys):
+    rc, rep = run_compare(tmp_path, "--compile-mode", "reduce-overhead")  # (TINY: --no-compile)
+    assert rc == 2 and rep is None
+    assert "--compile-mode reduce-overhead: there are no compiled sides" in capsys.readouterr().err
+
+
 def test_a_compiled_side_that_ran_eagerly_is_an_error(tmp_path, monkeypatch):
     """If torch.compile compiled nothing (disabled, or a wrapper that is not it), the
     side's first call compiled no graph: an error, not a column of eager times."""

@@ -16,7 +16,8 @@ Four implementations (``--compile``, the default), what users run: ``pyg`` and
 ``gatlib`` eagerly, and ``pyg_compiled`` and ``gatlib_compiled``:
 ``torch.compile(module, **COMPILE_OPTIONS)`` of the same two module objects
 (torch.compile's defaults: the same user code for both libraries; recorded in
-the JSON's config). ``--no-compile`` runs the eager two. Before each layer type
+the JSON's config; ``--compile-mode`` sets both sides' mode, ``reduce-overhead``
+replaying their graphs as CUDA graphs on CUDA). ``--no-compile`` runs the eager two. Before each layer type
 torch's compile caches are reset (``torch._dynamo.reset()``), so its compiled
 sides compile afresh and stay far from the recompile limit past which dynamo
 would quietly run eagerly.
@@ -109,6 +110,10 @@ from .report import command_line, environment, write_json
 # JSON values only: they go into the report and the memory children's specs.
 COMPILE_OPTIONS: Dict = {"backend": "inductor", "mode": None, "fullgraph": False,
                          "dynamic": None}
+# --compile-mode: torch.compile's mode for both compiled sides ("default": None).
+# "reduce-overhead" replays each compiled graph as a CUDA graph on CUDA: what a
+# user who captures the step runs, with no host time per launch.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 # Calls of a compiled side before one compiles nothing new (see settle()).
 SETTLE_CALLS = 4
 PASSES = ("forward", "forward+backward")  # --scope layer
@@ -536,6 +541,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time torch.compile of both sides' modules (pyg_compiled, "
                              "gatlib_compiled), with torch.compile's defaults (default: on)")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                        help="torch.compile's mode for both compiled sides; 'reduce-overhead' "
+                             "replays their graphs as CUDA graphs on CUDA (default: torch.compile's "
+                             "default mode)")
     parser.add_argument("--pass", dest="passes", default=None,
                         choices=["forward", "forward+backward", "both"],
                         help="--scope layer: which passes to measure (default: both)")
@@ -575,6 +584,9 @@ def _config(args: argparse.Namespace) -> Dict:
         raise ValueError("--pass applies to --scope layer; --scope model times a training step")
     if args.classes < 1:
         raise ValueError(f"--classes must be >= 1; got {args.classes}")
+    mode = args.compile_mode
+    if mode != "default" and not args.compile:
+        raise ValueError(f"--compile-mode {mode}: there are no compiled sides with --no-compile")
     device = torch.device(args.device)
     heads, channels = DEFAULT_HC[device.type]
     heads = args.heads if args.heads is not None else heads
@@ -594,7 +606,8 @@ def _config(args: argparse.Namespace) -> Dict:
         "repeats": args.repeats, "block_s": args.block_seconds, "warmup": max(1, args.warmup),
         "memory": args.memory, "passes": passes,
         "impls": list(ALL_IMPLS if args.compile else IMPLS),
-        "compile_options": dict(COMPILE_OPTIONS) if args.compile else None,
+        "compile_options": ({**COMPILE_OPTIONS, **({} if mode == "default" else {"mode": mode})}
+                            if args.compile else None),
         "seed": args.seed, "threads": torch.get_num_threads(),
         "data_dir": str(resolve_data_dir(args.data_dir)),
         "mem_budget_bytes": (int(args.mem_budget_gb * 2**30) if args.mem_budget_gb else None),
