@@ -339,6 +339,7 @@ def graph_attention(
     backend: str = "auto",
     return_attention: bool = False,
     edge_weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Sparse multi-head attention over the edges of a graph.
 
@@ -368,13 +369,18 @@ def graph_attention(
             after dropout, in the order of ``edge_index`` and differentiable
             (how PyG's explainers apply edge masks); the returned weights are
             not multiplied.
+        bias: optional floating ``[H*C]`` (concatenated heads) or ``[C]``
+            (averaged) added to every output row, differentiable — a layer's
+            output bias, which the Triton kernels add as they store each row.
 
     Returns:
         ``out`` or ``(out, alpha)``.
     """
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
+    if bias is not None:
+        V.check_bias(bias, (score.heads if concat else 1) * value.size(-1), value)
     out, alpha = attend_planned(score, value, plan, value_edge, dropout, training, concat,
-                                backend, bool(return_attention), edge_weight)
+                                backend, bool(return_attention), edge_weight, bias)
     return (out, alpha) if return_attention else out
 
 

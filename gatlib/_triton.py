@@ -224,7 +224,9 @@ def _fake_forward(s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed, gr
     H = value.size(1)
     acc = acc_dtype(s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     alpha = value.new_empty(E, H, dtype=alpha_dtype) if need_alpha else value.new_empty(0)
-    return (value.new_empty(num_dst, H, value.size(2)), alpha, value.new_empty(num_dst, H, dtype=acc))
+    out = value.new_empty(num_dst, H, value.size(2))
+    return (out, alpha, value.new_empty(num_dst, H, dtype=acc),
+            torch.empty_like(out) if bias is not None else value.new_empty(0))
 
 
 @_operator("triton_attention", _fake_forward)
@@ -232,12 +234,13 @@ def _attention_op(s_src: Tensor, s_dst: Optional[Tensor], s_edge: Optional[Tenso
                   s_att: Optional[Tensor], value: Tensor, value_edge: Optional[Tensor],
                   bias: Optional[Tensor], seed: Optional[Tensor], graph: List[Tensor], kind: int,
                   scale: float, slope: float, p: float, need_alpha: bool, alpha_dtype: torch.dtype,
-                  share_v: bool, share_ve: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H])``
-    of one call (:class:`_FusedAttention` has the maths); ``graph`` as
+                  share_v: bool, share_ve: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H],
+    attn)`` of one call (:class:`_FusedAttention` has the maths); ``graph`` as
     :func:`_graph_tensors` flattens it. The tensors in the fused CPU operator's
     order: the score's ``(src, dst, edge, att)``, then ``(value, value_edge)``,
-    then the output ``bias`` ``[H * CV]`` added to every row, or None."""
+    then the output ``bias`` ``[H * CV]`` added to every row, or None. With a
+    bias, ``attn`` is ``out`` before it (what the backward reads), else ``[0]``."""
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     meta = _meta(kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve, ins)
     return _forward(meta, _graph_of(graph), *ins, seed)
@@ -307,10 +310,12 @@ def _attention_backward_op(grad_out: Optional[Tensor], grad_alpha: Optional[Tens
 
 def _setup_context(ctx, inputs, output):
     *ins, seed, graph, kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve = inputs
-    out, alpha, lse = output
+    out, alpha, lse, attn = output
     ctx.args = (kind, scale, slope, p, share_v, share_ve)
     ctx.num_graph = len(graph)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, attn)
+    if ins[6] is not None:  # a bias: the backward reads the output without it
+        out = attn
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*ins, seed, out, lse, alpha, *graph)
 
@@ -340,7 +345,7 @@ def _grads(ctx, grad_out: Optional[Tensor], grad_alpha: Optional[Tensor]) -> Lis
     return grads
 
 
-def _op_backward(ctx, grad_out, grad_alpha, _grad_lse):
+def _op_backward(ctx, grad_out, grad_alpha, _grad_lse, _grad_attn):
     return (*_grads(ctx, grad_out, grad_alpha), None, [None] * ctx.num_graph, *([None] * 8))
 
 
@@ -363,12 +368,13 @@ class _FusedAttention(torch.autograd.Function):
             l     = l * exp(m - m') + sum_j p_j
             acc   = acc * exp(m - m') + sum_j p_j * D_ij / (1 - p) * (v_j + u_ij)
             m     = m'
-        out_i = acc / l + b;  lse_i = m + log(l)      # saved: out [N, H, C], lse [N, H]
+        out_i = acc / l;  lse_i = m + log(l)          # saved: out [N, H, C], lse [N, H]
+        returned: out_i + b with a bias b, else out_i
         alpha_ij = exp(s_ij - lse_i)                  # only when asked for
 
     Backward, with ``g_i = dL/dout_i`` and ``A_ij = alpha_ij D_ij / (1 - p)``::
 
-        Delta_i = <g_i, out_i - b> + sum_j alpha_ij * dL/dalpha_ij # [N, H]
+        Delta_i = <g_i, out_i> + sum_j alpha_ij * dL/dalpha_ij     # [N, H]
         db     = sum_i g_i                                         (per-lane partials)
         # destination-major (CSR) kernel, recomputing s_ij and alpha_ij from lse_i:
         dP_ij  = D_ij / (1 - p) * <g_i, v_j + u_ij> + dL/dalpha_ij
@@ -392,10 +398,9 @@ class _FusedAttention(torch.autograd.Function):
     ``s_att`` (GATv2's ``att [H, CK]``), then ``value [N_src, H, CV]`` and
     ``value_edge [E, H, CV]`` or None, and the output bias ``b [H * CV]`` or None.
     The score formulas are :mod:`gatlib._scores`' (``gat_edge``, ``gatv2_edge``,
-    ``dot_edge``). With a bias ``out`` holds the attention output plus ``b`` and
-    the backward takes ``b`` off again for ``Delta`` (in the accumulation dtype, from
-    ``out`` as stored: for float16/bfloat16 outputs ``Delta`` is then rounded at
-    the scale of ``|out_i|`` rather than of ``|out_i - b|``).
+    ``dot_edge``). With a bias the forward writes both ``out_i + b`` (returned) and
+    ``out_i`` (kept for ``Delta``: taking ``b`` off the biased output again would
+    round ``Delta`` at the scale of ``|out_i + b|``, measurably worse in bfloat16).
     """
 
     @staticmethod
@@ -410,7 +415,7 @@ class _FusedAttention(torch.autograd.Function):
         _setup_context(ctx, (*inputs[:8], inputs[16:], *inputs[8:16]), output)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_alpha, _grad_lse):
+    def backward(ctx, grad_out, grad_alpha, _grad_lse, _grad_attn):
         return (*_grads(ctx, grad_out, grad_alpha), *([None] * (9 + ctx.num_graph)))
 
 
@@ -425,16 +430,19 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
     lse = torch.empty(N_dst, H, dtype=acc, device=dev)
     part_out = torch.empty(items.max_pieces, H, CV, dtype=acc, device=dev)
     part_lse = torch.empty(items.max_pieces, H, dtype=acc, device=dev)
+    # with a bias: out_b = out + bias is returned, out kept for the backward (its Delta
+    # then rounds at the attention's scale, not at the biased output's)
+    out_b = torch.empty_like(out) if bias is not None else None
     coef = _params(meta, value)
     dummy = value
-    consts = _consts(meta, s_dst, s_edge, value_edge, bias)
+    consts = _consts(meta, s_dst, s_edge, value_edge)
     with _device(value):
         _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
                 lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                 _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
-                out, lse, part_out, part_lse, _or(seed, dummy), meta.p, H, CK, CV,
-                DROPOUT=meta.p > 0, **consts)
-        _merge(out, part_out, items, H, lse, part_lse, bias=bias)
+                out, _or(out_b, dummy), lse, part_out, part_lse, _or(seed, dummy), meta.p, H, CK,
+                CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None, **consts)
+        _merge(out, part_out, items, H, lse, part_lse, bias=bias, out_b=out_b)
         alpha = value.new_empty(0)  # (an operator returns tensors only)
         if meta.need_alpha:
             alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
@@ -448,7 +456,9 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
                     ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
                     FULL_CK=consts["FULL_CK"],
                     num_warps=_warps(consts["BLOCK_CK"], consts["ACC"]))
-    return out, alpha, lse
+    if out_b is None:
+        return out, alpha, lse, value.new_empty(0)
+    return out_b, alpha, lse, out
 
 
 def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_dst, s_edge, s_att,
@@ -474,7 +484,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
         ag = ag * alpha if ag is grad_alpha else ag.mul_(alpha)
         ag = ag.index_select(0, lay.perm)  # [E, H], CSR
         delta_alpha = torch.segment_reduce(ag, "sum", offsets=lay.ptr, unsafe=True)  # [N_dst, H]
-    consts = _consts(meta, s_dst, s_edge, value_edge, bias)
+    consts = _consts(meta, s_dst, s_edge, value_edge)
     dummy = value
     coef = _params(meta, value)
     a_buf = torch.empty(E, H, dtype=acc, device=dev)
@@ -512,7 +522,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     with _device(value):
         _launch(_bwd_dst_kernel, items, H, width,
                 lay.src, plan.csr_eid, lay.ptr, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
-                _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
+                _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                 g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
                 _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
                 _or(part_dst, dummy), _or(seed, dummy), meta.p, H, CK, CV,
@@ -591,10 +601,10 @@ def _or(t: Optional[Tensor], default: Tensor) -> Tensor:
     return default if t is None else t
 
 
-def _consts(meta: _Meta, s_dst, s_edge, value_edge, bias) -> dict:
+def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
     return dict(
         KIND=meta.kind, HAS_DST=s_dst is not None, HAS_EDGE=s_edge is not None,
-        HAS_VEDGE=value_edge is not None, HAS_BIAS=bias is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
+        HAS_VEDGE=value_edge is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
         ACC=_tl_acc(meta.acc), BLOCK_CK=triton.next_power_of_2(meta.CK),
         BLOCK_CV=triton.next_power_of_2(meta.CV), FULL_CV=meta.CV == triton.next_power_of_2(meta.CV),
         FULL_CK=meta.CK == triton.next_power_of_2(meta.CK),
@@ -692,9 +702,9 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     args = (*ins, seed, kind, float(score.scale), float(score.negative_slope), float(p), need_alpha,
             alpha_dtype, share_v, share_ve)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins):
-        out, alpha, _ = _FusedAttention.apply(*args, *graph)
+        out, alpha, _, _ = _FusedAttention.apply(*args, *graph)
     else:  # nothing to differentiate: the operator alone (as the fused CPU kernel)
-        out, alpha, _ = torch.ops.gatlib.triton_attention.default(*ins, seed, graph, *args[8:])
+        out, alpha, _, _ = torch.ops.gatlib.triton_attention.default(*ins, seed, graph, *args[8:])
     return out, (alpha if need_alpha else None)
 
 

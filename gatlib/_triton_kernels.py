@@ -141,7 +141,7 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
 def _fwd_items(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
-    out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+    out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
@@ -219,19 +219,20 @@ def _fwd_items(
         cm = cv < CV
         orow = row * H + h
         prow = slot * H + h
-        # a split row's pieces are stored without the bias: _merge_kernel adds it
-        tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
-        if HAS_BIAS:  # the layer's output bias [H * CV], added as the row is stored
-            o += tl.load(bias + h[:, None] * CV + cv, mask=valid[:, None] & cm, other=0).to(ACC)
         tl.store(out + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
         tl.store(lse + orow, row_lse, mask=final)
+        tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
+        if HAS_BIAS:  # the layer's output bias [H * CV]: out_b = out + bias, and out (the
+            # backward's Delta reads it) keeps the attention alone, whatever the precision
+            o += tl.load(bias + h[:, None] * CV + cv, mask=valid[:, None] & cm, other=0).to(ACC)
+            tl.store(out_b + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
         tl.store(part_lse + prow, row_lse, mask=piece)
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _fwd_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
-    out, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+    out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
@@ -245,19 +246,19 @@ def _fwd_kernel(
     # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
     # (equal bounds) compiles to nothing; the first group is never empty
     _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-        s_dst, s_edge, s_att, value, value_edge, bias, coef, out, lse, part_out, part_lse, seed,
+        s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
         p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
         DROPOUT, ACC,
         0, B1, R0, E0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, lse, part_out, part_lse, seed,
+            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
             DROPOUT, ACC,
             B1, B2, R1, E1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, lse, part_out, part_lse, seed,
+            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
             DROPOUT, ACC,
             B2, B3, R2, E2, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
@@ -300,12 +301,12 @@ def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=("H", "C"))
 def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, out, lse, bias,
-                  H, C, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
+                  out_b, H, C, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """One lane per (split row, head): combines the row's partial results, in
     slot order (deterministic, no atomics). ``SOFTMAX``: the forward's
-    ``(out_p, lse_p)`` pieces by their weights ``exp(lse_p - lse)`` (plus the
-    output ``bias`` ``[H * C]`` with ``HAS_BIAS``); else sums."""
+    ``(out_p, lse_p)`` pieces by their weights ``exp(lse_p - lse)`` (and with
+    ``HAS_BIAS`` ``out_b = out + bias``, ``bias`` ``[H * C]``); else sums."""
     n = tl.load(bounds + 4)  # split rows (_Schedule.bounds: 0, the 3 bucket ends, splits)
     c = tl.arange(0, BLOCK_C)[None, :]
     cm = c < C
@@ -339,20 +340,20 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
         if SOFTMAX:
             l_safe = tl.where(l_sum > 0, l_sum, 1.0)
             acc = acc / l_safe[:, None]
-            if HAS_BIAS:
-                acc += tl.load(bias + h[:, None] * C + c, mask=valid[:, None] & cm, other=0).to(ACC)
             tl.store(lse + orow, tl.where(l_sum > 0, m + tl.log(l_safe), float("-inf")), mask=valid)
         tl.store(out + orow[:, None] * C + c, acc, mask=valid[:, None] & cm)
+        if HAS_BIAS:
+            acc += tl.load(bias + h[:, None] * C + c, mask=valid[:, None] & cm, other=0).to(ACC)
+            tl.store(out_b + orow[:, None] * C + c, acc, mask=valid[:, None] & cm)
 
 
 @triton.jit
 def _bwd_dst_items(
     item_row, item_start, item_len, item_slot, bounds,
-    csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
+    csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
     seed, p_drop, H, CK, CV, part_att, part_bias,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
@@ -399,14 +400,10 @@ def _bwd_dst_items(
             rng_seed = tl.load(seed)
         # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
         # backward builds no [N, H, C] temporary for it
-        o2 = tl.load(out + ooff, mask=omask, other=0).to(ACC)
-        if HAS_BIAS:  # out holds the attention output plus the bias; Delta takes the former
-            o2 -= tl.load(bias + h[:, None] * CV + cv[None, :], mask=valid[:, None] & cvm[None, :],
-                          other=0).to(ACC)
+        row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
         if NEED_BIAS:  # each row's gradient once: on a split row's first piece
             row_ptr = tl.load(ptr + row, mask=piece, other=-1).to(tl.int64)
             bias_acc += tl.where((final | (piece & (start == row_ptr)))[:, None], g2, 0.0)
-        row_delta = tl.sum(g2 * o2, 1)
         if GALPHA:
             row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
         if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
@@ -509,11 +506,10 @@ def _bwd_dst_items(
 @triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_dst_kernel(
     item_row, item_start, item_len, item_slot, bounds,
-    csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
+    csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
     seed, p_drop, H, CK, CV, part_att, part_bias,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
@@ -525,23 +521,23 @@ def _bwd_dst_kernel(
 ):
     # (the groups of buckets as in _fwd_kernel)
     _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-        s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef, grad_out, out, lse,
+        s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
         delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-        H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V,
+        H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
         SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
         0, B1, R0, E0, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-            s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef, grad_out, out, lse,
+            s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-            H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V,
+            H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
             B1, B2, R1, E1, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-            s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef, grad_out, out, lse,
+            s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-            H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V,
+            H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
             B2, B3, R2, E2, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 

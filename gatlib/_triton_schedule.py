@@ -258,11 +258,12 @@ def _att_partials(width: int, H: int, device: torch.device) -> int:
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,
-           part_lse: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> None:
+           part_lse: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+           out_b: Optional[Tensor] = None) -> None:
     """Combine the pieces of split rows into their rows, one launch: plain sums
     (``out[row] = sum_p part_p``), or with ``lse`` the pieces' softmax results
-    (``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``, plus
-    ``bias`` ``[H * C]`` if given)."""
+    (``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``, and
+    ``out_b = out + bias`` where a ``bias`` ``[H * C]`` is given)."""
     if not items.max_split:  # no row can be split on a graph this small
         return
     C = out.size(2) if out.dim() == 3 else 1
@@ -273,7 +274,8 @@ def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Te
     wrap_triton(_merge_kernel)[(_programs(out.device, H),)](
         items.bounds, items.split_row, items.split_first, items.split_count, part,
         part_lse if softmax else part, out, lse if softmax else out,
-        bias if bias is not None else out, H, C, SOFTMAX=softmax, HAS_BIAS=bias is not None,
+        bias if bias is not None else out, out_b if out_b is not None else out, H, C,
+        SOFTMAX=softmax, HAS_BIAS=bias is not None,
         ACC=_tl_acc(part.dtype), BLOCK_R=lanes, BLOCK_C=block_c)
 
 

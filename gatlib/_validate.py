@@ -253,6 +253,14 @@ def check_edge_weight(edge_weight, num_edges: int, value: Tensor) -> None:
                          f"got {tuple(edge_weight.shape)}")
 
 
+def check_bias(bias, width: int, value: Tensor) -> None:
+    """An output bias: ``[width]`` floating values, one per output channel."""
+    _check_floating("bias", bias, value, "value")
+    if bias.shape != (width,):
+        raise ValueError(f"bias must have shape [{width}] (one value per output channel: heads * "
+                         f"channels concatenated, channels averaged); got {tuple(bias.shape)}")
+
+
 def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tensor,
                     user_defined: bool = False) -> Optional[Tensor]:
     """``[E, edge_dim]`` (or ``[E]`` when ``edge_dim == 1``) floating features.

@@ -392,3 +392,38 @@ def test_edge_weight_checked_and_triton_declines_it(monkeypatch):
     triton = gatlib._dispatch.KERNELS["triton"]
     monkeypatch.setattr(type(triton), "available", lambda self, device: None)  # as on a GPU
     assert triton.supports(call) == "the Triton kernels take no edge weights (explainer edge masks)"
+
+
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("concat", [True, False])
+def test_bias_is_added_to_every_output_row(backend, concat):
+    """``bias``: ``out + bias`` on every kernel (the Triton kernels add it themselves
+    with concatenated heads), its gradient the sum of the output's over the rows."""
+    ei, n_src, n_dst = graph_case("hub")
+    score = make_score("gatv2", n_src, n_dst, ei.size(1), 2, 3, seed=1)
+    v = torch.randn(n_src, 2, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6 if concat else 3, dtype=torch.float64, requires_grad=True)
+    with gatlib.record_kernels() as log:
+        out = graph_attention(score, v, ei, n_dst, concat=concat, bias=b, backend=backend)
+    assert log[:1] == [backend]
+    ref = graph_attention(score, v, ei, n_dst, concat=concat, backend="torch") + b
+    torch.testing.assert_close(out, ref)
+    w = torch.randn_like(out)
+    for a, r in zip(torch.autograd.grad((out * w).sum(), [v, b, *leaves(score)]),
+                    torch.autograd.grad((ref * w).sum(), [v, b, *leaves(score)]), strict=True):
+        torch.testing.assert_close(a, r)
+
+
+def test_bias_checked():
+    ei, n_src, n_dst = graph_case("random")
+    score = make_score("gat", n_src, n_dst, ei.size(1), 2, 3)
+    v = torch.randn(n_src, 2, 3, dtype=torch.float64)
+    for bad, concat, exc, match in ((torch.ones(3, dtype=torch.float64), True, ValueError, r"\[6\]"),
+                                    (torch.ones(6, dtype=torch.float64), False, ValueError, r"\[3\]"),
+                                    (torch.ones(2, 3, dtype=torch.float64), True, ValueError, r"\[6\]"),
+                                    (torch.ones(6, dtype=torch.long), True, TypeError, "floating"),
+                                    ([0.0] * 6, True, TypeError, "floating")):
+        with pytest.raises(exc, match=f"bias.*{match}"):
+            graph_attention(score, v, ei, n_dst, concat=concat, bias=bad)
+    with pytest.raises(ValueError, match="bias is on meta but value is on cpu"):
+        graph_attention(score, v, ei, n_dst, bias=torch.ones(6, device="meta"))

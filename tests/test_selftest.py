@@ -64,9 +64,9 @@ def test_selftest_end_to_end(tmp_path, capsys, monkeypatch):
 def _skip_merge(monkeypatch, softmax: bool):
     merge = _triton._merge
 
-    def skipping(out, part, items, H, lse=None, part_lse=None, bias=None):
+    def skipping(out, part, items, H, lse=None, part_lse=None, bias=None, out_b=None):
         if (lse is not None) != softmax:
-            merge(out, part, items, H, lse, part_lse, bias=bias)
+            merge(out, part, items, H, lse, part_lse, bias=bias, out_b=out_b)
     monkeypatch.setattr(_triton, "_merge", skipping)
 
 

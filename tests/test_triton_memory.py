@@ -192,10 +192,10 @@ def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
     merged = []  # whether each merge of split pieces was the forward's softmax merge
     merge = _triton._merge
 
-    def counted(out, part, items, H, lse=None, part_lse=None, bias=None):
+    def counted(out, part, items, H, lse=None, part_lse=None, bias=None, out_b=None):
         if items.max_split:  # (a graph this size can have split rows: the merge launches)
             merged.append(lse is not None)
-        merge(out, part, items, H, lse, part_lse, bias=bias)
+        merge(out, part, items, H, lse, part_lse, bias=bias, out_b=out_b)
     monkeypatch.setattr(_triton, "_merge", counted)
     with AtenOps() as ops:
         loss = call()
@@ -229,10 +229,10 @@ def test_merges_launch_only_where_rows_are_split(hubs, expect, recorder, monkeyp
     merged = []
     merge = _triton._merge
 
-    def counted(out, part, items, H, lse=None, part_lse=None, bias=None):
+    def counted(out, part, items, H, lse=None, part_lse=None, bias=None, out_b=None):
         if items.max_split:  # (the merge launches)
             merged.append("forward" if lse is not None else "gradient")
-        merge(out, part, items, H, lse, part_lse, bias=bias)
+        merge(out, part, items, H, lse, part_lse, bias=bias, out_b=out_b)
     monkeypatch.setattr(_triton, "_merge", counted)
     rec = recorder([value, *(t for t in score.tensors() if t is not None)])
     with rec:

@@ -7,9 +7,11 @@ What a GPU owner runs once, and commits the JSON of::
 1. **Kernel checks**: :func:`gatlib.graph_attention` with ``backend="triton"``
    against the reference (``backend="torch"``) on a small graph with duplicate
    edges, isolated nodes and a hub of :data:`HUB_DEGREE` in-edges (the kernels
-   split rows longer than 256 edges), for every score kind × dtype × with or
+   split rows longer than 256 edges), for every score kind (GAT's also formed by
+   the kernels from projected rows, as GATConv runs it) × dtype × with or
    without edge features (a score term and a value term per edge) × attention
-   dropout on or off × attention weights returned or not; forward and the
+   dropout on or off × attention weights returned or not, the GAT kinds with an
+   output bias (as GATConv and GATv2Conv have); forward and the
    gradient of every input. Each case asserts that the Triton kernel ran,
    forward and backward (:func:`gatlib.record_kernels`).
 
@@ -22,7 +24,8 @@ What a GPU owner runs once, and commits the JSON of::
      ``torch.manual_seed`` gives the same output, the output differs from the
      one without dropout, everything is finite, and the backward used the
      forward's mask: with the mask fixed, ``out`` is linear in the values, so
-     ``<w, out> = <grad value, value> + <grad value_edge, value_edge>``.
+     ``<w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad
+     bias, bias>`` (not for ``gat_projected``, whose values are the scores' input).
 
 2. **Comparison with PyG**: ``python -m gatlib.bench.compare --layer all
    --backend triton --no-compile`` per graph (``--graphs``), each in its own
@@ -59,7 +62,11 @@ from . import floor, synthetic
 from .report import command_line, environment, format_table, write_json
 
 SCHEMA = "gatlib.selftest/1"
-KINDS = ("gat", "gatv2", "dot")
+# "gat_projected": GAT's score formed by the kernels from the projected rows h, which are
+# the values too (EdgeScore.gat_projected: what GATConv runs where it does not fold)
+KINDS = ("gat", "gatv2", "dot", "gat_projected")
+# the kinds whose layers (GATConv, GATv2Conv) have an output bias: the checks add one
+BIASED = ("gat", "gatv2", "gat_projected")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 GRAPHS = ("cora", "arxiv-like", "products-like")
@@ -113,28 +120,38 @@ def kernel_graph(seed: int = 0) -> Tensor:
 
 
 def _inputs(kind: str, edge: bool, E: int, device, seed: int) -> Dict[str, Tensor]:
-    """float64 inputs by name: ``value``, optional ``value_edge`` and the score's
-    ``src``, ``dst``, optional ``edge`` and ``att`` (:meth:`EdgeScore.tensors`)."""
+    """float64 inputs by name: ``value``, optional ``value_edge``, the score's
+    ``src``, ``dst``, optional ``edge`` and ``att`` (:meth:`EdgeScore.tensors`) —
+    for ``gat_projected`` ``att_src`` and ``att_dst``, its ``h`` being ``value`` —
+    and the output ``bias`` of the GAT kinds (:data:`BIASED`)."""
     g = torch.Generator().manual_seed(seed)
     N, H, C = NUM_NODES, HEADS, CHANNELS
 
     def r(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
 
-    per_node = (N, H) if kind == "gat" else (N, H, C)
     # A non-zero mean: a sum accumulated in low precision would drift on the hub.
-    t = {"value": 1 + r(N, H, C), "src": r(*per_node), "dst": r(*per_node)}
-    if edge:
-        t["value_edge"] = r(E, H, C)
-        t["edge"] = r(E, *per_node[1:])
-    if kind == "gatv2":
-        t["att"] = r(H, C)
+    t = {"value": 1 + r(N, H, C)}
+    if kind == "gat_projected":  # (no value_edge: GATConv has none)
+        t.update(att_src=r(H, C), att_dst=r(H, C), **({"edge": r(E, H)} if edge else {}))
+    else:
+        per_node = (N, H) if kind == "gat" else (N, H, C)
+        t.update(src=r(*per_node), dst=r(*per_node))
+        if edge:
+            t["value_edge"] = r(E, H, C)
+            t["edge"] = r(E, *per_node[1:])
+        if kind == "gatv2":
+            t["att"] = r(H, C)
+    if kind in BIASED:
+        t["bias"] = r(H * C)
     return t
 
 
 def _score(kind: str, t: Dict[str, Tensor]):
     from gatlib import EdgeScore
 
+    if kind == "gat_projected":
+        return EdgeScore.gat_projected(t["value"], t["att_src"], t["att_dst"], t.get("edge"))
     if kind == "gat":
         return EdgeScore.gat(t["src"], t["dst"], t.get("edge"))
     if kind == "gatv2":
@@ -153,7 +170,8 @@ def _run(backend: str, kind: str, inputs: Dict[str, Tensor], plan, weights: Dict
     with gatlib.record_kernels() as log, torch.set_grad_enabled(backward):
         res = gatlib.graph_attention(_score(kind, leaves), leaves["value"], plan, NUM_NODES,
                                      value_edge=leaves.get("value_edge"), dropout=p,
-                                     training=p > 0, backend=backend, return_attention=alpha)
+                                     training=p > 0, backend=backend, return_attention=alpha,
+                                     bias=leaves.get("bias"))
         out, a = res if alpha else (res, None)
         loss = (out * weights["out"].to(out.dtype)).sum()
         if a is not None:
@@ -243,13 +261,15 @@ def _dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) -> Dict:
     plain = _run("torch", kind, inputs, plan, weights, False, 0.0)[1]["out"]
     err = max(_max_abs(a[q], b[q]) for q in b)
     effect = _max_abs(a["out"], plain)
-    # With the mask fixed, out is linear in (value, value_edge), so
-    # <w, out> = <grad value, value> + <grad value_edge, value_edge> holds only if
-    # the backward applied the forward's mask.
+    # With the mask fixed, out is linear in (value, value_edge, bias), so
+    # <w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad bias, bias>
+    # holds only if the backward applied the forward's mask. Not for gat_projected,
+    # whose values are also the scores' input (its mask is the other kinds' code).
+    linear = kind != "gat_projected"
     terms = [a["out"].double() * weights["out"].double()]
     terms += [-a[f"grad {k}"].double() * inputs[k].double()
-              for k in ("value", "value_edge") if k in inputs]
-    gap = abs(sum(t.sum() for t in terms).item())
+              for k in ("value", "value_edge", "bias") if k in inputs]
+    gap = abs(sum(t.sum() for t in terms).item()) if linear else 0.0
     norm = sum(t.square().sum() for t in terms).sqrt().item()
     gap_bound = LINEARITY_ULPS[dtype] * torch.finfo(dtype).eps * norm
     problems = [
@@ -265,7 +285,8 @@ def _dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) -> Dict:
     detail = "; ".join(x for x in problems if x)
     return {"status": "FAIL" if detail else "ok", "quantity": "same seed twice",
             "error": _num(err), "bound": 0.0, "dropout_effect": _num(effect),
-            "linearity_gap": _num(gap), "linearity_bound": gap_bound, "kernels": log,
+            "linearity_gap": _num(gap) if linear else None, "linearity_bound": gap_bound,
+            "kernels": log,
             **({"detail": detail} if detail else {})}
 
 
