@@ -209,15 +209,13 @@ def test_the_index_check_flags_32_bit_offsets(tmp_path):
 
 
 def test_a_new_graph_needs_no_new_kernel(tmp_path):
-    """Two graphs of other sizes with the same degree buckets (what the self-test
-    uses on a GPU) bind, through Triton's real binder, to the same compiled
-    kernels: the cache keys of the second call are all the first's."""
+    """Two graphs of other sizes with the same degree buckets, the self-test's GPU
+    checks' own graphs and training call, bind through Triton's real binder to the
+    same compiled kernels: the cache keys of the second call are all the first's."""
     probe = textwrap.dedent("""
-        import torch
-        from triton import knobs
         import gatlib
-        from gatlib import _triton
-        from gatlib import _triton_schedule
+        from triton import knobs
+        from gatlib import introspect
         from gatlib.bench import triton_compile, selftest
 
         keys = []
@@ -228,20 +226,14 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
 
         knobs.runtime.jit_cache_hook = hook
         N = selftest.NUM_NODES
-        with triton_compile.stand_in_driver():
+        # the GPU checks' own graphs and training call (selftest.gpu_checks)
+        with triton_compile.stand_in_driver(), introspect.triton_admits_cpu_tensors():
             for n, e, seed in ((N, 4 * (N - 21), 0), (N - 13, 4 * (N - 34) + 7, 1)):
                 keys.append(set())
-                g = torch.Generator().manual_seed(seed)
-                i = torch.arange(300)
-                zero = torch.zeros_like(i)
-                ei = torch.cat([torch.stack([i % 10 + 1, zero]), torch.stack([zero, i % 10 + 11]),
-                                torch.randint(21, n, (2, e), generator=g)], 1)
-                t = {k: (v[:n] if v.size(0) == N else v).float().requires_grad_()
-                     for k, v in selftest._inputs("gatv2", False, ei.size(1), "cpu", seed).items()}
-                plan = gatlib.GraphPlan(ei, num_nodes=n)
-                out, _ = _triton.attention(selftest._score("gatv2", t), t["value"], plan, None,
-                                           0.5, False)
-                torch.autograd.grad(out.sum(), list(t.values()))
+                plan, inputs = selftest.check_graph(n, e, seed, "cpu")
+                with gatlib.record_kernels() as log:
+                    selftest.check_call(plan, n, inputs)
+                assert log == ["triton", "triton.backward"], log
         print(len(keys[0]), len(keys[1]), len(keys[1] - keys[0]))
     """)
     script = tmp_path / "probe.py"

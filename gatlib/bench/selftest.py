@@ -320,6 +320,40 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print) -> Dict:
             "cases": cases, "passed": len(cases) - failed, "failed": failed}
 
 
+def check_graph(n: int, e: int, seed: int, device) -> Tuple[object, Dict[str, Tensor]]:
+    """The GPU checks' graph of ``n`` nodes and its float32 GATv2 inputs (a bias
+    included): every degree bucket and split pieces on both sides, so that two such
+    graphs of other sizes need the same kernels (only sizes differ). Node 0 takes
+    300 edges from nodes 1-10 and sends 300 to nodes 11-20; the ``e`` random edges
+    among the other nodes have degrees around 4. Returns ``(GraphPlan, inputs)``."""
+    import gatlib
+
+    g = torch.Generator().manual_seed(seed)
+    i = torch.arange(300)
+    zero = torch.zeros_like(i)
+    rest = torch.randint(21, n, (2, e), generator=g)
+    ei = torch.cat([torch.stack([i % 10 + 1, zero]), torch.stack([zero, i % 10 + 11]), rest],
+                   1).to(device)
+    inputs = {k: (v[:n] if v.size(0) == NUM_NODES else v).float()
+              for k, v in _inputs("gatv2", False, ei.size(1), device, seed).items()}
+    return gatlib.GraphPlan(ei, num_nodes=n), inputs
+
+
+def check_call(plan, n: int, inputs: Dict[str, Tensor], p: float = 0.5,
+               backward: bool = True) -> Tensor:
+    """One training call of the GPU checks on the Triton kernels: forward with
+    dropout ``p`` (and the bias) and, if ``backward``, every input's gradient."""
+    import gatlib
+
+    leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
+    out = gatlib.graph_attention(_score("gatv2", leaves), leaves["value"], plan, n,
+                                 dropout=p, training=p > 0, backend="triton",
+                                 bias=leaves.get("bias"))
+    if backward:
+        torch.autograd.grad(out.float().sum(), list(leaves.values()))
+    return out
+
+
 def gpu_checks(device: torch.device) -> List[Dict]:
     """What only a GPU can show (each ``{"name", "status", "detail"}``):
 
@@ -330,31 +364,12 @@ def gpu_checks(device: torch.device) -> List[Dict]:
     * *CUDA graphs*: a forward with dropout captured in a ``torch.cuda.CUDAGraph``
       draws a new mask on every replay (the seed is drawn on the device).
     """
-    import gatlib
     from gatlib import introspect
 
-    def call(plan, n, inputs, p=0.5, backward=True):
-        leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
-        out = gatlib.graph_attention(_score("gatv2", leaves), leaves["value"], plan, n,
-                                     dropout=p, training=p > 0, backend="triton")
-        if backward:
-            torch.autograd.grad(out.float().sum(), list(leaves.values()))
-        return out
+    call = check_call
 
     def graph(n, e, seed):
-        # Every degree bucket and split pieces on both sides, in both graphs, so
-        # that the second needs no kernel the first did not (only sizes differ):
-        # node 0 takes 300 edges from nodes 1-10 and sends 300 to nodes 11-20;
-        # the e random edges among the other nodes have degrees around 4.
-        g = torch.Generator().manual_seed(seed)
-        i = torch.arange(300)
-        zero = torch.zeros_like(i)
-        rest = torch.randint(21, n, (2, e), generator=g)
-        ei = torch.cat([torch.stack([i % 10 + 1, zero]), torch.stack([zero, i % 10 + 11]), rest],
-                       1).to(device)
-        inputs = {k: (v[:n] if v.size(0) == NUM_NODES else v).float()
-                  for k, v in _inputs("gatv2", False, ei.size(1), device, seed).items()}
-        return gatlib.GraphPlan(ei, num_nodes=n), inputs
+        return check_graph(n, e, seed, device)
 
     def compiled() -> int:
         every = introspect.triton_kernels()
