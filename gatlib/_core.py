@@ -398,11 +398,12 @@ def distinct_inputs(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor
     values too) replaced by a view of it, for the fused kernels' operators:
     ``torch.compile`` cannot trace an autograd function given one tensor twice,
     and a view's gradient reaches the tensor all the same."""
-    seen, out = set(), []
-    for t in tensors:
-        if t is not None and id(t) in seen:
+    seen: List[Tensor] = []
+    out = []
+    for t in tensors:  # (by identity, not id(): dynamo before torch 2.13 cannot trace id())
+        if t is not None and any(t is s for s in seen):
             t = t.view_as(t)
         elif t is not None:
-            seen.add(id(t))
+            seen.append(t)
         out.append(t)
     return out

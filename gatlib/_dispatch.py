@@ -172,7 +172,7 @@ class ScatterKernel(ReferenceKernel):
     name = "scatter"
 
     def available(self, device: torch.device) -> Optional[str]:
-        if importlib.util.find_spec("torch_scatter") is None:
+        if not _installed("torch_scatter"):
             return "torch_scatter is not installed (pip install 'gatlib[scatter]')"
         return None
 
@@ -217,7 +217,7 @@ class TritonKernel(Kernel):
     adds_bias = True
 
     def available(self, device: torch.device) -> Optional[str]:
-        if importlib.util.find_spec("triton") is None:
+        if not _installed("triton"):
             return "triton is not installed (pip install 'gatlib[triton]')"
         if not (device.type == "cuda" or (device.type == "cpu" and _interpreting())):
             return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device}"
@@ -242,6 +242,13 @@ class TritonKernel(Kernel):
                                  call.need_alpha, call.bias)
 
 
+@torch.compiler.assume_constant_result
+def _installed(name: str) -> bool:
+    # (a constant to torch.compile: dynamo before torch 2.13 cannot trace find_spec,
+    # and broke the graph at every attention call)
+    return importlib.util.find_spec(name) is not None
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -258,7 +265,7 @@ def check_backend_name(backend) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend in ("scatter", "triton"):
         name = {"scatter": "torch_scatter", "triton": "triton"}[backend]
-        if importlib.util.find_spec(name) is None:
+        if not _installed(name):
             raise ValueError(f"backend={backend!r} is not available: {name} is not installed "
                              f"(pip install 'gatlib[{backend}]')")
     return backend

@@ -101,7 +101,8 @@ class GraphPlan:
         self._layout: Optional[Layout] = None
         self._layout_fn_sorted = layout_fn is not None  # from a sorted EdgeIndex
         rows = num_dst + 1 if sink else num_dst
-        self._layout_fn = layout_fn or (lambda: build_layout(ei[0], ei[1], num_src, rows))
+        self._layout_fn = layout_fn if layout_fn is not None else (
+            lambda: build_layout(ei[0], ei[1], num_src, rows))
         self._loops: Dict[Tuple[int, bool], GraphPlan] = {}
         self._base_ei: Optional[Tensor] = None  # the edges before with_self_loops added loops
         self._derived: Dict[Hashable, Any] = {}

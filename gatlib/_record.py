@@ -6,17 +6,27 @@ Under ``torch.compile`` an operator runs from the compiled graph and logs then;
 what the compiler traces into the graph instead (the reference kernel) leaves
 no entry, since tracing is not running. Kernels and the dispatcher both import
 this module; it imports nothing of gatlib's.
+
+A block's log is the opening thread's (a context variable), and also the log of
+threads that opened none: on CUDA, autograd runs backward passes on a thread of
+its own per device, where a context variable set in the caller's thread is not
+set, so the fused backward kernels would log nowhere (a CPU backward runs in the
+caller's thread). Those threads log into the most recently opened block.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from typing import Iterator, List, Optional
 
 import torch
 
 _LOG: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("gatlib_kernel_log",
                                                                       default=None)
+# every open block's log, innermost last: for threads that opened none (see above)
+_OPEN: List[list] = []
+_OPEN_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -34,10 +44,15 @@ def record_kernels() -> Iterator[List[str]]:
     """
     log: List[str] = []
     token = _LOG.set(log)
+    with _OPEN_LOCK:
+        _OPEN.append(log)
     try:
         yield log
     finally:
         _LOG.reset(token)
+        with _OPEN_LOCK:
+            # (by identity: two blocks' logs can be equal lists)
+            del _OPEN[next(i for i in reversed(range(len(_OPEN))) if _OPEN[i] is log)]
 
 
 def log(entry: str) -> None:
@@ -46,5 +61,8 @@ def log(entry: str) -> None:
     if torch.compiler.is_compiling():
         return
     active = _LOG.get()
+    if active is None:
+        with _OPEN_LOCK:
+            active = _OPEN[-1] if _OPEN else None
     if active is not None:
         active.append(entry)

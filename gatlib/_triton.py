@@ -56,7 +56,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import wrap_triton
 
 from . import _record
 from . import _triton_schedule as TS
@@ -65,7 +64,7 @@ from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
 from ._triton_schedule import (_att_partials, _interpreted, _launch, _merge, _Plan, _plan,
-                               _Schedule, _schedule_sizes, _tile, _tl_acc, _warps)
+                               _Schedule, _schedule_sizes, _tile, _tl_acc, _warps, wrap_triton)
 
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024
@@ -287,8 +286,11 @@ def _partial_sums(kind: int, need, ins) -> Tuple[Tuple[str, ...], int]:
         names += ["att_src", "att_dst"] if kind == 3 else ["att"]
     if bias is not None and need[6]:
         names.append("bias")
-    widths = {value.size(-1) if n == "bias" else s_src.size(-1) for n in names}
-    return tuple(names), (widths.pop() if len(widths) == 1 else 0)
+    # (compared, not put in a set: under torch.compile with dynamic shapes a size
+    # can be a SymInt, which does not hash)
+    widths = [value.size(-1) if n == "bias" else s_src.size(-1) for n in names]
+    one = bool(widths) and all(w == widths[0] for w in widths[1:])
+    return tuple(names), (widths[0] if one else 0)
 
 
 @_operator("triton_attention_backward", _fake_backward)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import wrap_triton
+from torch.library import wrap_triton as _torch_wrap_triton
+from triton.runtime.jit import JITFunction
 
 from ._layout import Layout, index_dtype
 from ._plan import GraphPlan
@@ -74,6 +75,16 @@ class _Schedule:
     @property
     def max_split(self) -> int:
         return self.split_row.numel()
+
+
+def wrap_triton(kernel):
+    """``torch.library.wrap_triton(kernel)`` (inductor sees the launches of an
+    operator made of them); under Triton's interpreter before torch 2.13, which
+    refuses to wrap the interpreter's kernels, the kernel itself, launched as a
+    plain call (the interpreted operators are opaque to the compiler anyway)."""
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    return _torch_wrap_triton(kernel)
 
 
 def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:

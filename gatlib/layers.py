@@ -632,15 +632,19 @@ class TransformerConv(_AttentionConv):
         the projections of one input as one product (:func:`gatlib._conv.project`),
         the skip among them where it is used and as wide as the others."""
         H, C = self.heads, self.out_channels
-        by_input = {}  # id(input) -> (input, [(name, layer)])
+        by_input = []  # [(input, [(name, layer)])], one entry per distinct input
         lins = [("query", self.lin_query, x_dst), ("key", self.lin_key, x_src),
                 ("value", self.lin_value, x_src)]
         if self.root_weight and self.lin_skip.out_channels == H * C:
             lins.append(("skip", self.lin_skip, x_dst))
-        for name, lin, x in lins:
-            by_input.setdefault(id(x), (x, []))[1].append((name, lin))
+        for name, lin, x in lins:  # (by identity, not id(): see _core.distinct_inputs)
+            group = next((g for t, g in by_input if t is x), None)
+            if group is None:
+                group = []
+                by_input.append((x, group))
+            group.append((name, lin))
         out = {"skip": None}
-        for x, group in by_input.values():
+        for x, group in by_input:
             out.update(zip([n for n, _ in group], project(x, *[lin for _, lin in group]), strict=True))
         return (out["query"].view(-1, H, C), out["key"].view(-1, H, C),
                 out["value"].view(-1, H, C), out["skip"])

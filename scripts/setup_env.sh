@@ -20,3 +20,12 @@ python -c "import torch_scatter" 2>/dev/null || python -m pip install -q --no-bu
 # so will NeighborLoader later.
 python -c "import torch_sparse" 2>/dev/null || python -m pip install -q --no-build-isolation torch-sparse
 python -c "import torch, torch_geometric, torch_scatter, torch_sparse, ogb, triton, gatlib; print('gatlib env ready: torch', torch.__version__, '| torch_geometric', torch_geometric.__version__, '| torch_scatter', torch_scatter.__version__, '| torch_sparse', torch_sparse.__version__, '| ogb', ogb.__version__, '| triton', triton.__version__)"
+# A second, older torch for the compile tests (tests/test_older_torch.py): the one a lent GPU
+# machine runs (torch 2.11 with Triton 3.6), whose dynamo fails on code that 2.13 traces. Its
+# registry build is the CUDA one (~4.6 GB; no CPU build there). GATLIB_SECOND_TORCH=none skips it.
+SECOND=${GATLIB_SECOND_TORCH:-2.11.0}
+if [ "$SECOND" != none ] && ! .venv-torch"$SECOND"/bin/python -c "import torch_geometric, triton, hypothesis" 2>/dev/null; then
+  "$PYTHON" -m venv .venv-torch"$SECOND"
+  .venv-torch"$SECOND"/bin/python -m pip install -q "torch==$SECOND" "triton==3.6.0" \
+    "torch_geometric==2.8.0" pytest hypothesis numpy
+fi

@@ -95,6 +95,32 @@ def test_fullgraph_training_step_runs_the_fused_operators(layer, as_plan, backen
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("layer", LAYERS)
+def test_dynamic_sizes_training_step_on_triton(layer):
+    """With dynamic sizes (dynamo's choice once a size changes, or dynamic=True)
+    the Triton operators' fake functions see SymInts: a set of them (the backward's
+    summed parameter gradients) raised on the first GPU run. The dynamic step gives
+    the eager step's loss and gradients."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    model = Net(layer, backend="triton")
+    for conv in (model.conv1, model.conv2):  # (a bias the kernels add and differentiate)
+        if getattr(conv, "bias", None) is not None:
+            torch.nn.init.normal_(conv.bias)
+    x, ei, ea, bip = inputs(as_plan=False)
+    y = torch.randint(0, 5, (N_DST,))
+    eager = run(model, x, ei, ea, bip, y)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    with gatlib.record_kernels() as log, torch._inductor.config.patch(fallback_random=True):
+        got = run(compiled, x, ei, ea, bip, y)
+    torch._dynamo.reset()
+    assert log == ["triton", "triton", "triton.backward", "triton.backward"]
+    torch.testing.assert_close(got[0], eager[0], rtol=1e-4, atol=1e-5)
+    for a, b in zip(got[4], eager[4], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # Mini-batches: a new graph of another size every call
 # ---------------------------------------------------------------------------

@@ -227,6 +227,33 @@ def test_auto_records_which_kernel_ran():
     assert log == ["fused", "torch"]
 
 
+@pytest.mark.usefixtures("auto_fused")
+def test_a_backward_on_another_thread_is_recorded():
+    """On CUDA autograd runs backward passes on a thread of its own, where the
+    caller's record_kernels block (a context variable) is not set: the first GPU
+    self-test found every fused backward missing from the log. Here the backward
+    runs on a new thread (which starts without the caller's context, as CUDA's
+    autograd thread does); its entry still reaches the open block, and none
+    reaches a block already closed."""
+    import threading
+
+    m = conv()
+    x = torch.randn(10, 6)
+    ei = random_graph(10, 30, seed=9)
+    with gatlib.record_kernels() as outer:
+        with gatlib.record_kernels() as log:
+            out = m(x, ei)
+            worker = threading.Thread(target=out.sum().backward)
+            worker.start()
+            worker.join()
+        assert log == ["fused", "fused.backward"]
+        out = m(x, ei)
+    worker = threading.Thread(target=out.sum().backward)
+    worker.start()
+    worker.join()
+    assert outer == ["fused"]
+
+
 # ---------------------------------------------------------------------------
 # Compilation and threads
 # ---------------------------------------------------------------------------

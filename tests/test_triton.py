@@ -668,6 +668,39 @@ def test_output_bias_of_the_wrong_shape_is_refused():
         _triton.attention(score, value, plan, None, 0.0, False, torch.zeros(4, dtype=value.dtype))
 
 
+
+@pytest.mark.parametrize("kind", [0, 1, 3])
+def test_backward_fake_with_symbolic_sizes(kind):
+    """The backward operator's shapes under torch.compile with dynamic sizes, where
+    every size is a SymInt: the first GPU run's compiled GATConv/GATv2Conv raised
+    ("unhashable type: non-nested SymInt") where the summed parameter gradients'
+    widths went into a set. The fake function gives the summed gradients as one
+    ``[k, H, width]`` tensor (att and bias partials one width here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def sym(*shape):
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * len(shape))
+        return mode.from_tensor(torch.randn(*shape), symbolic_context=ctx)
+
+    N, E, H, C = 7, 20, 2, 5
+    value = sym(N, H, C)
+    att = {0: None, 1: sym(H, C), 3: sym(2, H, C)}[kind]
+    s_src = value if kind == 3 else sym(N, H, 1 if kind == 0 else C)
+    s_dst = None if kind == 3 else sym(N, H, 1 if kind == 0 else C)
+    ins = (s_src, s_dst, None, att, value, None, sym(H * C))
+    with mode:
+        graph = [torch.zeros(N + 1, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)]
+        out = _triton._fake_backward(sym(N, H * C), None, *ins, None, sym(N, H * C), sym(N, H),
+                                     value.new_empty(0), graph, kind, 1.0, 0.2, 0.0, kind == 1,
+                                     False, [True] * 7)
+    summed = out[-1]
+    names = {0: 1, 1: 2, 3: 3}[kind]  # bias; att and bias; att_src, att_dst and bias
+    assert summed.dim() == 3 and summed.size(0) == names
+    assert str(summed.size(2)) == str(value.size(2))
 @pytest.mark.parametrize("layer", ["GATConv", "GATv2Conv"])
 @pytest.mark.parametrize("heads,concat,residual", [(3, True, False), (1, False, False),
                                                    (3, False, False), (3, True, True)])
