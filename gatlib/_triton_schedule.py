@@ -35,10 +35,17 @@ _SPLIT = 256
 # CPU interpreter pays per program and per op, not per element: it gets few
 # wide programs instead.
 _TILE, _MAX_ROWS = 1024, 16
+# Rows of _WIDE channels or more (8-warp programs, _warps) take a 2x larger tile:
+# 1024 left them 4 edges per step at C = 256, too few gathers in flight to cover
+# memory latency. On an H100 every kind's forward ran faster the larger the tile;
+# 2048 is the largest that ptxas fits in the register cap without spilling
+# (benchmarks/NOTES.md, "The H100 again"; tests/test_triton_compile.py's budget).
+_TILE_WIDE, _WIDE = 2048, 128
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Programs per launch (the kernels loop over their blocks of lanes, _programs):
-# enough per SM to hide the gathers' latency at the kernels' 4-8 warps; the CPU
-# interpreter runs programs one after another, so a few wide ones.
+# on an H100 (C = 256) 16 per SM ran as fast as 4 at the 2048 and 4096 tiles (the
+# tile sets the gathers in flight: NOTES, "The H100 again"); the CPU interpreter
+# runs programs one after another, so a few wide ones.
 _PROGRAMS_PER_SM, _PROGRAMS_INTERPRETER = 4, 2
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
@@ -162,14 +169,17 @@ def _interpreted() -> bool:
     return isinstance(_fwd_kernel, InterpretedFunction)
 
 
-def _tile() -> Tuple[int, int]:
+def _tile(width: int = 0) -> Tuple[int, int]:
     """(tile elements, max rows per program): the compiled kernels' register
-    budget, or the interpreter's few wide programs."""
-    return (_TILE_INTERPRETER, _MAX_ROWS_INTERPRETER) if _interpreted() else (_TILE, _MAX_ROWS)
+    budget (for the row kernels, whose rows are ``width`` channels wide: see
+    :data:`_TILE_WIDE`), or the interpreter's few wide programs."""
+    if _interpreted():
+        return _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER
+    return (_TILE_WIDE if width >= _WIDE else _TILE), _MAX_ROWS
 
 
 def _rows_per_program(block_e: int, width: int) -> int:
-    tile, max_rows = _tile()
+    tile, max_rows = _tile(width)
     r = max(1, min(max_rows, tile // (block_e * width)))
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
@@ -220,7 +230,7 @@ def _bucket_groups(width: int) -> List[Tuple[int, int, int]]:
     """``(first bucket, end bucket, BLOCK_E)`` of each group of buckets: consecutive
     buckets whose edge tiles are clamped to one width at wide channels compile to
     the same code, and are one group."""
-    tile = _tile()[0]
+    tile = _tile(width)[0]
     cap = 1 << (max(1, tile // width).bit_length() - 1)
     out: List[Tuple[int, int, int]] = []
     for b, (_, block_e) in enumerate(_BUCKETS):

@@ -91,13 +91,12 @@ def test_every_specialisation_binds_and_compiles_for_sm80_and_sm90(report):
 #
 # GATv2's forward accumulator keeps the layout of the [R, E, CV] tile it sums: as
 # a 2-D slice of it (the old accumulator) it spilled 708 bytes per thread at C = 256
-# in float32 and 1,172 in bfloat16. Since the x_src tiles are loaded wide and the
-# register cap holds, the old accumulator no longer spills there, but it takes 126
-# registers in bfloat16 against 80 (71 and 71 in float32; ptxas, sm_90):
-# WIDE_FWD_REGISTERS, between the two, is what makes the budget fail with it.
+# in float32 and 1,172 in bfloat16. With rows of 128 channels or more in the larger
+# tile (_triton_schedule._TILE_WIDE) the old accumulator spills again (ptxas, sm_90,
+# C = 256: 152 bytes in bfloat16, 2,516 in float32 with edge features, dropout and
+# weights; the kept layout none, 115-124 registers): the spill check fails with it.
 SPILL_BYTES = 0
 REGISTER_FILE = 1 << 16
-WIDE_FWD_REGISTERS = 96
 
 
 def _register_budget(kernel, warps):
@@ -146,10 +145,6 @@ def test_compile_budget_at_the_shapes_users_run(report):
     narrow_loads = [(r["kernel"], r["target"], r["cases"][0]) for r in full if not r["wide_loads"]]
     assert {r["kernel"] for r in full} == {*row_kernels, "_bwd_src_kernel"}
     assert not narrow_loads, narrow_loads[:5]
-    wide = [r for r in rows if r["kernel"] == "_fwd_kernel"
-            and {"gatv2 float32 C=256", "gatv2 bfloat16 C=256"} & set(r["cases"])]
-    assert wide and all(r["registers"] <= WIDE_FWD_REGISTERS for r in wide), \
-        [(r["target"], r["registers"]) for r in wide]
 
 
 def test_index_arithmetic_is_64_bit(report):

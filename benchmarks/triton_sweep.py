@@ -1,0 +1,163 @@
+"""GPU: the fused Triton attention's time per pass under schedule variants, and
+against another checkout's kernels, on one synthetic graph.
+
+Times ``gatlib.graph_attention(..., backend="triton")`` alone (no projections,
+no reference, no agreement check: ``gatlib selftest`` and ``gatlib compare``
+check the results) for each score kind, forward (no grad) and forward+backward,
+with CUDA events (``triton.testing.do_bench``, median). ``--variant TILE:PROGRAMS``
+sets the row kernels' tile (elements of the ``[R, E, C]`` tile a program holds
+per step, at every width) and programs per SM before timing (repeatable;
+``default`` is the module's own constants). Only the public API is used, so the same script times an
+older checkout's kernels: ``PYTHONPATH=<checkout> python benchmarks/triton_sweep.py``
+(kinds that checkout lacks are skipped, variants need this checkout's module).
+
+Usage (CUDA only)::
+
+    PYTHONPATH=. python benchmarks/triton_sweep.py --variant default --variant 2048:4 --json sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+KINDS = ("gat", "gat_projected", "gatv2", "dot")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--graph", default="arxiv-like")
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--channels", type=int, default=256)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--variant", action="append", default=None,
+                   help="TILE:PROGRAMS_PER_SM, or default (repeatable; default: default)")
+    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time (ms)")
+    p.add_argument("--label", default="", help="a name for this checkout in the output")
+    p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+def _graph(name: str, device):
+    from gatlib.bench.synthetic import PRESETS, power_law_edges
+
+    spec = PRESETS[name]
+    ei = power_law_edges(spec.num_nodes, spec.num_edges, exponent=spec.exponent,
+                         max_degree=spec.max_degree, seed=0)
+    loops = torch.arange(spec.num_nodes).repeat(2, 1)  # as the GAT layers add them
+    return torch.cat([ei, loops], dim=1).to(device), spec.num_nodes
+
+
+def _inputs(kind, N, E, H, C, dtype, device):
+    from gatlib import EdgeScore
+
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def r(*shape):
+        return (0.1 * torch.randn(*shape, generator=g, device=device, dtype=dtype)).requires_grad_()
+
+    value = r(N, H, C)
+    if kind == "gat":
+        return EdgeScore.gat(r(N, H), r(N, H)), value
+    if kind == "gat_projected":  # GATConv's: the scores' terms formed from the values' rows
+        return EdgeScore.gat_projected(value, r(H, C), r(H, C)), value
+    if kind == "gatv2":  # GATv2Conv's: the source projection is also the value
+        return EdgeScore.gatv2(value, r(N, H, C), r(H, C)), value
+    return EdgeScore.dot(r(N, H, C), r(N, H, C)), value
+
+
+def _set_variant(variant: str) -> None:
+    if variant == "default":
+        return
+    from gatlib import _triton_schedule as sched
+
+    tile, programs = (int(v) for v in variant.split(":"))
+    sched._TILE, sched._PROGRAMS_PER_SM = tile, programs
+    if hasattr(sched, "_TILE_WIDE"):
+        sched._TILE_WIDE = tile
+
+
+def _time(kind, plan, N, H, C, dtype, device, args):
+    """``(pass, median ms, first call s)`` of one kind's call on ``plan``, per pass."""
+    import triton.testing
+
+    from gatlib import graph_attention
+
+    score, value = _inputs(kind, N, plan.num_edges, H, C, dtype, device)
+    grad = torch.randn(N, H * C, device=device, dtype=dtype)
+    ins = [t for t in (*score.tensors(), value) if t is not None]
+
+    def forward():
+        with torch.no_grad():
+            graph_attention(score, value, plan, N, backend="triton")
+
+    def forward_backward():
+        graph_attention(score, value, plan, N, backend="triton").backward(grad)
+
+    out = []
+    for phase in args.passes:
+        step = forward if phase == "fwd" else forward_backward
+        t0 = time.perf_counter()
+        step()  # compile and warm
+        torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        ms = triton.testing.do_bench(step, warmup=10, rep=args.rep, grad_to_none=ins,
+                                     return_mode="median")
+        out.append((phase, ms, first))
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("triton_sweep.py needs a CUDA device")
+    import gatlib
+    from gatlib import GraphPlan
+
+    device = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    ei, N = _graph(args.graph, device)
+    H, C = args.heads, args.channels
+    rows = []
+    defaults = None
+    try:
+        from gatlib import _triton_schedule as sched
+        defaults = (sched._TILE, sched._PROGRAMS_PER_SM, getattr(sched, "_TILE_WIDE", None))
+    except (ImportError, AttributeError):
+        pass
+    for variant in args.variant or ["default"]:
+        if variant != "default" and defaults is None:
+            print(f"[sweep] variant {variant}: this checkout has no schedule constants; skipped")
+            continue
+        if defaults is not None:
+            sched._TILE, sched._PROGRAMS_PER_SM, wide = defaults
+            if wide is not None:
+                sched._TILE_WIDE = wide
+        _set_variant(variant)
+        plan = GraphPlan(ei, num_nodes=N)  # a new plan: nothing of another variant's schedule
+        for kind in args.kinds:
+            if kind == "gat_projected" and not hasattr(gatlib.EdgeScore, "gat_projected"):
+                continue
+            for phase, ms, first in _time(kind, plan, N, H, C, dtype, device, args):
+                rows.append(dict(label=args.label, variant=variant, kind=kind, phase=phase, ms=ms,
+                                 first_s=first))
+                print(f"[sweep] {args.label or '-'} {variant:>10} {kind:>13} {phase:>7}: "
+                      f"{ms:8.3f} ms (first call {first:.1f} s)", flush=True)
+    result = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
+                  torch=torch.__version__, graph=args.graph, nodes=N, edges=ei.size(1), heads=H,
+                  channels=C, dtype=args.dtype, rows=rows)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
