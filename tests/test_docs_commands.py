@@ -303,9 +303,10 @@ def test_the_gpu_run_commands_parse():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print"],
                          capture_output=True, text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 4, out
+    assert len(lines) == 5, out
     for line in lines:
         (words,) = split_commands(line)
         program, argv = invocation(words)
-        assert program in ("gatlib.bench.selftest", "gatlib.bench.compare"), line
+        assert program in ("gatlib.bench.selftest", "gatlib.bench.compare",
+                           "benchmarks/triton_sweep.py"), line
         parse(Command("scripts/gpu_run.sh", line, program, argv))
