@@ -22,32 +22,40 @@ _PER_CALL = ("E", "H", "CK", "CV")
 # lane l is item l // H, head l % H — so the heads of a row sit side by side
 # and their loads of a source's [H, C] row are contiguous.
 # ---------------------------------------------------------------------------
+# The schedule's arrays are loaded by each kernel's own body, not by a helper:
+# torch.compile's analysis of what a Triton kernel writes (triton_kernel_wrap)
+# follows a store's address back through the calls it came from and takes every
+# pointer a helper was given as written. The lanes' rows and slots, loaded by a
+# helper, made every schedule array "written" by every row kernel: the
+# functionalised kernels then threaded them from each launch to the next,
+# backward included, and a plan's cached schedule became a forward output that
+# depended on the backward (AOT autograd's partitioner refused it:
+# tests/test_triton_compile.py). The helpers below take loaded values only.
 @triton.jit
-def _blocks(bounds, B_LO: tl.constexpr, B_HI: tl.constexpr, H, BLOCK_R: tl.constexpr):
-    """``(first item, item count, blocks of BLOCK_R lanes)`` of the buckets
-    ``B_LO : B_HI``, read from the schedule's ``bounds`` on the device."""
-    first = tl.load(bounds + B_LO)
-    n_items = tl.load(bounds + B_HI) - first
-    return first, n_items, tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
+def _block_count(lo, hi, H, BLOCK_R: tl.constexpr):
+    """``(item count, blocks of BLOCK_R lanes)`` of the items ``lo : hi`` (the
+    schedule's ``bounds`` of a group of buckets, loaded by the caller)."""
+    return hi - lo, tl.cdiv((hi - lo) * H, BLOCK_R).to(tl.int32)
 
 
 @triton.jit
-def _lanes(item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R: tl.constexpr):
-    """The lanes of block ``blk`` (lanes past the last item are empty). Index
-    arithmetic is int64 from the block on: lane counts reach E·H > 2**31."""
+def _lane_items(blk, first, n_items, H, BLOCK_R: tl.constexpr):
+    """``(lane, valid, item, head)`` of the lanes of block ``blk`` (lanes past the
+    last item are empty). Index arithmetic is int64 from the block on: lane counts
+    reach E·H > 2**31."""
     lane = (tl.zeros([BLOCK_R], tl.int64) + blk) * BLOCK_R + tl.arange(0, BLOCK_R)
     local = lane // H
-    valid = local < n_items
-    it = first + local
-    h = lane % H
-    row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-    start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-    length = tl.load(item_len + it, mask=valid, other=0)
-    slot = tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64)
+    return lane, local < n_items, first + local, lane % H
+
+
+@triton.jit
+def _lane_slots(valid, slot, length):
+    """``(final, piece, slot, longest)`` from a block's loaded slots and lengths:
+    a lane writes its row's result (``final``) or, for a split row, a partial
+    result in ``slot`` (``piece``)."""
     final = valid & (slot < 0)
     piece = valid & (slot >= 0)
-    slot = tl.where(piece, slot, 0)
-    return lane, valid, row, h, start, length, final, piece, slot, tl.max(length, 0)
+    return final, piece, tl.where(piece, slot, 0), tl.max(length, 0)
 
 
 @triton.jit
@@ -149,10 +157,15 @@ def _fwd_items(
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
-    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    first = tl.load(bounds + B_LO)
+    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
+        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+        length = tl.load(item_len + it, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
         slope = tl.load(coef + 1).to(ACC)
         keep_scale = tl.load(coef + 2).to(ACC)
@@ -362,15 +375,20 @@ def _bwd_dst_items(
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
-    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    first = tl.load(bounds + B_LO)
+    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
     # GATv2's att gradient, summed over the blocks this program runs: each lane
     # keeps one head, as the grid is a multiple of H (_programs)
     att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     # the output bias's gradient likewise: the sum of grad_out over the rows
     bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
+        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+        length = tl.load(item_len + it, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
         slope = tl.load(coef + 1).to(ACC)
         keep_scale = tl.load(coef + 2).to(ACC)
@@ -557,14 +575,19 @@ def _bwd_src_items(
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
-    first, n_items, n_blocks = _blocks(bounds, B_LO, B_HI, H, BLOCK_R)
+    first = tl.load(bounds + B_LO)
+    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
     # KIND 3's att gradients (a_src, a_dst), summed over the blocks this program
     # runs: each lane keeps one head, as the grid is a multiple of H (_programs)
     att_s_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     att_d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        lane, valid, row, h, start, length, final, piece, slot, max_len = _lanes(
-            item_row, item_start, item_len, item_slot, blk, first, n_items, H, BLOCK_R)
+        lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
+        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+        length = tl.load(item_len + it, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         slope = tl.load(coef + 1).to(ACC)
         h2 = h[:, None]
         orow = row * H + h  # this lane's source node and head
@@ -575,8 +598,10 @@ def _bwd_src_items(
         ckm = ck < CK
         ck3 = ck[None, None, :]
         dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
-        if KIND == 0 or KIND == 3:  # GAT: the source term's gradient, a scalar
-            ds_acc = tl.zeros([BLOCK_R], ACC)
+        if KIND == 0 or KIND == 3:  # GAT: the source term's gradient, a scalar, summed
+            # over the edge slots after the loop: a per-step sum into an [R] accumulator
+            # failed Triton 3.6's compiler at C <= 4 (TritonGPUOptimizeThreadLocality)
+            ds_acc = tl.zeros([BLOCK_R, BLOCK_E], ACC)
         else:
             ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
         if KIND == 1:
@@ -604,7 +629,7 @@ def _bwd_src_items(
             if NEED_SRC:
                 ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
                 if KIND == 0 or KIND == 3:
-                    ds_acc += tl.sum(ds, 1)
+                    ds_acc += ds
                 else:
                     if FULL_CK:  # (as the value rows above)
                         cmask = emask[:, :, None]
@@ -623,6 +648,8 @@ def _bwd_src_items(
                         ds_acc += tl.sum(ds[:, :, None] * att * tl.where(z > 0, 1.0, slope), 1)
                     else:
                         ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
+        if KIND == 0 or KIND == 3:
+            ds_acc = tl.sum(ds_acc, 1)
         prow = slot * H + h
         if KIND == 3:
             # GAT's terms formed in-kernel from h (EdgeScore.gat_projected): h_j's

@@ -239,3 +239,67 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
     # the three row kernels (each one launch over all buckets) and the two merges
     # (softmax pieces, sums): the hubs are split
     assert first >= 5 and second == first and new == 0
+
+
+def test_compiled_step_on_a_plan_partitions_and_writes_only_outputs(tmp_path):
+    """A compiled 2-layer training step on a GraphPlan, each layer's kernels as the
+    ``triton_op``s a GPU runs (Triton's launch path, a stand-in sm_90 driver, launches
+    skipped), through AOT autograd's min-cut partitioner as inductor calls it.
+
+    On the H100 (NOTES, "The H100 again") the partitioner refused GATConv's step
+    ("Node getitem_67 was invalid, but is output"): torch's analysis of what a
+    Triton kernel writes took every schedule array the kernels read through a helper
+    as written, the functionalised launches threaded them from the forward's kernels
+    through the backward's, and the plan's cached schedule, a forward output, came
+    out of a backward kernel. No row kernel may be seen writing its schedule."""
+    probe = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        import gatlib
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+        from gatlib.bench.launches import Tally, triton_on_cpu
+
+        schedule = {"item_row", "item_start", "item_len", "item_slot", "bounds"}
+        written = {}
+
+        def partition(joint, inputs, **kw):
+            for n in joint.graph.nodes:
+                if "triton_kernel_wrapper" in str(n.target):
+                    name = kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+                    written.setdefault(name, set()).update(n.kwargs.get("tensors_to_clone", ()))
+            return min_cut_rematerialization_partition(joint, inputs, **kw)
+
+        def backend(gm, inputs):
+            return aot_module_simplified(gm, inputs, fw_compiler=lambda g, i: g,
+                                         bw_compiler=lambda g, i: g, partition_fn=partition)
+
+        for layer in ("GATConv", "GATv2Conv", "TransformerConv"):
+            cls = getattr(gatlib, layer)
+
+            class TwoLayer(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.conv1 = cls(16, 8, heads=3, backend="triton")
+                    self.conv2 = cls(24, 5, heads=1, backend="triton")
+
+                def forward(self, x, graph):
+                    return self.conv2(F.elu(self.conv1(x, graph)), graph)
+
+            torch.manual_seed(0)
+            n = 200
+            x = torch.randn(n, 16)
+            plan = gatlib.GraphPlan(torch.randint(0, n, (2, 1000)), num_nodes=n)
+            torch._dynamo.reset()
+            with triton_on_cpu(Tally()):
+                out = torch.compile(TwoLayer(), backend=backend, fullgraph=True)(x, plan)
+                out.sum().backward()
+        bad = {k: sorted(v & schedule) for k, v in written.items() if v & schedule}
+        print(sorted(written), bad)
+        assert {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"} <= set(written)
+        assert not bad, bad
+    """)
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    proc = _run([str(script)], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
