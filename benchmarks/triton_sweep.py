@@ -6,10 +6,11 @@ no reference, no agreement check: ``gatlib selftest`` and ``gatlib compare``
 check the results) for each score kind, forward (no grad) and forward+backward,
 with CUDA events (``triton.testing.do_bench``, median). ``--variant TILE:PROGRAMS``
 sets the row kernels' tile (elements of the ``[R, E, C]`` tile a program holds
-per step, at every width) and programs per SM before timing (repeatable;
-``default`` is the module's own constants). Only the public API is used, so the same script times an
-older checkout's kernels: ``PYTHONPATH=<checkout> python benchmarks/triton_sweep.py``
-(kinds that checkout lacks are skipped, variants need this checkout's module).
+per step, at every width) and programs per SM before timing
+(``gatlib.introspect.triton_tiles``; repeatable; ``default``: the library's own).
+Only the public API is used, so the same script times an older checkout's
+kernels: ``PYTHONPATH=<checkout> python benchmarks/triton_sweep.py`` (kinds and
+variants that checkout cannot run are skipped).
 
 Usage (CUDA only)::
 
@@ -18,6 +19,7 @@ Usage (CUDA only)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -73,15 +75,18 @@ def _inputs(kind, N, E, H, C, dtype, device):
     return EdgeScore.dot(r(N, H, C), r(N, H, C)), value
 
 
-def _set_variant(variant: str) -> None:
-    if variant == "default":
-        return
-    from gatlib import _triton_schedule as sched
+def _tiles(variant: str):
+    """The ``introspect.triton_tiles`` block for ``variant`` (``default``: as they are),
+    or ``None`` where this checkout has none."""
+    from gatlib import introspect
 
+    tiles = getattr(introspect, "triton_tiles", None)
+    if tiles is None:
+        return contextlib.nullcontext() if variant == "default" else None
+    if variant == "default":
+        return tiles()
     tile, programs = (int(v) for v in variant.split(":"))
-    sched._TILE, sched._PROGRAMS_PER_SM = tile, programs
-    if hasattr(sched, "_TILE_WIDE"):
-        sched._TILE_WIDE = tile
+    return tiles(tile=tile, programs_per_sm=programs)
 
 
 def _time(kind, plan, N, H, C, dtype, device, args):
@@ -126,30 +131,23 @@ def main(argv=None) -> int:
     ei, N = _graph(args.graph, device)
     H, C = args.heads, args.channels
     rows = []
-    defaults = None
-    try:
-        from gatlib import _triton_schedule as sched
-        defaults = (sched._TILE, sched._PROGRAMS_PER_SM, getattr(sched, "_TILE_WIDE", None))
-    except (ImportError, AttributeError):
-        pass
     for variant in args.variant or ["default"]:
-        if variant != "default" and defaults is None:
-            print(f"[sweep] variant {variant}: this checkout has no schedule constants; skipped")
+        block = _tiles(variant)
+        if block is None:
+            print(f"[sweep] variant {variant}: this checkout cannot set the tile; skipped")
             continue
-        if defaults is not None:
-            sched._TILE, sched._PROGRAMS_PER_SM, wide = defaults
-            if wide is not None:
-                sched._TILE_WIDE = wide
-        _set_variant(variant)
-        plan = GraphPlan(ei, num_nodes=N)  # a new plan: nothing of another variant's schedule
-        for kind in args.kinds:
-            if kind == "gat_projected" and not hasattr(gatlib.EdgeScore, "gat_projected"):
-                continue
-            for phase, ms, first in _time(kind, plan, N, H, C, dtype, device, args):
-                rows.append(dict(label=args.label, variant=variant, kind=kind, phase=phase, ms=ms,
-                                 first_s=first))
-                print(f"[sweep] {args.label or '-'} {variant:>10} {kind:>13} {phase:>7}: "
-                      f"{ms:8.3f} ms (first call {first:.1f} s)", flush=True)
+        with block as values:
+            if values:
+                print(f"[sweep] {variant}: {values}", flush=True)
+            plan = GraphPlan(ei, num_nodes=N)  # a new plan for each variant
+            for kind in args.kinds:
+                if kind == "gat_projected" and not hasattr(gatlib.EdgeScore, "gat_projected"):
+                    continue
+                for phase, ms, first in _time(kind, plan, N, H, C, dtype, device, args):
+                    rows.append(dict(label=args.label, variant=variant, kind=kind, phase=phase,
+                                     ms=ms, first_s=first, tiles=values))
+                    print(f"[sweep] {args.label or '-'} {variant:>10} {kind:>13} {phase:>7}: "
+                          f"{ms:8.3f} ms (first call {first:.1f} s)", flush=True)
     result = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, graph=args.graph, nodes=N, edges=ei.size(1), heads=H,
                   channels=C, dtype=args.dtype, rows=rows)

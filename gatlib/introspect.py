@@ -41,6 +41,7 @@ __all__ = [
     "triton_attention",
     "triton_kernels",
     "triton_schedule",
+    "triton_tiles",
 ]
 
 # Public name -> the Triton module's constant (resolved on first read, below).
@@ -109,6 +110,29 @@ def triton_schedule(plan: "GraphPlan") -> object:
     destination and source work schedules), built on first use and kept on the
     plan: call it to build it before something is counted or timed."""
     return _triton_module("_triton_schedule")._plan(plan)
+
+
+@contextlib.contextmanager
+def triton_tiles(tile: Optional[int] = None,
+                 programs_per_sm: Optional[int] = None) -> Iterator[Dict[str, int]]:
+    """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
+    tile a program holds per step, at every width; the library's own is larger at
+    wide rows) and programs per SM set to these (``None``: as they are), for
+    schedule sweeps (``benchmarks/triton_sweep.py``). Yields the values in force:
+    ``tile``, ``tile_wide`` (rows of ``wide`` channels or more), ``wide``,
+    ``programs_per_sm``. A plan's schedule does not depend on them; the kernels'
+    constexprs do (a new tile compiles new specialisations)."""
+    from unittest import mock
+
+    m = _triton_module("_triton_schedule")
+    patches = {}
+    if tile is not None:
+        patches.update(_TILE=tile, _TILE_WIDE=tile)
+    if programs_per_sm is not None:
+        patches["_PROGRAMS_PER_SM"] = programs_per_sm
+    with mock.patch.multiple(m, **patches) if patches else contextlib.nullcontext():
+        yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "wide": m._WIDE,
+               "programs_per_sm": m._PROGRAMS_PER_SM}
 
 
 def check_triton_interpreter() -> None:

@@ -23,9 +23,10 @@ python -c "import torch, torch_geometric, torch_scatter, torch_sparse, ogb, trit
 # A second, older torch for the compile tests (tests/test_older_torch.py): the one a lent GPU
 # machine runs (torch 2.11 with Triton 3.6), whose dynamo fails on code that 2.13 traces. Its
 # registry build is the CUDA one (~4.6 GB; no CPU build there). GATLIB_SECOND_TORCH=none skips it.
+# numpy < 2.4: Triton 3.6's interpreter converts one-element arrays to scalars, which 2.4 refuses.
 SECOND=${GATLIB_SECOND_TORCH:-2.11.0}
-if [ "$SECOND" != none ] && ! .venv-torch"$SECOND"/bin/python -c "import torch_geometric, triton, hypothesis" 2>/dev/null; then
+if [ "$SECOND" != none ] && ! .venv-torch"$SECOND"/bin/python -c "import torch_geometric, triton, hypothesis, numpy; assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)" 2>/dev/null; then
   "$PYTHON" -m venv .venv-torch"$SECOND"
   .venv-torch"$SECOND"/bin/python -m pip install -q "torch==$SECOND" "triton==3.6.0" \
-    "torch_geometric==2.8.0" pytest hypothesis numpy
+    "torch_geometric==2.8.0" pytest hypothesis "numpy<2.4"
 fi

@@ -80,3 +80,21 @@ def test_cpu_tensors_admitted_only_inside(monkeypatch):
         assert triton.available(cpu) is None
         introspect.check_triton_interpreter()  # lifted: no error
     assert triton.available(cpu) is not None and _triton._check_interpreter is real
+
+
+@needs_triton
+def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
+    """Inside the block the compiled row kernels take the given tile at every width (their
+    constexprs: edges per step E0, lanes R0) and the given programs per SM; after it, the
+    library's own again (the larger tile from 128 channels on)."""
+    sched = importlib.import_module("gatlib._triton_schedule")
+    monkeypatch.setattr(sched, "_interpreted", lambda: False)  # the compiled path's tile
+    own = {w: sched._group_consts(w) for w in (64, 256)}
+    assert own[256]["E0"] == 8 and own[64]["E0"] == 16  # 2048 and 1024 elements per step
+    with introspect.triton_tiles(tile=4096, programs_per_sm=8) as values:
+        assert values == {"tile": 4096, "tile_wide": 4096, "wide": 128, "programs_per_sm": 8}
+        assert sched._group_consts(256)["E0"] == 16 and sched._group_consts(64)["E0"] == 64
+        assert sched._PROGRAMS_PER_SM == 8
+    assert {w: sched._group_consts(w) for w in (64, 256)} == own
+    with introspect.triton_tiles() as values:
+        assert values["tile"] == 1024 and values["tile_wide"] == 2048
