@@ -4,9 +4,10 @@ against another checkout's kernels, on one synthetic graph.
 Times ``gatlib.graph_attention(..., backend="triton")`` alone (no projections,
 no reference, no agreement check: ``gatlib selftest`` and ``gatlib compare``
 check the results) for each score kind, forward (no grad) and forward+backward,
-with CUDA events (``triton.testing.do_bench``, median). ``--variant TILE:PROGRAMS``
-sets the row kernels' tile (elements of the ``[R, E, C]`` tile a program holds
-per step, at every width) and programs per SM before timing
+with CUDA events (``triton.testing.do_bench``, median). ``--variant
+TILE:PROGRAMS[:STAGES]`` sets the row kernels' tile (elements of the ``[R, E, C]``
+tile a program holds per step, at every width), programs per SM and the
+pipelining stages of their edge loops (1: not pipelined) before timing
 (``gatlib.introspect.triton_tiles``; repeatable; ``default``: the library's own).
 Only the public API is used, so the same script times an older checkout's
 kernels: ``PYTHONPATH=<checkout> python benchmarks/triton_sweep.py`` (kinds and
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import sys
 import time
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--variant", action="append", default=None,
-                   help="TILE:PROGRAMS_PER_SM, or default (repeatable; default: default)")
+                   help="TILE:PROGRAMS_PER_SM[:STAGES], or default (repeatable; default: "
+                        "default)")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time (ms)")
     p.add_argument("--label", default="", help="a name for this checkout in the output")
     p.add_argument("--json", type=Path, default=None)
@@ -85,7 +88,12 @@ def _tiles(variant: str):
         return contextlib.nullcontext() if variant == "default" else None
     if variant == "default":
         return tiles()
-    tile, programs = (int(v) for v in variant.split(":"))
+    values = [int(v) for v in variant.split(":")]
+    if len(values) == 3:
+        if "stages" not in inspect.signature(tiles).parameters:
+            return None
+        return tiles(tile=values[0], programs_per_sm=values[1], stages=values[2])
+    tile, programs = values
     return tiles(tile=tile, programs_per_sm=programs)
 
 

@@ -34,7 +34,9 @@ node and edge counts alone, computed once per graph and kept on its
 :class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`); each launch
 has a fixed number of programs (:func:`_programs`) that loop over their
 blocks of lanes and read their bucket's bounds on the device, so no launch
-depends on a value read back to the host.
+depends on a value read back to the host. The edge loops are software-pipelined
+(``_STAGES``): the next steps' index loads and gathers are issued as asynchronous
+copies into shared memory while a step computes.
 
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
 channels are padded to a power of two and masked. Attention dropout draws

@@ -154,6 +154,7 @@ def _fwd_items(
     HAS_BIAS: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
@@ -182,7 +183,7 @@ def _fwd_items(
         # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
         # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
         acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
-        for off in range(0, max_len, BLOCK_E):
+        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
             pos = off + tl.arange(0, BLOCK_E)[None, :]
             emask = pos < length[:, None]  # [R, E]
             k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
@@ -251,7 +252,7 @@ def _fwd_kernel(
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
+    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
@@ -262,19 +263,19 @@ def _fwd_kernel(
         s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
         p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
         DROPOUT, ACC,
-        0, B1, R0, E0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        0, B1, R0, E0, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
             s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
             DROPOUT, ACC,
-            B1, B2, R1, E1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            B1, B2, R1, E1, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
             s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
             DROPOUT, ACC,
-            B2, B3, R2, E2, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            B2, B3, R2, E2, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
 
 
@@ -371,6 +372,7 @@ def _bwd_dst_items(
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr,
     R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
@@ -431,7 +433,7 @@ def _bwd_dst_items(
         if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
             att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
                           other=0).to(ACC)  # [R, 1, CK]
-        for off in range(0, max_len, BLOCK_E):
+        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
             pos = off + tl.arange(0, BLOCK_E)[None, :]
             emask = pos < length[:, None]
             k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64, as every offset
@@ -533,7 +535,7 @@ def _bwd_dst_kernel(
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
+    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
@@ -543,21 +545,21 @@ def _bwd_dst_kernel(
         delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
         H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
         SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
-        0, B1, R0, E0, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
-            B1, B2, R1, E1, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
-            B2, B3, R2, E2, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
 
 
@@ -571,6 +573,7 @@ def _bwd_src_items(
     SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr,
     ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr,
     R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
@@ -608,7 +611,7 @@ def _bwd_src_items(
             rmask = valid[:, None, None] & (ck3 < CK)
             att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)  # [R, 1, CK]
             xs = tl.load(s_src + orow[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)
-        for off in range(0, max_len, BLOCK_E):
+        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
             pos = off + tl.arange(0, BLOCK_E)[None, :]
             emask = pos < length[:, None]
             t = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSC positions, int64
@@ -708,7 +711,7 @@ def _bwd_src_kernel(
     ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr,
+    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
 ):
@@ -716,16 +719,16 @@ def _bwd_src_kernel(
     _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
         csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
         d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
-        NEED_SRC, SUM_SRC, NEED_ATT, ACC, 0, B1, R0, E0, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        NEED_SRC, SUM_SRC, NEED_ATT, ACC, 0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
             part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
-            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B1, B2, R1, E1, R0, BLOCK_CK, BLOCK_CV,
+            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV,
             FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
             part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
-            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B2, B3, R2, E2, R0 + R1, BLOCK_CK,
+            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK,
             BLOCK_CV, FULL_CK, FULL_CV)

@@ -42,6 +42,19 @@ _TILE, _MAX_ROWS = 1024, 16
 # (benchmarks/NOTES.md, "The H100 again"; tests/test_triton_compile.py's budget).
 _TILE_WIDE, _WIDE = 2048, 128
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
+# Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
+# Unpipelined, each step waits for its edges' indices, then for their gathered
+# rows: two memory latencies per step, and only the tile's bytes in flight (on the
+# H100 the forward ran faster with every larger tile up to 8192 elements, but
+# tiles above 2048 spill). With 2 stages Triton's pipeliner issues the next step's
+# gathers and the indices of the one after as asynchronous copies into shared
+# memory (cp.async) while a step computes: one wait per step, for loads issued a
+# step earlier, and fewer registers than before. 3 stages (two steps of gathers
+# ahead) spilled at C = 128 and 256 with edge features, dropout or GATv2's
+# backward; 1 compiles the loops unpipelined. Calls with edge features keep 1
+# (_stages). (benchmarks/NOTES.md, "Pipelined edge loops";
+# tests/test_triton_compile.py holds the copies and the budget.)
+_STAGES = 2
 # Programs per launch (the kernels loop over their blocks of lanes, _programs):
 # on an H100 (C = 256) 16 per SM ran as fast as 4 at the 2048 and 4096 tiles (the
 # tile sets the gathers in flight: NOTES, "The H100 again"); the CPU interpreter
@@ -255,6 +268,14 @@ def _group_consts(width: int) -> dict:
             **{f"E{g}": e for g, (_, e) in enumerate(tiles)}}
 
 
+def _stages(consts: dict) -> int:
+    """Pipelining stages of a row kernel's edge loops: :data:`_STAGES`, but 1 for
+    calls with edge features (``HAS_EDGE``, ``HAS_VEDGE``), whose extra per-edge
+    stream's copies in flight spilled under the register cap at 2 stages (ptxas,
+    sm_90, C = 256: GAT's forward with dropout, GATv2's source backward)."""
+    return 1 if consts.get("HAS_EDGE") or consts.get("HAS_VEDGE") else _STAGES
+
+
 def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> None:
     """Launch ``kernel`` over the length buckets of ``items`` (longest first): one
     launch of :func:`_programs` programs, which run the groups of buckets of
@@ -269,7 +290,7 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
         num_warps=warps, maxnreg=_max_registers(warps, kernel is _bwd_dst_kernel),
-        **_group_consts(width), **consts)
+        STAGES=_stages(consts), **_group_consts(width), **consts)
 
 
 def _att_partials(width: int, H: int, device: torch.device) -> int:

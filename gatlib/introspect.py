@@ -113,15 +113,16 @@ def triton_schedule(plan: "GraphPlan") -> object:
 
 
 @contextlib.contextmanager
-def triton_tiles(tile: Optional[int] = None,
-                 programs_per_sm: Optional[int] = None) -> Iterator[Dict[str, int]]:
+def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = None,
+                 stages: Optional[int] = None) -> Iterator[Dict[str, int]]:
     """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
     tile a program holds per step, at every width; the library's own is larger at
-    wide rows) and programs per SM set to these (``None``: as they are), for
-    schedule sweeps (``benchmarks/triton_sweep.py``). Yields the values in force:
-    ``tile``, ``tile_wide`` (rows of ``wide`` channels or more), ``wide``,
-    ``programs_per_sm``. A plan's schedule does not depend on them; the kernels'
-    constexprs do (a new tile compiles new specialisations)."""
+    wide rows), programs per SM and the software-pipelining stages of their edge
+    loops (1: not pipelined) set to these (``None``: as they are), for schedule
+    sweeps (``benchmarks/triton_sweep.py``). Yields the values in force: ``tile``,
+    ``tile_wide`` (rows of ``wide`` channels or more), ``wide``, ``programs_per_sm``,
+    ``stages``. A plan's schedule does not depend on them; the kernels' constexprs
+    do (a new tile or stage count compiles new specialisations)."""
     from unittest import mock
 
     m = _triton_module("_triton_schedule")
@@ -130,9 +131,13 @@ def triton_tiles(tile: Optional[int] = None,
         patches.update(_TILE=tile, _TILE_WIDE=tile)
     if programs_per_sm is not None:
         patches["_PROGRAMS_PER_SM"] = programs_per_sm
+    if stages is not None:
+        if stages < 1:
+            raise ValueError(f"triton_tiles: stages must be >= 1, got {stages}")
+        patches["_STAGES"] = stages
     with mock.patch.multiple(m, **patches) if patches else contextlib.nullcontext():
         yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "wide": m._WIDE,
-               "programs_per_sm": m._PROGRAMS_PER_SM}
+               "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES}
 
 
 def check_triton_interpreter() -> None:

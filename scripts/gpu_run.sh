@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in two calls that
 # fit its 15 minutes of device time: part 1 (at most 580 s) checks the Triton kernels against the
-# reference, sweeps the row kernels' edge tile, and times the 2-layer training step against PyG
-# (arxiv-like, eager and under torch.compile's default mode); part 2 (at most 210 s, sent at once
-# after part 1, while the machine is still warm) times Cora's step with both compiled sides
-# replayed as CUDA graphs (mode="reduce-overhead", launch-bound) and one GATConv layer against
-# its bandwidth floor:
+# reference, sweeps the row kernels' edge tile and pipelining stages, and times the 2-layer
+# training step against PyG (arxiv-like, eager and under torch.compile's default mode); part 2
+# (at most 210 s, sent at once after part 1, while the machine is still warm) times Cora's step
+# with both compiled sides replayed as CUDA graphs (mode="reduce-overhead", launch-bound) and one
+# GATConv layer against its bandwidth floor:
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 590
@@ -56,11 +56,14 @@ step() {  # step SECONDS COMMAND...: run COMMAND for at most SECONDS (or print i
 
 if [[ $PART == 1 || $PRINT == 1 ]]; then
   # the kernels against the reference (two cases per kind and dtype; no PyG comparison here)
-  step 260 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" --quick \
+  step 250 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" --quick \
     --json "$OUT/selftest_$gpu.json" --table "$OUT/selftest_$gpu.md"
-  # the row kernels' edge tile at wide rows (H = 3, C = 256), and their default
-  step 80 "$PY" benchmarks/triton_sweep.py --variant default --variant 1024:4 --variant 4096:4 \
-    --variant 8192:4 --rep 50 --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
+  # the row kernels at wide rows (H = 3, C = 256): the default (tile 2048, edge loops in 2
+  # pipelined stages) against its loops unpipelined (:1) and in 3 stages, a smaller tile in
+  # 3 stages, and the spilling 8192 tile unpipelined (the fastest in the last run)
+  step 90 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
+    --variant 2048:4:1 --variant 2048:4:3 --variant 1024:4:3 --variant 8192:4:1 --rep 50 \
+    --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
   # the training step against PyG, eager and compiled: time first (memory children recompile)
   step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
     --device cuda --backend triton --repeats 3 --no-memory \

@@ -91,10 +91,15 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     monkeypatch.setattr(sched, "_interpreted", lambda: False)  # the compiled path's tile
     own = {w: sched._group_consts(w) for w in (64, 256)}
     assert own[256]["E0"] == 8 and own[64]["E0"] == 16  # 2048 and 1024 elements per step
-    with introspect.triton_tiles(tile=4096, programs_per_sm=8) as values:
-        assert values == {"tile": 4096, "tile_wide": 4096, "wide": 128, "programs_per_sm": 8}
+    with introspect.triton_tiles(tile=4096, programs_per_sm=8, stages=1) as values:
+        assert values == {"tile": 4096, "tile_wide": 4096, "wide": 128, "programs_per_sm": 8,
+                          "stages": 1}
         assert sched._group_consts(256)["E0"] == 16 and sched._group_consts(64)["E0"] == 64
-        assert sched._PROGRAMS_PER_SM == 8
+        assert sched._PROGRAMS_PER_SM == 8 and sched._STAGES == 1
     assert {w: sched._group_consts(w) for w in (64, 256)} == own
     with introspect.triton_tiles() as values:
-        assert values["tile"] == 1024 and values["tile_wide"] == 2048
+        assert values["tile"] == 1024 and values["tile_wide"] == 2048 and values["stages"] == 2
+    with pytest.raises(ValueError, match="stages must be >= 1"):
+        with introspect.triton_tiles(stages=0):
+            pass
+    assert sched._STAGES == 2

@@ -97,6 +97,12 @@ def test_every_specialisation_binds_and_compiles_for_sm80_and_sm90(report):
 # weights; the kept layout none, 115-124 registers): the spill check fails with it.
 SPILL_BYTES = 0
 REGISTER_FILE = 1 << 16
+PIPELINED = {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"}
+# Shared memory per SM: 164 KB on an A100 (sm_80), 228 KB on an H100 (sm_90); a
+# block may take at most 163 KB and 227 KB (CUDA programming guide, compute
+# capabilities 8.0 and 9.0). The budget at the users' shapes: half the A100's SM.
+SHARED_MAX = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+SHARED_BUDGET = 164 * 1024 // 2
 
 
 def _register_budget(kernel, warps):
@@ -145,6 +151,36 @@ def test_compile_budget_at_the_shapes_users_run(report):
     narrow_loads = [(r["kernel"], r["target"], r["cases"][0]) for r in full if not r["wide_loads"]]
     assert {r["kernel"] for r in full} == {*row_kernels, "_bwd_src_kernel"}
     assert not narrow_loads, narrow_loads[:5]
+    # the row kernels' edge loops are software-pipelined (_triton_schedule._stages):
+    # every specialisation at these shapes without edge features was launched with
+    # more than one stage and its PTX has the pipeliner's asynchronous copies
+    # (cp.async) — with one stage, or a loop the pipeliner refused, it has none —
+    # within a shared-memory budget that lets two programs share an SM (as the
+    # registers' above) on sm_80, the smaller; with edge features, one stage
+    def has_edge(r):
+        return "True" in (_consts(r)["HAS_EDGE"], _consts(r).get("HAS_VEDGE"))
+
+    row = [r for r in rows if r["kernel"] in PIPELINED]
+    pipelined = [r for r in row if not has_edge(r)]
+    assert {r["kernel"] for r in pipelined} == PIPELINED
+    unpipelined = [(r["kernel"], r["target"], _consts(r)["STAGES"], r["cases"][0])
+                   for r in pipelined if int(_consts(r)["STAGES"]) < 2 or not r["async_copies"]]
+    assert not unpipelined, unpipelined[:5]
+    assert all(_consts(r)["STAGES"] == "1" and not r["async_copies"]
+               for r in row if has_edge(r))
+    big = [(r["kernel"], r["target"], r["shared_bytes"], r["cases"][0]) for r in pipelined
+           if r["shared_bytes"] > SHARED_BUDGET]
+    assert not big, big[:5]
+
+
+def test_shared_memory_fits_every_gpu(report):
+    """A launch whose kernel asks for more shared memory than the GPU has fails
+    there (Triton's OutOfResources), whatever its shape: every specialisation of
+    the table fits the opt-in maximum per block of its target."""
+    rep, _ = report
+    over = [(r["kernel"], r["target"], r["shared_bytes"], r["cases"][0]) for r in rep["rows"]
+            if "error" not in r and r["shared_bytes"] > SHARED_MAX[r["target"]]]
+    assert not over, over[:5]
 
 
 def test_index_arithmetic_is_64_bit(report):

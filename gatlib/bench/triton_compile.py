@@ -391,6 +391,10 @@ _RESOURCES = re.compile(r"Used (\d+) registers.*")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 # a vector load from global memory (64 or 128 bits), e.g. ld.global.v4.b32
 _WIDE_LOAD = re.compile(r"ld\.global(?:\.\w+)*\.v[24]\.")
+# an asynchronous copy from global to shared memory (a pipelined loop's loads), with
+# its size in bytes: cp.async.cg.shared.global [ %r1 + 0 ], [ %rd2 + 0 ], 0x10, %r3
+_ASYNC_COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*"
+                         r"(0x[0-9a-fA-F]+|\d+)")
 
 
 def compile_spec(spec: Spec, target: str) -> Dict:
@@ -420,7 +424,16 @@ def compile_spec(spec: Spec, target: str) -> Dict:
             "shared_bytes": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
             "narrow_index_math": narrow_index_math(kernel.asm["ttir"]),
             "atomics": len(re.findall(r"tt\.atomic_\w+", kernel.asm["ttir"])),
-            "wide_loads": len(_WIDE_LOAD.findall(kernel.asm["ptx"]))}
+            **_loads(kernel.asm["ptx"])}
+
+
+def _loads(ptx: str) -> Dict[str, int]:
+    """``wide_loads``: loads of 64 or 128 bits from global memory, into registers
+    (``ld.global.v2/v4``) or into shared memory (``cp.async`` of 8 or 16 bytes);
+    ``async_copies``: every ``cp.async`` (the pipelined loops' loads)."""
+    copies = [int(n, 0) for n in _ASYNC_COPY.findall(ptx)]
+    return {"wide_loads": len(_WIDE_LOAD.findall(ptx)) + sum(n >= 8 for n in copies),
+            "async_copies": len(copies)}
 
 
 def _compile_job(args):
@@ -466,12 +479,13 @@ def summary_rows(rows: Sequence[Dict]) -> List[List[str]]:
                         f"{min(regs)}–{max(regs)}" if regs else "-",
                         f"{sum(s > 0 for s in spills)} (max {max(spills)} B)" if spills else "-",
                         f"{max(r['shared_bytes'] for r in ok)}" if ok else "-",
+                        str(sum(bool(r.get("async_copies")) for r in ok)),
                         str(sum(bool(r.get("narrow_index_math")) for r in ok))])
     return out
 
 
 SUMMARY_HEADERS = ["kernel", "target", "specialisations", "compiled", "registers",
-                   "spilling (max bytes)", "max shared B", "32-bit index math"]
+                   "spilling (max bytes)", "max shared B", "pipelined", "32-bit index math"]
 
 
 def render(report: Dict) -> str:
@@ -490,7 +504,7 @@ def render(report: Dict) -> str:
         f"{len(report['specs'])} distinct specialisations, each bound by "
         "Triton's launch binder and compiled to a cubin by its bundled ptxas for every target.",
         "",
-        format_table(SUMMARY_HEADERS, summary_rows(rows), align="<<" + ">" * 6, markdown=True),
+        format_table(SUMMARY_HEADERS, summary_rows(rows), align="<<" + ">" * 7, markdown=True),
         "",
         "## Every specialisation",
         "",
@@ -577,7 +591,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def format_summary(report: Dict) -> str:
     from .report import format_table
 
-    return format_table(SUMMARY_HEADERS, summary_rows(report["rows"]), align="<<" + ">" * 6)
+    return format_table(SUMMARY_HEADERS, summary_rows(report["rows"]), align="<<" + ">" * 7)
 
 
 if __name__ == "__main__":
