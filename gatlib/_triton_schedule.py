@@ -49,8 +49,8 @@ _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # tiles above 2048 spill). With 2 stages Triton's pipeliner issues the next step's
 # gathers and the indices of the one after as asynchronous copies into shared
 # memory (cp.async) while a step computes: one wait per step, for loads issued a
-# step earlier, and fewer registers than before. 3 stages (two steps of gathers
-# ahead) spilled at C = 128 and 256 with edge features, dropout or GATv2's
+# step earlier, the next tile held in shared memory, not registers. 3 stages (two
+# steps of gathers ahead) spilled at C = 128 and 256 with edge features, dropout or GATv2's
 # backward; 1 compiles the loops unpipelined. Calls with edge features keep 1
 # (_stages). (benchmarks/NOTES.md, "Pipelined edge loops";
 # tests/test_triton_compile.py holds the copies and the budget.)
