@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in two calls that
-# fit its 15 minutes of device time: part 1 (at most 580 s) checks the Triton kernels against the
+# fit its 15 minutes of device time: part 1 (at most 480 s) checks the Triton kernels against the
 # reference, sweeps the row kernels' edge tile and pipelining stages, and times the 2-layer
 # training step against PyG (arxiv-like, eager and under torch.compile's default mode); part 2
 # (at most 210 s, sent at once after part 1, while the machine is still warm) times Cora's step
@@ -8,7 +8,7 @@
 # GATConv layer against its bandwidth floor:
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
-#   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 590
+#   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 520
 #   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 220
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
@@ -39,30 +39,47 @@ triton.__version__, torch.cuda.get_device_name(0))" 2>&1 | tee "$OUT/log_$PART.t
 fi
 
 status=0
-step() {  # step SECONDS COMMAND...: run COMMAND for at most SECONDS (or print it)
-  local limit=$1
+step() {  # step SECONDS COMMAND...: run COMMAND for at most SECONDS (or print it), logged
+  local limit=$1 log=${LOG:-$OUT/log_$PART.txt}  # (LOG: a step run in the background)
   shift
   if [[ $PRINT == 1 ]]; then
     printf '%q ' "$@"
     echo
     return
   fi
-  echo "== $* (at most $limit s)" | tee -a "$OUT/log_$PART.txt"
-  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log_$PART.txt"
+  echo "== $* (at most $limit s)" | tee -a "$log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  echo "== exit $rc" | tee -a "$OUT/log_$PART.txt"
+  echo "== exit $rc" | tee -a "$log"
   [[ $rc == 0 ]] || status=1
+  return "$rc"
 }
 
 if [[ $PART == 1 || $PRINT == 1 ]]; then
-  # the kernels against the reference (two cases per kind and dtype; no PyG comparison here)
-  step 250 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" --quick \
-    --json "$OUT/selftest_$gpu.json" --table "$OUT/selftest_$gpu.md"
+  # the kernels against the reference (two cases per kind and dtype; no PyG comparison here),
+  # one process per kind at once: compiling the kernels takes most of it (16 cores there)
+  pids=()
+  [[ $PRINT == 1 ]] || logs=$(mktemp -d)
+  for kind in gat gatv2 dot gat_projected; do
+    if [[ $PRINT == 1 ]]; then
+      step 150 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" --quick --kinds "$kind" \
+        --json "$OUT/selftest_${kind}_$gpu.json"
+    else
+      LOG="$logs/$kind.txt" step 150 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" \
+        --quick --kinds "$kind" --json "$OUT/selftest_${kind}_$gpu.json" > /dev/null &
+      pids+=($!)
+    fi
+  done
+  if [[ $PRINT == 0 ]]; then
+    for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+    cat "$logs"/*.txt | tee -a "$OUT/log_$PART.txt"
+  fi
   # the row kernels at wide rows (H = 3, C = 256): the default (tile 2048, edge loops in 2
   # pipelined stages) against its loops unpipelined (:1) and in 3 stages (each variant
   # compiles its kernels first: ~20 s each)
   step 90 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
-    --variant 2048:4:1 --variant 2048:4:3 --rep 50 --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
+    --variant 2048:4:1 --variant 2048:4:3 --variant 4096:4:2 --rep 50 \
+    --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
   # the training step against PyG, eager and compiled: time first (memory children recompile)
   step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
     --device cuda --backend triton --repeats 3 --no-memory \

@@ -149,11 +149,28 @@ def test_a_comparison_that_fails_fails_the_selftest(tmp_path, monkeypatch, capsy
 
 
 @pytest.mark.parametrize("args, message", [(["--graphs", "cora,arxiv"], "unknown synthetic graph"),
-                                           (["--repeats", "0"], "--repeats must be at least 1")])
+                                           (["--repeats", "0"], "--repeats must be at least 1"),
+                                           (["--kinds", "gat,gcn"], "--kinds takes"),
+                                           (["--kinds", ","], "--kinds takes")])
 def test_bad_arguments_exit_2_before_any_check(args, message, monkeypatch, capsys):
     monkeypatch.setattr(selftest, "kernel_checks", None)  # not reached
     assert cli.main(["selftest", "--device", DEVICE, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_kinds_limit_the_kernel_checks(tmp_path, monkeypatch):
+    seen = []
+
+    def case(kind, dtype, edge, p, alpha, plan, device, seed=0):
+        seen.append((kind, dtype))
+        return {"name": kind, "status": "ok"}
+    monkeypatch.setattr(selftest, "check_case", case)
+    monkeypatch.setattr(selftest, "gpu_checks", lambda device: [])
+    rc, rep = _selftest(tmp_path, "--graphs", "", "--kinds", "dot,gatv2")
+    assert rc == 0 and rep["config"]["kinds"] == ["dot", "gatv2"]
+    # the quick grid's two cases per kind and dtype, for the named kinds alone
+    assert sorted(seen, key=str) == sorted(
+        [(k, d) for k in ("dot", "gatv2") for d in selftest.DTYPES.values()] * 2, key=str)
 
 
 def test_cpu_without_the_interpreter_exits_2(monkeypatch, capsys):
