@@ -181,7 +181,17 @@ class _AttentionConv(MessagePassing):
                 edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value,
                                             num_nodes=sink + 1)[1][:E + n]
             else:
-                ei, edge_attr = _remove_self_loops(edges, edge_attr)
+                if torch.compiler.is_compiling():
+                    # an eager twin (a warmed plan) in a compiled graph: how many edges
+                    # stay is its edge count, so no size here follows from the values;
+                    # the others are scattered to one slot past the end and cut
+                    keep, left = edges[0] != edges[1], plan.num_edges - n
+                    slot = torch.where(keep, keep.cumsum(0) - 1, left)
+                    stay = edges.new_zeros(left + 1).scatter_(
+                        0, slot, torch.arange(keep.numel(), device=keep.device))[:left]
+                    ei, edge_attr = edges[:, stay], edge_attr[stay]
+                else:
+                    ei, edge_attr = _remove_self_loops(edges, edge_attr)
                 edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return plan, edge_attr
 

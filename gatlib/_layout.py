@@ -51,7 +51,10 @@ class Layout:
         csc = self.csc
         if csc is None:  # derived from tensors that never change: a racing thread gets the same
             csc = _normal(_csc_of, self.src, self.dst, self.num_src)
-            object.__setattr__(self, "csc", csc)
+            # Not kept from inside a compiled graph: its outputs are its memory to reuse
+            # (see GraphPlan); the graph's common-subexpression pass merges the repeats.
+            if not torch.compiler.is_compiling():
+                object.__setattr__(self, "csc", csc)
         return csc
 
     @property

@@ -11,7 +11,12 @@ else in gatlib holds such state: there is no module-level cache. So:
 * everything it derives is freed with it;
 * it works the same under ``no_grad`` and ``inference_mode`` and in DataLoader
   workers: derived tensors are always built as normal tensors, so a plan first
-  used under ``inference_mode`` still trains afterwards.
+  used under ``inference_mode`` still trains afterwards;
+* a compiled call keeps nothing on a plan built outside it: what it derives is
+  computed inside its graph for that call alone, since a graph's outputs are its
+  memory to reuse (``torch.compile(mode="reduce-overhead")`` overwrites them on the
+  next replay). It reads what eager calls derived: one eager call warms a plan
+  for compiled ones (``docs/compile.md``).
 
 Layers take a plan wherever they take an ``edge_index``. Given a plain
 ``[2, E]`` tensor or a PyG :class:`~torch_geometric.EdgeIndex`, a layer builds a
@@ -89,12 +94,15 @@ class GraphPlan:
         elif num_src is None:  # infer from the indices, as PyG's maybe_num_nodes does
             n = int(ei.max()) + 1 if ei.numel() else 0
             num_src = num_dst = n
-        self._init(ei, num_src, num_dst, layout_fn)
+        self._init(ei, num_src, num_dst, layout_fn, kept=True)
 
     # -- construction ---------------------------------------------------------
     def _init(self, ei: Tensor, num_src: int, num_dst: int,
-              layout_fn: Optional[Callable[[], Layout]], sink: bool = False) -> None:
+              layout_fn: Optional[Callable[[], Layout]], sink: bool = False,
+              kept: bool = False) -> None:
         self._ei = ei  # [2, E] int64, contiguous, owned by this plan
+        # kept: the caller holds this plan across calls (a layer's throw-away plan is not)
+        self._kept = kept
         self._num_src = num_src
         self._num_dst = num_dst
         self._sink = sink  # destination num_dst collects the edges attention ignores
@@ -109,12 +117,18 @@ class GraphPlan:
 
     @classmethod
     def _owned(cls, ei: Tensor, num_src: int, num_dst: int,
-               layout_fn: Optional[Callable[[], Layout]] = None, sink: bool = False) -> "GraphPlan":
+               layout_fn: Optional[Callable[[], Layout]] = None, sink: bool = False,
+               kept: bool = False) -> "GraphPlan":
         """A plan around an already checked int64 ``[2, E]`` that nobody else holds
-        (``sink``: see :attr:`num_rows`)."""
+        (``sink``: see :attr:`num_rows`; ``kept``: held across calls)."""
         plan = cls.__new__(cls)
-        plan._init(ei, num_src, num_dst, layout_fn, sink)
+        plan._init(ei, num_src, num_dst, layout_fn, sink, kept)
         return plan
+
+    def _keeps(self) -> bool:
+        """Whether what is derived now may be kept on this plan: not inside a compiled
+        graph when the plan outlives the call (see the module docstring)."""
+        return not (self._kept and torch.compiler.is_compiling())
 
     # -- what users read ------------------------------------------------------
     @property
@@ -190,8 +204,11 @@ class GraphPlan:
         if not 0 <= n <= min(self.num_src, self.num_dst):
             raise ValueError(f"num_nodes must be in [0, {min(self.num_src, self.num_dst)}] "
                              f"(self-loops need both a source and a destination); got {n}")
-        # (one twin per form: the compiled one has a sink, see _drop_and_add_loops)
-        looped = self._loops.get((n, torch.compiler.is_compiling()))
+        # (one twin per form: the compiled one has a sink, see _drop_and_add_loops; an
+        # eager twin serves compiled calls too, its edge count read from its shape)
+        looped = self._loops.get((n, False))
+        if looped is None and torch.compiler.is_compiling():
+            looped = self._loops.get((n, True))
         if looped is None:
             looped = self._looped(n, *_normal(_drop_and_add_loops, self._ei, n, self.num_dst))
         return looped
@@ -216,17 +233,18 @@ class GraphPlan:
                 return _sorted_looped_layout(looped_ei, num_src, num_dst + 1 if sink else num_dst, n)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
 
-        looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout, sink)
+        looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout, sink, self._kept)
         looped._base_ei = base_ei
         # atomic: concurrent callers get one plan
-        return self._loops.setdefault((n, sink), looped)
+        return self._loops.setdefault((n, sink), looped) if self._keeps() else looped
 
     def to(self, device: torch.device | str) -> "GraphPlan":
         """This plan's graph on ``device`` (layouts are rebuilt there when used)."""
         device = torch.device(device)
         if device == self.device:
             return self
-        return GraphPlan._owned(self._ei.to(device), self.num_src, self.num_dst, sink=self._sink)
+        return GraphPlan._owned(self._ei.to(device), self.num_src, self.num_dst, sink=self._sink,
+                                kept=True)
 
     def __repr__(self) -> str:
         return (f"GraphPlan(num_src={self.num_src}, num_dst={self.num_dst}, "
@@ -236,7 +254,8 @@ class GraphPlan:
         return {"ei": self._ei, "num_src": self.num_src, "num_dst": self.num_dst, "sink": self._sink}
 
     def __setstate__(self, state):
-        self._init(state["ei"], state["num_src"], state["num_dst"], None, state.get("sink", False))
+        self._init(state["ei"], state["num_src"], state["num_dst"], None, state.get("sink", False),
+                   kept=True)
 
     # -- what kernels read (read-only: kernels never write to these) ----------
     def coo(self) -> Tuple[Tensor, Tensor]:
@@ -247,17 +266,22 @@ class GraphPlan:
     def layout(self) -> Layout:
         """The CSR/CSC :class:`Layout`, built on first use."""
         if self._layout is None:
-            self._layout = self.derived("layout", self._layout_fn)
+            layout = self.derived("layout", self._layout_fn)
+            if not self._keeps():
+                return layout
+            self._layout = layout
         return self._layout
 
     def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """``build()`` once per plan and ``key``: where kernels keep what they derive
         from the graph (e.g. a layout over heads), so that it lives and dies with
-        the plan. ``build`` must only read the plan."""
+        the plan. ``build`` must only read the plan. (Inside a compiled graph, on a
+        plan that outlives the call: built for this call alone, see the module docstring.)"""
         value = self._derived.get(key)
         if value is None:
             value = _normal(build)
-            value = self._derived.setdefault(key, value)  # atomic: concurrent callers get one value
+            if self._keeps():  # atomic: concurrent callers get one value
+                value = self._derived.setdefault(key, value)
         return value
 
 

@@ -73,8 +73,8 @@ def test_fullgraph_training_step_runs_the_fused_operators(layer, as_plan, backen
     assert log == names
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
-    x, ei, ea, bip = inputs(as_plan)  # a new plan: derived inside the compiled call
-    for _ in range(2):  # (a plan's derived layouts are inputs the second time)
+    x, ei, ea, bip = inputs(as_plan)  # a new plan: derived inside each compiled call
+    for _ in range(2):
         with gatlib.record_kernels() as log, torch._inductor.config.patch(fallback_random=True):
             got = run(compiled, x, ei, ea, bip, y)
         assert log == names
@@ -92,6 +92,106 @@ def test_fullgraph_training_step_runs_the_fused_operators(layer, as_plan, backen
         assert torch.equal(ei_out, eager[3])
         for a, b in zip(got[4], eager[4], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------
+# Plans under torch.compile: a graph keeps nothing on them; one eager call warms them
+# ---------------------------------------------------------------------------
+def _state(plan) -> tuple:
+    """What a plan holds beyond its edges: its layout (and whether that has its CSC
+    view), what kernels derived, and its self-loop'ed twins' own state."""
+    lay = plan._layout
+    return (id(lay), lay is not None and lay.csc is not None,
+            tuple((k, id(v)) for k, v in plan._derived.items()),
+            tuple((k, _state(v)) for k, v in plan._loops.items()))
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm_no_grad"])
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_compiled_call_keeps_nothing_on_the_plan_it_was_given(layer, backend, warm):
+    """A compiled graph's outputs are its own memory: mode="reduce-overhead" overwrites
+    them at the next replay, so a layout, CSC view or schedule that a compiled call
+    derived and kept on the caller's plan was read, overwritten, by the next call (on an
+    H100: "accessing tensor output of CUDAGraphs that has been overwritten by a
+    subsequent run"). The caller's plans come out of compiled calls as they went in:
+    cold, or warmed by an eager forward under no_grad (which derives no CSC view on
+    these small graphs; the compiled backward reads one)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    model = Net(layer, backend=backend)
+    x, ei, ea, bip = inputs(as_plan=True)
+    y = torch.randint(0, 5, (N_DST,))
+    if warm:
+        with torch.no_grad():
+            model(x, ei, ea, bip)
+    before = _state(ei), _state(bip)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch._inductor.config.patch(fallback_random=True):
+        for _ in range(2):
+            with gatlib.record_kernels() as log:
+                run(compiled, x, ei, ea, bip, y)
+            assert log == [backend, backend, f"{backend}.backward", f"{backend}.backward"]
+            assert (_state(ei), _state(bip)) == before
+    torch._dynamo.reset()
+    if not warm:  # (an eager step does change what the check above reads)
+        run(model, x, ei, ea, bip, y)
+        assert (_state(ei), _state(bip)) != before
+
+
+def test_a_compiled_call_keeps_no_csc_view_on_a_plans_layout():
+    """A small graph's layout derives its CSC view when first read; read inside a
+    compiled graph, the view is that call's alone (see above)."""
+    plan = gatlib.GraphPlan(random_graph(N, 300, seed=1), num_nodes=N)
+    lay = plan.layout()
+    assert lay.csc is None  # (small: derived when first read)
+
+    def out_degree(plan):
+        return plan.layout().csc_ptr.diff()
+
+    got = torch.compile(out_degree, fullgraph=True)(plan)
+    assert plan.layout() is lay and lay.csc is None
+    torch._dynamo.reset()
+    assert torch.equal(got, out_degree(plan)) and lay.csc is not None  # eager keeps it
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_compiled_call_reads_what_an_eager_call_derived(layer):
+    """One eager call warms a plan: a compiled call on it then builds no layout (no layout
+    operator or sort in its graph, where a cold plan's graph has them), attends over the eager self-loop'ed
+    twin (the returned edges are the eager call's: the graph's own loops left out) and
+    computes the eager step, edge features' loop fill included."""
+    torch.manual_seed(0)
+    model = Net(layer)
+    x, ei, ea, bip = inputs(as_plan=True)
+    y = torch.randint(0, 5, (N_DST,))
+    eager = run(model, x, ei, ea, bip, y)  # warms ei and bip
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def sorts() -> list:
+        return [str(n.target) for g in graphs for n in g.graph.nodes
+                if n.op in ("call_function", "call_method")
+                and ("sort" in str(n.target) or "layout" in str(n.target))]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    got = run(compiled, x, ei, ea, bip, y)
+    assert graphs and not sorts(), sorts()
+    for a, b in zip(got[:3], eager[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[3], eager[3])
+    for a, b in zip(got[4], eager[4], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    graphs.clear()
+    torch._dynamo.reset()
+    run(torch.compile(model, backend=backend, fullgraph=True), *inputs(as_plan=True), y)
+    assert sorts()  # a cold plan's graph builds its layouts
     torch._dynamo.reset()
 
 

@@ -34,9 +34,11 @@ inside every call. A plan derives its CSR layout and self-loops on first use
 and keeps them, so gatlib's ``forward+backward`` (or ``train_step``)
 measurement also records ``first_call_s``: the time of one call on a freshly
 built plan (or tensor), taken once after the agreement check and before the
-warm-up. A compiled side's ``first_call_s`` is the time of its first call in
-this process, which compiles: its agreement check's forward and backward, on
-its freshly built graph input.
+warm-up. A compiled call keeps nothing on a plan (``gatlib.GraphPlan``), so the
+compiled side's plan is warmed as the docs tell users to: one eager forward and
+backward of the module on it, before compiling (:func:`warm_plan`). A compiled
+side's ``first_call_s`` is the time of its first call in this process, which
+compiles: its agreement check's forward and backward.
 
 Steps, per layer type:
 
@@ -208,6 +210,22 @@ def graph_input(impl: str, edge_index: Tensor, num_nodes: int, mode: str):
     return edge_index
 
 
+def warm_plan(impl: str, module: torch.nn.Module, x: Tensor, graph) -> None:
+    """For ``gatlib_compiled`` on a plan: one eager forward and backward of ``module``
+    (the compiled side's, unwrapped) on ``graph``, so that the plan holds its
+    layouts and schedules before compiled calls read them (they keep nothing on it:
+    ``docs/compile.md``). Gradients are reset to ``None`` after."""
+    import gatlib
+
+    if impl != "gatlib_compiled" or not isinstance(graph, gatlib.GraphPlan):
+        return
+    module = getattr(module, "_orig_mod", module)  # (torch.compile's wrapper: compile nothing)
+    module(x, graph).float().sum().backward()
+    module.zero_grad(set_to_none=True)
+    if x.grad is not None:
+        x.grad = None
+
+
 # ---------------------------------------------------------------------------
 # Layers, models and the measured calls
 # ---------------------------------------------------------------------------
@@ -341,6 +359,7 @@ def measured_call(spec: Dict):
     else:
         target = _labels(N, spec["classes"], "cpu", spec["seed"])
     graph = graph_input(impl, edge_index, N, spec["graph_input"])
+    warm_plan(impl, module, x, graph)
     fn = _make_pass(module, x, graph, target, spec["pass"])
     if is_compiled(impl):  # compile now: the warm-up and measured calls must not
         res = settle(fn, torch.device("cpu"))
@@ -712,6 +731,8 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
     edge_index = layer_edge_index(layer, ei, ei_loops)
     # Each side its own graph input: a compiled side's first call derives its plan too.
     graphs = {impl: graph_input(impl, edge_index, N, cfg["graph_input"]) for impl in impls}
+    for impl in impls:
+        warm_plan(impl, modules[impl], x, graphs[impl])
     target = (_grad_out(N, H * C, dtype, device, cfg["seed"]) if scope == "layer"
               else _labels(N, cfg["classes"], device, cfg["seed"]))
     passes = {(impl, p): _make_pass(modules[impl], x, graphs[impl], target, p)
