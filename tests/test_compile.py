@@ -157,14 +157,17 @@ def test_a_compiled_call_keeps_no_csc_view_on_a_plans_layout():
     assert torch.equal(got, out_degree(plan)) and lay.csc is not None  # eager keeps it
 
 
+@pytest.mark.parametrize("backend", ["fused", "triton"])
 @pytest.mark.parametrize("layer", LAYERS)
-def test_a_compiled_call_reads_what_an_eager_call_derived(layer):
+def test_a_compiled_call_reads_what_an_eager_call_derived(layer, backend):
     """One eager call warms a plan: a compiled call on it then builds no layout (no layout
     operator or sort in its graph, where a cold plan's graph has them), attends over the eager self-loop'ed
     twin (the returned edges are the eager call's: the graph's own loops left out) and
     computes the eager step, edge features' loop fill included."""
+    if backend == "triton":
+        pytest.importorskip("triton")
     torch.manual_seed(0)
-    model = Net(layer)
+    model = Net(layer, backend=backend)
     x, ei, ea, bip = inputs(as_plan=True)
     y = torch.randint(0, 5, (N_DST,))
     eager = run(model, x, ei, ea, bip, y)  # warms ei and bip
