@@ -5,9 +5,10 @@ Times ``gatlib.graph_attention(..., backend="triton")`` alone (no projections,
 no reference, no agreement check: ``gatlib selftest`` and ``gatlib compare``
 check the results) for each score kind, forward (no grad) and forward+backward,
 with CUDA events (``triton.testing.do_bench``, median). ``--variant
-TILE:PROGRAMS[:STAGES]`` sets the row kernels' tile (elements of the ``[R, E, C]``
-tile a program holds per step, at every width), programs per SM and the
-pipelining stages of their edge loops (1: not pipelined) before timing
+TILE:PROGRAMS[:STAGES[:RESIDENT]]`` sets the row kernels' tile (elements of the
+``[R, E, C]`` tile a program holds per step, at every width), programs per SM, the
+pipelining stages of their edge loops (1: not pipelined) and the programs their
+register cap lets share an SM (every row kernel alike) before timing
 (``gatlib.introspect.triton_tiles``; repeatable; ``default``: the library's own).
 Only the public API is used, so the same script times an older checkout's
 kernels: ``PYTHONPATH=<checkout> python benchmarks/triton_sweep.py`` (kinds and
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--variant", action="append", default=None,
-                   help="TILE:PROGRAMS_PER_SM[:STAGES], or default (repeatable; default: "
+                   help="TILE:PROGRAMS_PER_SM[:STAGES[:RESIDENT]], or default (repeatable; default: "
                         "default)")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time (ms)")
     p.add_argument("--label", default="", help="a name for this checkout in the output")
@@ -89,12 +90,12 @@ def _tiles(variant: str):
     if variant == "default":
         return tiles()
     values = [int(v) for v in variant.split(":")]
-    if len(values) == 3:
-        if "stages" not in inspect.signature(tiles).parameters:
-            return None
-        return tiles(tile=values[0], programs_per_sm=values[1], stages=values[2])
-    tile, programs = values
-    return tiles(tile=tile, programs_per_sm=programs)
+    if not 2 <= len(values) <= 4:
+        raise ValueError(f"--variant: TILE:PROGRAMS[:STAGES[:RESIDENT]] or default, got {variant!r}")
+    names = ("tile", "programs_per_sm", "stages", "resident")[:len(values)]
+    if not set(names) <= set(inspect.signature(tiles).parameters):
+        return None
+    return tiles(**dict(zip(names, values, strict=True)))
 
 
 def _time(kind, plan, N, H, C, dtype, device, args):

@@ -197,20 +197,32 @@ def _rows_per_program(block_e: int, width: int) -> int:
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
 
+# Programs of a row kernel that its register cap lets share an SM (_max_registers):
+# two, half the _PROGRAMS_PER_SM a launch runs; the dst backward, which holds the
+# scorer's tiles and the gradients' at once, one (uncapped: at 8 warps with edge
+# features, dropout and returned weights it spilled 16-32 bytes on sm_80 under 128).
+# Fewer resident programs are fewer independent work items in flight per SM: at
+# C = 256 the kernels take 101-175 registers (two programs per SM, one for the dst
+# backward) where the first H100 run's took 32-48 (five to eight) and ran its
+# forward faster; with the 1024 tile in 2 stages they fit 64 without spilling
+# (ptxas, sm_90; benchmarks/NOTES.md, "Pipelined edge loops on the H100"). Which
+# wins is for a GPU to say: benchmarks/triton_sweep.py's fourth variant field.
+_RESIDENT, _RESIDENT_HEAVY = 2, 1
+
+
 def _max_registers(warps: int, heavy: bool = False) -> int:
     """Registers per thread the row kernels may use (ptxas ``.maxnreg``): as many as
-    let two programs of ``warps`` warps share an SM's 64K-register file (sm_80 and
-    sm_90), half the :data:`_PROGRAMS_PER_SM` a launch runs; at most 255. ``heavy``
-    (the dst backward, which holds the scorer's tiles and the gradients' at once):
-    255 whatever the warps, as at 8 warps (C >= 128) with edge features, dropout and
-    returned weights it spilled 16-32 bytes on sm_80 under 128.
+    let :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
+    (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward (``heavy``); at
+    most 255.
 
     Without an explicit cap ptxas picks a register count itself and at some shapes
     spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
     255 allowed); with one it takes what the kernel needs up to the cap and none of
     the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
     spills at the shapes users run"). tests/test_triton_compile.py holds both."""
-    return 255 if heavy else min(255, (1 << 16) // (2 * 32 * warps))
+    resident = _RESIDENT_HEAVY if heavy else _RESIDENT
+    return min(255, (1 << 16) // (resident * 32 * warps))
 
 
 def _warps(width: int, acc) -> int:

@@ -114,15 +114,18 @@ def triton_schedule(plan: "GraphPlan") -> object:
 
 @contextlib.contextmanager
 def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = None,
-                 stages: Optional[int] = None) -> Iterator[Dict[str, int]]:
+                 stages: Optional[int] = None, resident: Optional[int] = None
+                 ) -> Iterator[Dict[str, int]]:
     """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
     tile a program holds per step, at every width; the library's own is larger at
-    wide rows), programs per SM and the software-pipelining stages of their edge
-    loops (1: not pipelined) set to these (``None``: as they are), for schedule
-    sweeps (``benchmarks/triton_sweep.py``). Yields the values in force: ``tile``,
-    ``tile_wide`` (rows of ``wide`` channels or more), ``wide``, ``programs_per_sm``,
-    ``stages``. A plan's schedule does not depend on them; the kernels' constexprs
-    do (a new tile or stage count compiles new specialisations)."""
+    wide rows), programs per SM, the software-pipelining stages of their edge
+    loops (1: not pipelined) and the programs their register cap lets share an SM
+    (``resident``, every row kernel alike) set to these (``None``: as they are), for
+    schedule sweeps (``benchmarks/triton_sweep.py``). Yields the values in force:
+    ``tile``, ``tile_wide`` (rows of ``wide`` channels or more), ``wide``,
+    ``programs_per_sm``, ``stages``, ``resident``, ``resident_heavy`` (the dst
+    backward's). A plan's schedule does not depend on them; the kernels' constexprs
+    and register caps do (new values compile new specialisations)."""
     from unittest import mock
 
     m = _triton_module("_triton_schedule")
@@ -135,9 +138,14 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
         if stages < 1:
             raise ValueError(f"triton_tiles: stages must be >= 1, got {stages}")
         patches["_STAGES"] = stages
+    if resident is not None:
+        if not 1 <= resident <= 8:
+            raise ValueError(f"triton_tiles: resident must be in [1, 8], got {resident}")
+        patches.update(_RESIDENT=resident, _RESIDENT_HEAVY=resident)
     with mock.patch.multiple(m, **patches) if patches else contextlib.nullcontext():
         yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "wide": m._WIDE,
-               "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES}
+               "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES,
+               "resident": m._RESIDENT, "resident_heavy": m._RESIDENT_HEAVY}
 
 
 def check_triton_interpreter() -> None:

@@ -75,10 +75,11 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
     cat "$logs"/*.txt | tee -a "$OUT/log_$PART.txt"
   fi
   # the row kernels at wide rows (H = 3, C = 256): the default (tile 2048, edge loops in 2
-  # pipelined stages) against its loops unpipelined (:1) and in 3 stages (each variant
-  # compiles its kernels first: ~20 s each)
+  # pipelined stages, registers for two programs per SM, one in the dst backward) against its
+  # loops unpipelined (:1), and the 1024 tile with registers for 4 and 6 programs per SM (64
+  # registers: no spill at C = 256; 42: a few bytes) (each variant compiles its kernels first)
   step 90 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
-    --variant 2048:4:1 --variant 2048:4:3 --variant 4096:4:2 --rep 50 \
+    --variant 2048:4:1 --variant 1024:4:2:4 --variant 1024:6:2:6 --rep 200 \
     --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
   # the training step against PyG, eager and compiled: time first (memory children recompile)
   step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \

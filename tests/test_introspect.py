@@ -3,6 +3,7 @@ kernels' own object (or calls it), and importing it needs no Triton."""
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,15 +92,43 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     monkeypatch.setattr(sched, "_interpreted", lambda: False)  # the compiled path's tile
     own = {w: sched._group_consts(w) for w in (64, 256)}
     assert own[256]["E0"] == 8 and own[64]["E0"] == 16  # 2048 and 1024 elements per step
-    with introspect.triton_tiles(tile=4096, programs_per_sm=8, stages=1) as values:
+    caps = [sched._max_registers(w, heavy) for w in (4, 8) for heavy in (False, True)]
+    assert caps == [255, 255, 128, 255]  # two programs per SM, the dst backward one
+    with introspect.triton_tiles(tile=4096, programs_per_sm=8, stages=1, resident=4) as values:
         assert values == {"tile": 4096, "tile_wide": 4096, "wide": 128, "programs_per_sm": 8,
-                          "stages": 1}
+                          "stages": 1, "resident": 4, "resident_heavy": 4}
         assert sched._group_consts(256)["E0"] == 16 and sched._group_consts(64)["E0"] == 64
         assert sched._PROGRAMS_PER_SM == 8 and sched._STAGES == 1
+        # four programs of 8 (4) warps in 64K registers, the dst backward's too
+        assert [sched._max_registers(w, heavy) for w in (4, 8) for heavy in (False, True)] == [
+            128, 128, 64, 64]
     assert {w: sched._group_consts(w) for w in (64, 256)} == own
+    assert [sched._max_registers(w, heavy) for w in (4, 8) for heavy in (False, True)] == caps
     with introspect.triton_tiles() as values:
         assert values["tile"] == 1024 and values["tile_wide"] == 2048 and values["stages"] == 2
+        assert values["resident"] == 2 and values["resident_heavy"] == 1
     with pytest.raises(ValueError, match="stages must be >= 1"):
         with introspect.triton_tiles(stages=0):
             pass
+    with pytest.raises(ValueError, match="resident must be in"):
+        with introspect.triton_tiles(resident=0):
+            pass
     assert sched._STAGES == 2
+
+
+@needs_triton
+def test_the_sweeps_variants_reach_triton_tiles():
+    """benchmarks/triton_sweep.py's TILE:PROGRAMS[:STAGES[:RESIDENT]] variants set what they
+    name, and nothing else."""
+    spec = importlib.util.spec_from_file_location(
+        "triton_sweep", Path(__file__).parent.parent / "benchmarks" / "triton_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    with sweep._tiles("default") as own:
+        pass
+    for variant, want in (("2048:8", {"tile": 2048, "programs_per_sm": 8}),
+                          ("1024:4:1", {"tile": 1024, "programs_per_sm": 4, "stages": 1}),
+                          ("1024:4:2:4", {"tile": 1024, "programs_per_sm": 4, "stages": 2,
+                                          "resident": 4, "resident_heavy": 4})):
+        with sweep._tiles(variant) as values:
+            assert values == {**own, "tile_wide": want["tile"], **want}, variant
