@@ -10,6 +10,8 @@
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 520
 #   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 300
+#   (only if part 2's Cora step failed with an illegal memory access, and time is left:
+#   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 300)
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
 # (benchmarks/NOTES.md): the device machine's copy of the repository may carry other git metadata.
@@ -21,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PRINT=0 PART=${1:-}
 [[ "$PART" == "--print" ]] && PRINT=1
-[[ "$PART" =~ ^(1|2|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2|--print" >&2; exit 2; }
+[[ "$PART" =~ ^(1|2|3|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2|3|--print" >&2; exit 2; }
 OUT=${OUT:-gpu_run}
 PY=${PYTHON:-python3}  # (the device machine's python3 holds torch)
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -94,5 +96,14 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   step 110 "$PY" -m gatlib.bench.compare --scope layer --layer gat --graph arxiv-like \
     --device cuda --backend triton --pass both --repeats 3 \
     --json "$OUT/compare_arxiv-like_cuda_$gpu.json"
+fi
+if [[ $PART == 3 || $PRINT == 1 ]]; then
+  # a diagnosis, for when part 2's Cora step fails under CUDA graphs with an illegal memory
+  # access (which CUDA_LAUNCH_BLOCKING=1 hid): GAT's steps under compute-sanitizer's memcheck,
+  # which names the kernel and the address of the bad access
+  step 280 compute-sanitizer --tool=memcheck --print-limit=20 "$PY" -m gatlib.bench.compare \
+    --scope model --layer gat --graph cora --device cuda --backend triton --repeats 1 \
+    --block-seconds 0 --no-memory --compile-mode reduce-overhead \
+    --json "$OUT/compare_cora_gat_memcheck_$gpu.json"
 fi
 exit $status

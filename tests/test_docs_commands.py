@@ -84,6 +84,10 @@ def invocation(words: List[str]) -> Optional[Tuple[str, List[str]]]:
     if not words or words[0].endswith("/"):  # a folder in a file tree, not a program
         return None
     head, args = Path(words[0]).name, words[1:]
+    if head == "compute-sanitizer":  # its options (--name=value), then the program it runs
+        while args and args[0].startswith("-"):
+            args = args[1:]
+        return invocation(args)
     if head == "torchrun":
         return invocation(args[args.index("--no-python") + 1:]) if "--no-python" in args else None
     if head == "gatlib":
@@ -303,7 +307,7 @@ def test_the_gpu_run_commands_parse():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print"],
                          capture_output=True, text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 8, out  # the self-test once per kind
+    assert len(lines) == 9, out  # the self-test once per kind
     for line in lines:
         (words,) = split_commands(line)
         program, argv = invocation(words)
