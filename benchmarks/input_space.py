@@ -1,6 +1,7 @@
 """Input-space against projected aggregation: one attention layer's forward and backward.
 
     python benchmarks/input_space.py --graph arxiv-like --json benchmarks/results/input_space_arxiv-like_cpu.json
+    python benchmarks/input_space.py --device cuda --pass forward --json input_space_arxiv-like_cuda.json
 
 Where the input is narrower than a head (``F < C``), GATConv and TransformerConv
 attend the inputs and project after (``W_h sum_j alpha_ij x_j``; the rule is
@@ -9,7 +10,8 @@ gatlib's GATConv and TransformerConv, which take that form (a forward hook on
 the value projection checks it never runs), against the projected form of the
 same layer with the same weights written with the public core
 (:func:`gatlib.graph_attention` over a :class:`gatlib.GraphPlan`, as the layers
-computed it before), forward and backward, in A B B A rounds. It also prints
+computed it before), forward and backward (or the forward alone under
+``no_grad``, ``--pass forward``), in A B B A rounds, on CPU or CUDA. It also prints
 the values each edge moves per head in the fused kernels, ``C`` against ``F``.
 """
 from __future__ import annotations
@@ -31,21 +33,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--channels", type=int, default=256, help="channels per head C (the rule needs F < C)")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--pass", dest="pass_", default="forward+backward",
+                   choices=["forward+backward", "forward"])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
     return p
 
 
-def layer_steps(x, plan, H, C, backend):
+def layer_steps(x, plan, H, C, backend, forward_only=False):
     """``{form: forward and backward}``: gatlib's GATConv and TransformerConv (which
     attend in input space by their rule: checked by a forward hook on the value
     projection, which must not run), and the projected form of each with the
     same weights, written with the public core as the layers computed it before."""
     N = x.size(0)
     torch.manual_seed(0)
-    gat = gatlib.GATConv(x.size(1), C, heads=H, add_self_loops=False, backend=backend)
-    tf = gatlib.TransformerConv(x.size(1), C, heads=H, backend=backend)
+    gat = gatlib.GATConv(x.size(1), C, heads=H, add_self_loops=False, backend=backend).to(x.device)
+    tf = gatlib.TransformerConv(x.size(1), C, heads=H, backend=backend).to(x.device)
     scale = 1.0 / math.sqrt(C)
 
     def attend(score, value):
@@ -64,6 +69,9 @@ def layer_steps(x, plan, H, C, backend):
 
     def step(fn):
         def run():
+            if forward_only:
+                with torch.no_grad():
+                    return fn()
             out = fn()
             out.backward(torch.ones_like(out))
         return run
@@ -77,10 +85,11 @@ def main() -> None:
     args = build_parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     g = synthetic.synthetic_graph(args.graph)
-    x, N, H, C = g.x, g.x.size(0), args.heads, args.channels
-    plan = GraphPlan(g.edge_index, num_nodes=N).with_self_loops()
-    steps, projections = layer_steps(x, plan, H, C, args.backend)
+    x, N, H, C = g.x.to(device), g.x.size(0), args.heads, args.channels
+    plan = GraphPlan(g.edge_index.to(device), num_nodes=N).with_self_loops()
+    steps, projections = layer_steps(x, plan, H, C, args.backend, args.pass_ == "forward")
     projected = []
     hooks = [p.register_forward_hook(lambda *a: projected.append(1)) for p in projections]
     with gatlib.record_kernels() as log:
@@ -90,16 +99,17 @@ def main() -> None:
         h.remove()
     if projected:
         raise SystemExit(f"F={x.size(1)}, C={C}: the layers projected first (input space needs F < C)")
-    res = measure.time_interleaved(steps, torch.device("cpu"), args.repeats)
-    rows = [[k, f"{v['median_s'] * 1e3:,.0f}" if v["status"] == "ok" else v["status"]]
+    res = measure.time_interleaved(steps, device, args.repeats)
+    rows = [[k, f"{v['median_s'] * 1e3:,.2f}" if v["status"] == "ok" else v["status"]]
             for k, v in res.items()]
     print(f"{args.graph}: N={N:,}, E={plan.num_edges:,} with self-loops, F={x.size(1)}, H={H}, C={C}, "
           f"kernel {log[0]}, {torch.get_num_threads()} threads, median of {args.repeats} rounds")
-    print(report.format_table(["forward + backward", "ms"], rows, align="<>"))
+    print(report.format_table([args.pass_, "ms"], rows, align="<>"))
     print(f"values moved per edge and head: {C} projected, {x.size(1)} in input space")
     if args.json:
         report.write_json(args.json, {
-            "command": report.command_line(), "environment": report.environment("cpu"),
+            "command": report.command_line(), "environment": report.environment(device),
+            "pass": args.pass_,
             "graph": {"name": args.graph, "num_nodes": N, "num_edges": plan.num_edges,
                       "features": x.size(1)},
             "heads": H, "channels": C, "kernel": log[0], "repeats": args.repeats, "steps": res})

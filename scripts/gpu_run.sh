@@ -3,13 +3,15 @@
 # fit its 15 minutes of device time: part 1 (at most 510 s) checks the Triton kernels against the
 # reference, sweeps the row kernels' edge tile and pipelining stages, and times the 2-layer
 # training step against PyG (arxiv-like, eager and under torch.compile's default mode); part 2
-# (at most 290 s, sent at once after part 1, while the machine is still warm) times Cora's step
+# (at most 380 s, sent at once after part 1, while the machine is still warm) times Cora's step
 # with both compiled sides replayed as CUDA graphs (mode="reduce-overhead", launch-bound) and one
-# GATConv layer against its bandwidth floor:
+# GATConv layer against its bandwidth floor, and the input-space form of GATConv and
+# TransformerConv against the projected one (part 1 took 297 s and part 2 ~230 s on the last
+# H100, with a 35 s start: if part 1 runs long, trim part 2 to stay within 15 minutes):
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 550
-#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 300
+#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 390
 #   (only if part 2's Cora step failed with an illegal memory access, and time is left:
 #   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 300)
 #
@@ -97,6 +99,10 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   step 110 "$PY" -m gatlib.bench.compare --scope layer --layer gat --graph arxiv-like \
     --device cuda --backend triton --pass both --repeats 3 \
     --json "$OUT/compare_arxiv-like_cuda_$gpu.json"
+  # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
+  # form against the projected one, forward alone (the pass where GAT lost to compiled PyG)
+  step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward \
+    --repeats 3 --json "$OUT/input_space_arxiv-like_forward_cuda_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
   # a diagnosis, for when part 2's Cora step fails under CUDA graphs with an illegal memory
