@@ -98,6 +98,16 @@ def test_fullgraph_training_step_runs_the_fused_operators(layer, as_plan, backen
 # ---------------------------------------------------------------------------
 # Plans under torch.compile: a graph keeps nothing on them; one eager call warms them
 # ---------------------------------------------------------------------------
+def _model_on_plans(layer: str, backend: str):
+    """``(model, x, plan, edge_attr, bipartite plan, labels)``: :class:`Net` on fresh plans."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    model = Net(layer, backend=backend)
+    x, ei, ea, bip = inputs(as_plan=True)
+    return model, x, ei, ea, bip, torch.randint(0, 5, (N_DST,))
+
+
 def _state(plan) -> tuple:
     """What a plan holds beyond its edges: its layout (and whether that has its CSC
     view), what kernels derived, and its self-loop'ed twins' own state."""
@@ -118,12 +128,7 @@ def test_a_compiled_call_keeps_nothing_on_the_plan_it_was_given(layer, backend, 
     subsequent run"). The caller's plans come out of compiled calls as they went in:
     cold, or warmed by an eager forward under no_grad (which derives no CSC view on
     these small graphs; the compiled backward reads one)."""
-    if backend == "triton":
-        pytest.importorskip("triton")
-    torch.manual_seed(0)
-    model = Net(layer, backend=backend)
-    x, ei, ea, bip = inputs(as_plan=True)
-    y = torch.randint(0, 5, (N_DST,))
+    model, x, ei, ea, bip, y = _model_on_plans(layer, backend)
     if warm:
         with torch.no_grad():
             model(x, ei, ea, bip)
@@ -164,12 +169,7 @@ def test_a_compiled_call_reads_what_an_eager_call_derived(layer, backend):
     operator or sort in its graph, where a cold plan's graph has them), attends over the eager self-loop'ed
     twin (the returned edges are the eager call's: the graph's own loops left out) and
     computes the eager step, edge features' loop fill included."""
-    if backend == "triton":
-        pytest.importorskip("triton")
-    torch.manual_seed(0)
-    model = Net(layer, backend=backend)
-    x, ei, ea, bip = inputs(as_plan=True)
-    y = torch.randint(0, 5, (N_DST,))
+    model, x, ei, ea, bip, y = _model_on_plans(layer, backend)
     eager = run(model, x, ei, ea, bip, y)  # warms ei and bip
     graphs = []
 
