@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", default=None,
                    help="TILE:PROGRAMS_PER_SM[:STAGES[:RESIDENT]], or default (repeatable; default: "
                         "default)")
+    p.add_argument("--profile", action="store_true",
+                   help="also list the GPU time of each kernel in one forward+backward of each "
+                        "kind (torch.profiler), at the first variant")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time (ms)")
     p.add_argument("--label", default="", help="a name for this checkout in the output")
     p.add_argument("--json", type=Path, default=None)
@@ -128,6 +131,29 @@ def _time(kind, plan, N, H, C, dtype, device, args):
     return out
 
 
+def _profile(kind, plan, N, H, C, dtype, device):
+    """``[(kernel, calls, GPU ms)]`` of one warmed forward+backward, most time first:
+    where a pass's time goes among the row kernels, merges and ATen ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from gatlib import graph_attention
+
+    score, value = _inputs(kind, N, plan.num_edges, H, C, dtype, device)
+    grad = torch.randn(N, H * C, device=device, dtype=dtype)
+    graph_attention(score, value, plan, N, backend="triton").backward(grad)  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph_attention(score, value, plan, N, backend="triton").backward(grad)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = e.cuda_time_total if us is None else us
+        if us > 0:
+            rows.append((e.key, e.count, us / 1e3))
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
@@ -139,7 +165,7 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     ei, N = _graph(args.graph, device)
     H, C = args.heads, args.channels
-    rows = []
+    rows, profiles = [], []
     for variant in args.variant or ["default"]:
         block = _tiles(variant)
         if block is None:
@@ -157,9 +183,15 @@ def main(argv=None) -> int:
                                      ms=ms, first_s=first, tiles=values))
                     print(f"[sweep] {args.label or '-'} {variant:>10} {kind:>13} {phase:>7}: "
                           f"{ms:8.3f} ms (first call {first:.1f} s)", flush=True)
+                if args.profile and variant == (args.variant or ["default"])[0]:
+                    kernels = _profile(kind, plan, N, H, C, dtype, device)
+                    profiles.append(dict(variant=variant, kind=kind, kernels=kernels))
+                    for name, calls, ms in kernels[:12]:
+                        print(f"[profile] {kind:>13} {ms:8.3f} ms {calls:3d}x {name[:90]}",
+                              flush=True)
     result = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, graph=args.graph, nodes=N, edges=ei.size(1), heads=H,
-                  channels=C, dtype=args.dtype, rows=rows)
+                  channels=C, dtype=args.dtype, rows=rows, profiles=profiles)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

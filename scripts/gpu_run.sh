@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in two calls that
-# fit its 15 minutes of device time: part 1 (at most 510 s) checks the Triton kernels against the
-# reference, sweeps the row kernels' edge tile and pipelining stages, and times the 2-layer
-# training step against PyG (arxiv-like, eager and under torch.compile's default mode); part 2
-# (at most 380 s, sent at once after part 1, while the machine is still warm) times Cora's step
-# with both compiled sides replayed as CUDA graphs (mode="reduce-overhead", launch-bound) and one
-# GATConv layer against its bandwidth floor, and the input-space form of GATConv and
-# TransformerConv against the projected one (part 1 took 297 s and part 2 ~230 s on the last
-# H100, with a 35 s start: if part 1 runs long, trim part 2 to stay within 15 minutes):
+# fit its 15 minutes of device time: part 1 (at most 540 s) checks the Triton kernels against the
+# reference, sweeps the row kernels' schedule (edge tile, pipelining stages, programs per SM)
+# with each kernel's share of a pass, and times the 2-layer training step against PyG
+# (arxiv-like, eager and under torch.compile's default mode); part 2 (at most 480 s, sent at once
+# after part 1, while the machine is still warm) times that step again at the sweep's fastest
+# variant where that is not the default (else one GATConv layer against its bandwidth floor),
+# Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
+# launch-bound), and the input-space form of GATConv and TransformerConv against the projected
+# one (part 1 took 297 s on the last H100, with a 35 s start):
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 550
-#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 390
+#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 500
 #   (only if part 2's Cora step failed with an illegal memory access, and time is left:
-#   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 300)
+#   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 250)
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
 # (benchmarks/NOTES.md): the device machine's copy of the repository may carry other git metadata.
@@ -79,26 +80,44 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
     cat "$logs"/*.txt | tee -a "$OUT/log_$PART.txt"
   fi
   # the row kernels at wide rows (H = 3, C = 256): the default (tile 2048, edge loops in 2
-  # pipelined stages, registers for two programs per SM, one in the dst backward) against its
-  # loops unpipelined (:1), and the 1024 tile with registers for 4 programs per SM (64: no
-  # spill at C = 256), pipelined or not, and for 6 (42: a few bytes spilled); each variant
-  # compiles its kernels first
-  step 120 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
-    --variant 2048:4:1 --variant 1024:4:2:4 --variant 1024:4:1:4 --variant 1024:6:2:6 --rep 200 \
-    --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
+  # pipelined stages, registers for two programs per SM, one in the dst backward) against the
+  # 1024 tile with registers for 4 programs per SM (64: no spill at C = 256), pipelined or not,
+  # for 6 (42: a few bytes spilled), and the 2048 tile with registers for 3; each variant
+  # compiles its kernels first; and each kernel's GPU time in one default forward+backward
+  step 150 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
+    --variant 1024:4:2:4 --variant 1024:4:1:4 --variant 1024:6:2:6 --variant 2048:4:2:3 \
+    --rep 200 --profile --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
   # the training step against PyG, eager and compiled: time first (memory children recompile)
   step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
     --device cuda --backend triton --repeats 3 --no-memory \
     --json "$OUT/compare_arxiv-like_model_cuda_$gpu.json"
 fi
 if [[ $PART == 2 || $PRINT == 1 ]]; then
-  step 180 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
+  # part 1's fastest sweep variant (least forward+backward time summed over the kinds)
+  if [[ $PRINT == 1 ]]; then
+    best=FASTEST_VARIANT
+  else
+    best=$($PY -c "import json, sys, collections; t = collections.Counter()
+for r in json.load(open(sys.argv[1]))['rows']:
+    t[r['variant']] += r['ms'] if r['phase'] == 'fwd+bwd' else 0
+print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json" 2>/dev/null || echo default)
+    echo "== fastest sweep variant: $best" | tee -a "$OUT/log_$PART.txt"
+  fi
+  if [[ $best != default ]]; then
+    # the training step at that variant, against the default's in part 1
+    step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
+      --device cuda --backend triton --repeats 3 --no-memory --triton-tiles "$best" \
+      --json "$OUT/compare_arxiv-like_model_cuda_tiles_$gpu.json"
+  fi
+  step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
-  # one layer, forward and forward+backward, with the bandwidth floor of each pass
-  step 110 "$PY" -m gatlib.bench.compare --scope layer --layer gat --graph arxiv-like \
-    --device cuda --backend triton --pass both --repeats 3 \
-    --json "$OUT/compare_arxiv-like_cuda_$gpu.json"
+  if [[ $best == default || $PRINT == 1 ]]; then
+    # (in the step's place) one layer, forward and forward+backward, against its floor
+    step 110 "$PY" -m gatlib.bench.compare --scope layer --layer gat --graph arxiv-like \
+      --device cuda --backend triton --pass both --repeats 3 \
+      --json "$OUT/compare_arxiv-like_cuda_$gpu.json"
+  fi
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
   # form against the projected one, forward alone (the pass where GAT lost to compiled PyG)
   step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward \
@@ -108,7 +127,7 @@ if [[ $PART == 3 || $PRINT == 1 ]]; then
   # a diagnosis, for when part 2's Cora step fails under CUDA graphs with an illegal memory
   # access (which CUDA_LAUNCH_BLOCKING=1 hid): GAT's steps under compute-sanitizer's memcheck,
   # which names the kernel and the address of the bad access
-  step 280 compute-sanitizer --tool=memcheck --print-limit=20 "$PY" -m gatlib.bench.compare \
+  step 230 compute-sanitizer --tool=memcheck --print-limit=20 "$PY" -m gatlib.bench.compare \
     --scope model --layer gat --graph cora --device cuda --backend triton --repeats 1 \
     --block-seconds 0 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_gat_memcheck_$gpu.json"
