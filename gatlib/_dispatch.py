@@ -391,6 +391,17 @@ def graph_attention(
     return (out, alpha) if return_attention else out
 
 
+# Whether a compiled graph may run GAT's in-kernel terms (EdgeScore.gat_projected,
+# the Triton kernels' KIND 3). Not yet: on an H100 (torch 2.11, Triton 3.6) the
+# compiled 2-layer GAT step whose second layer ran them gave conv1's weight
+# gradient 2.3e-4 away from eager PyG's (eager gatlib: 1e-6) and then an illegal
+# memory access, while compiled steps with the node terms (KIND 0) agreed
+# (benchmarks/NOTES.md, "Compiled GAT with in-kernel terms"). Compiled calls take the
+# node terms, two [N, H] products outside the kernels, until a GPU run of
+# `gatlib selftest`'s compiled-step check passes with this set.
+_PROJECTED_UNDER_COMPILE = False
+
+
 def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
                    dropout: float, training: bool, concat: bool, backend: str, need_alpha: bool,
                    edge_weight: Optional[Tensor] = None,
@@ -411,10 +422,12 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
-    if score.projected and (plan.sink or value is not score.src or plan.num_dst != value.size(0)):
+    if score.projected and (plan.sink or value is not score.src or plan.num_dst != value.size(0)
+                            or (torch.compiler.is_compiling() and not _PROJECTED_UNDER_COMPILE)):
         # the Triton kernels form GAT's terms from the values' rows, each node both a
         # source and a destination: where the values are not h (dropped), the
-        # destinations are fewer or gain a sink row, the terms
+        # destinations are fewer or gain a sink row, the terms; and inside a compiled
+        # graph (see _PROJECTED_UNDER_COMPILE)
         score = score.node_terms()
     if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
         dst = score.dst

@@ -165,7 +165,7 @@ def test_kinds_limit_the_kernel_checks(tmp_path, monkeypatch):
         seen.append((kind, dtype))
         return {"name": kind, "status": "ok"}
     monkeypatch.setattr(selftest, "check_case", case)
-    monkeypatch.setattr(selftest, "gpu_checks", lambda device: [])
+    monkeypatch.setattr(selftest, "gpu_checks", lambda device, kinds: [])
     rc, rep = _selftest(tmp_path, "--graphs", "", "--kinds", "dot,gatv2")
     assert rc == 0 and rep["config"]["kinds"] == ["dot", "gatv2"]
     # the quick grid's two cases per kind and dtype, for the named kinds alone
@@ -203,3 +203,19 @@ def test_selftest_is_registered(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "usage: gatlib selftest" in out and "--graphs" in out and "--quick" in out
+
+
+def test_the_compiled_step_check_passes_and_can_fail():
+    """The GPU checks' compiled training step (run here on the interpreter): the
+    compiled model agrees with the eager one, and a compiled model whose output is
+    off by 1e-3 fails the check."""
+    pytest.importorskip("triton")
+    plan, _ = selftest.check_graph(selftest.NUM_NODES, 4 * (selftest.NUM_NODES - 21), 0, "cpu")
+    assert selftest.compiled_step_check("GATConv", torch.device("cpu"), plan) is None
+
+    def off(model):
+        compiled = torch.compile(model)
+        return lambda x, graph: compiled(x, graph) * 1.001
+
+    detail = selftest.compiled_step_check("GATConv", torch.device("cpu"), plan, compile_fn=off)
+    assert detail is not None and "largest relative error against eager" in detail

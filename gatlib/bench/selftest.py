@@ -355,7 +355,58 @@ def check_call(plan, n: int, inputs: Dict[str, Tensor], p: float = 0.5,
     return out
 
 
-def gpu_checks(device: torch.device) -> List[Dict]:
+# The layer of each score kind, whose compiled training step the GPU checks run
+# (GAT's with inputs wider than its projection: the in-kernel terms, when eager)
+STEP_LAYERS = {"gat_projected": "GATConv", "gatv2": "GATv2Conv", "dot": "TransformerConv"}
+STEP_FEATURES, STEP_CLASSES = 64, 5
+# ... and its agreement: relative (norm-wise) error of the loss and of each gradient,
+# as gatlib compare's float32 rule (the compiled graph sums in another order)
+STEP_TOL = 1e-4
+
+
+def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None) -> Optional[str]:
+    """``None`` where ``torch.compile`` of a 2-layer model of ``layer`` (``gatlib compare
+    --scope model``'s, H=2, C=16 on ``STEP_FEATURES`` inputs) computes the eager
+    model's loss and every weight's gradient on ``plan`` (relative error at most
+    :data:`STEP_TOL`) in three training calls, through the Triton kernels; else
+    what went wrong. ``compile_fn``: ``torch.compile`` unless given."""
+    import torch.nn.functional as F
+
+    import gatlib
+
+    from .compare import TwoLayer
+
+    cls = getattr(gatlib, layer)
+    torch.manual_seed(0)
+    model = TwoLayer(lambda *a, **k: cls(*a, backend="triton", **k), STEP_FEATURES, HEADS, 16,
+                     STEP_CLASSES).to(device)
+    n = plan.num_dst
+    x = torch.randn(n, STEP_FEATURES, device=device)
+    y = torch.randint(0, STEP_CLASSES, (n,), device=device)
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(m(x, plan), y)
+        loss.backward()
+        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+    ref = step(model)  # also derives what the compiled calls read from the plan
+    torch._dynamo.reset()
+    compiled = (compile_fn or torch.compile)(model)
+    worst = 0.0
+    with gatlib.record_kernels() as log:
+        for _ in range(3):
+            got = step(compiled)
+            worst = max([worst] + [((g - r).norm() / r.norm().clamp_min(1e-30)).item()
+                                   for g, r in zip(got, ref, strict=True)])
+    if "triton" not in log or "triton.backward" not in log:
+        return f"the compiled step did not run the Triton kernels (ran {sorted(set(log))})"
+    if not worst <= STEP_TOL:
+        return f"largest relative error against eager {worst:.2e} > {STEP_TOL:.0e}"
+    return None
+
+
+def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]:
     """What only a GPU can show (each ``{"name", "status", "detail"}``):
 
     * *no host sync*: once a graph's plan exists, a training call (forward with
@@ -363,7 +414,10 @@ def gpu_checks(device: torch.device) -> List[Dict]:
     * *no recompile*: a second graph of other sizes (a new mini-batch) compiles
       no new kernel (Triton's per-device kernel caches do not grow);
     * *CUDA graphs*: a forward with dropout captured in a ``torch.cuda.CUDAGraph``
-      draws a new mask on every replay (the seed is drawn on the device).
+      draws a new mask on every replay (the seed is drawn on the device);
+    * *compiled steps*: ``torch.compile`` of a 2-layer model computes the eager
+      model's loss and gradients (:func:`compiled_step_check`), for the layer of
+      each of ``kinds`` in :data:`STEP_LAYERS`.
     """
     from gatlib import introspect
 
@@ -428,6 +482,10 @@ def gpu_checks(device: torch.device) -> List[Dict]:
     check("no host sync once the plan exists (forward + backward, dropout)", no_sync)
     check("no recompile for a new graph", no_recompile)
     check("dropout in a captured CUDA graph draws a new mask per replay", cuda_graph)
+    for kind in kinds:
+        if kind in STEP_LAYERS:
+            check(f"a compiled {STEP_LAYERS[kind]} training step computes the eager step",
+                  lambda layer=STEP_LAYERS[kind]: compiled_step_check(layer, device, plan))
     return checks
 
 
@@ -640,11 +698,12 @@ def run(args: argparse.Namespace) -> int:
     result["kernel_checks"]["seconds"] = time.perf_counter() - t0
     save()
     if cuda:
-        result["gpu_checks"] = gpu_checks(device)
+        result["gpu_checks"] = gpu_checks(device, kinds)
         for c in result["gpu_checks"]:
             log(f"[selftest] {c['name']}: {c['status']}" + (f" ({c['detail']})" if c["detail"] else ""))
     else:
-        result["gpu_checks"] = "not run: host syncs, recompiles and CUDA graphs need a GPU"
+        result["gpu_checks"] = ("not run: host syncs, recompiles, CUDA graphs and compiled "
+                                "kernels need a GPU")
     save()
     with tempfile.TemporaryDirectory(prefix="gatlib-selftest-") as tmp:
         for i, graph in enumerate(graphs):

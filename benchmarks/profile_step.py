@@ -1,0 +1,102 @@
+"""GPU: where the time of one 2-layer training step goes, kernel by kernel.
+
+``gatlib compare --scope model`` times the step of PyG's and gatlib's models, eager
+and under ``torch.compile``; this lists, for each side, the GPU time of each
+kernel in one warmed step (``torch.profiler``, the sum over its launches), so
+that a step's time can be split between the attention kernels, the GEMMs and
+everything else. Same models, weights, graph and inputs as ``gatlib compare``
+(its helpers build them). It also prints each side's relative difference from
+eager PyG in the gradient of the first layer's weight before any step (what
+``gatlib compare`` checks at its tolerance), as a diagnosis.
+
+Usage (CUDA only)::
+
+    PYTHONPATH=. python benchmarks/profile_step.py --layer gat --json profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
+    from gatlib.bench.compare import ALL_IMPLS, LAYERS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layer", nargs="+", default=["gat"], choices=list(LAYERS))
+    p.add_argument("--graph", default="arxiv-like")
+    p.add_argument("--impls", nargs="+", default=list(ALL_IMPLS), choices=list(ALL_IMPLS),
+                   help="sides (pyg, eager PyG, is the gradients' reference: always run)")
+    p.add_argument("--top", type=int, default=15, help="kernels listed per side")
+    p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+def _profile(step) -> list:
+    """``[(kernel, launches, GPU ms)]`` of one call of ``step``, most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages()
+            if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    args.impls = ["pyg", *(i for i in args.impls if i != "pyg")]
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py needs a CUDA device")
+    from gatlib.bench import compare as c
+    from gatlib.bench.data import resolve_data_dir
+
+    device = torch.device("cuda")
+    graph = c.load_graph(args.graph, resolve_data_dir(None), 0)
+    N, F_in = graph.x.shape
+    x = graph.x.to(device)
+    ei = graph.edge_index.to(device)
+    ei_loops = c.with_self_loops(ei, N)
+    H, C = c.DEFAULT_HC["cuda"]
+    labels = c._labels(N, 40, device, 0)
+    out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "graph": args.graph, "layers": {}}
+    for layer in args.layer:
+        torch._dynamo.reset()
+        pair = c.build_pair(layer, F_in, H, C, "triton", device, torch.float32, 0, "model", 40)
+        modules = c.with_compiled(pair, args.impls, c.COMPILE_OPTIONS)
+        edge_index = c.layer_edge_index(layer, ei, ei_loops)
+        graphs = {impl: c.graph_input(impl, edge_index, N, "plan") for impl in args.impls}
+        grads, sides = {}, {}
+        for impl in args.impls:  # before any step: a compiled side shares its eager twin's weights
+            c.warm_plan(impl, modules[impl], x, graphs[impl])
+            grads[impl] = c._model_outputs(modules[impl], x, graphs[impl], labels)[1]
+        for impl in args.impls:
+            step = c._make_pass(modules[impl], x, graphs[impl], labels, c.TRAIN_STEP)
+            for _ in range(3):  # compile (a compiled side) and warm
+                step()
+            kernels = _profile(step)
+            total = sum(ms for _, _, ms in kernels)
+            err = ((grads[impl] - grads["pyg"]).norm() / grads["pyg"].norm()).item()
+            sides[impl] = {"gpu_ms": total, "kernels": kernels, "weight_grad_rel_err": err}
+            print(f"== {layer} {impl}: {total:.2f} ms of GPU time in "
+                  f"{sum(n for _, n, _ in kernels)} launches; conv1 weight grad vs eager PyG "
+                  f"{err:.2e}", flush=True)
+            for name, n, ms in kernels[:args.top]:
+                print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
+        out["layers"][layer] = sides
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
