@@ -655,10 +655,14 @@ class TransformerConv(_AttentionConv):
         terms to both), nor where the value's bias would need the sum of a row's
         weights and that sum is not one: attention dropout in effect or an
         explainer's edge mask (unless the values have no bias); nor with the
-        values' own dropout, which needs them projected."""
+        values' own dropout, which needs them projected; nor on CUDA, where the
+        Triton kernels' forward ran slower in input space than projected (H100,
+        arxiv-like, F = 128, C = 256: 16.2 ms against 12.7; the fused CPU kernel's
+        ran faster: benchmarks/NOTES.md, "Compiled GAT with in-kernel terms")."""
         train = self.training
         biased = self.lin_value.bias is not None
-        return (self.lin_edge is None and _input_space(x_src, self.lin_key, self.out_channels)
+        return (self.lin_edge is None and x_src.device.type != "cuda"
+                and _input_space(x_src, self.lin_key, self.out_channels)
                 and not isinstance(self.lin_value.weight, UninitializedTensorMixin)
                 and not (self.value_dropout > 0.0 and train)
                 and not (biased and ((self.dropout > 0.0 and train) or self.explain)))
