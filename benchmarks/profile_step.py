@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", nargs="+", default=list(ALL_IMPLS), choices=list(ALL_IMPLS),
                    help="sides (pyg, eager PyG, is the gradients' reference: always run)")
     p.add_argument("--top", type=int, default=15, help="kernels listed per side")
+    p.add_argument("--projected-under-compile", action="store_true",
+                   help="diagnosis: compiled GATConv forms its attention terms in the Triton "
+                        "kernels (KIND 3), as eager does, instead of the node terms "
+                        "(gatlib._dispatch._PROJECTED_UNDER_COMPILE)")
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -55,8 +59,11 @@ def main(argv=None) -> int:
     args.impls = ["pyg", *(i for i in args.impls if i != "pyg")]
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
+    from gatlib import _dispatch
     from gatlib.bench import compare as c
     from gatlib.bench.data import resolve_data_dir
+
+    _dispatch._PROJECTED_UNDER_COMPILE = args.projected_under_compile
 
     device = torch.device("cuda")
     graph = c.load_graph(args.graph, resolve_data_dir(None), 0)
@@ -67,7 +74,8 @@ def main(argv=None) -> int:
     H, C = c.DEFAULT_HC["cuda"]
     labels = c._labels(N, 40, device, 0)
     out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "graph": args.graph, "layers": {}}
+           "torch": torch.__version__, "graph": args.graph,
+           "projected_under_compile": args.projected_under_compile, "layers": {}}
     for layer in args.layer:
         torch._dynamo.reset()
         pair = c.build_pair(layer, F_in, H, C, "triton", device, torch.float32, 0, "model", 40)

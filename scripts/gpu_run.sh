@@ -12,9 +12,10 @@
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 550
-#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 500
-#   (only if part 2's Cora step failed with an illegal memory access, and time is left:
-#   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 250)
+#   device run: command "bash scripts/gpu_run.sh 2 VARIANT", carry [".planetoid"], timeout_s 500
+#   (VARIANT: the fastest sweep variant, which part 1 prints last; default: none)
+#   (if time is left: the diagnosis of compiled GAT's in-kernel terms, at most 500 s:
+#   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 510)
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
 # (benchmarks/NOTES.md): the device machine's copy of the repository may carry other git metadata.
@@ -26,7 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PRINT=0 PART=${1:-}
 [[ "$PART" == "--print" ]] && PRINT=1
-[[ "$PART" =~ ^(1|2|3|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2|3|--print" >&2; exit 2; }
+[[ "$PART" =~ ^(1|2|3|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2 [VARIANT]|3|--print" >&2; exit 2; }
 OUT=${OUT:-gpu_run}
 PY=${PYTHON:-python3}  # (the device machine's python3 holds torch)
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -91,18 +92,22 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
   step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
     --device cuda --backend triton --repeats 3 --no-memory \
     --json "$OUT/compare_arxiv-like_model_cuda_$gpu.json"
-fi
-if [[ $PART == 2 || $PRINT == 1 ]]; then
-  # part 1's fastest sweep variant (least forward+backward time summed over the kinds)
-  if [[ $PRINT == 1 ]]; then
-    best=FASTEST_VARIANT
-  else
+  if [[ $PRINT == 0 ]]; then  # the variant with the least forward+backward time over the kinds
     best=$($PY -c "import json, sys, collections; t = collections.Counter()
 for r in json.load(open(sys.argv[1]))['rows']:
     t[r['variant']] += r['ms'] if r['phase'] == 'fwd+bwd' else 0
-print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json" 2>/dev/null || echo default)
-    echo "== fastest sweep variant: $best" | tee -a "$OUT/log_$PART.txt"
+print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json") || best="(none: the sweep failed)"
+    echo "== fastest sweep variant: $best; next: bash scripts/gpu_run.sh 2 $best" \
+      | tee -a "$OUT/log_$PART.txt"
   fi
+fi
+if [[ $PART == 2 || $PRINT == 1 ]]; then
+  # part 1's fastest sweep variant, which part 1 prints at its end (each device call starts
+  # with an empty $OUT: part 1's files are not there)
+  best=${2:-default}
+  [[ $PRINT == 1 ]] && best=FASTEST_VARIANT
+  [[ $PRINT == 1 ]] || echo "== the step again at: $best (the sweep's fastest variant, as given)" \
+    | tee -a "$OUT/log_$PART.txt"
   if [[ $best != default ]]; then
     # the training step at that variant, against the default's in part 1
     step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
@@ -124,12 +129,18 @@ print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json" 2>/dev/null |
     --repeats 3 --json "$OUT/input_space_arxiv-like_forward_cuda_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
-  # a diagnosis, for when part 2's Cora step fails under CUDA graphs with an illegal memory
-  # access (which CUDA_LAUNCH_BLOCKING=1 hid): GAT's steps under compute-sanitizer's memcheck,
-  # which names the kernel and the address of the bad access
-  step 230 compute-sanitizer --tool=memcheck --print-limit=20 "$PY" -m gatlib.bench.compare \
-    --scope model --layer gat --graph cora --device cuda --backend triton --repeats 1 \
-    --block-seconds 0 --no-memory --compile-mode reduce-overhead \
-    --json "$OUT/compare_cora_gat_memcheck_$gpu.json"
+  # a diagnosis of compiled GAT with its attention terms formed in the kernels (KIND 3), which
+  # compiled calls no longer run (gatlib._dispatch._PROJECTED_UNDER_COMPILE): each side's kernel
+  # times in one training step and the weight gradient against eager PyG, as shipped and with
+  # KIND 3 compiled (on the last H100: a gradient 2.3e-4 off, then an illegal memory access);
+  # then that on Cora under compute-sanitizer's memcheck, which names the kernel and address
+  # of a bad access (arxiv-like's eager PyG step runs out of memory under it)
+  step 150 "$PY" benchmarks/profile_step.py --layer gat \
+    --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
+  step 150 "$PY" benchmarks/profile_step.py --layer gat --projected-under-compile \
+    --json "$OUT/profile_step_gat_arxiv-like_kind3_$gpu.json"
+  step 200 compute-sanitizer --tool=memcheck --print-limit=20 "$PY" benchmarks/profile_step.py \
+    --layer gat --graph cora --impls gatlib_compiled --projected-under-compile --top 5 \
+    --json "$OUT/profile_step_gat_cora_kind3_memcheck_$gpu.json"
 fi
 exit $status

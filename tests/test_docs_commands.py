@@ -307,10 +307,11 @@ def test_the_gpu_run_commands_parse():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print"],
                          capture_output=True, text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 11, out  # the self-test once per kind; both of part 2's alternatives
+    assert len(lines) == 13, out  # the self-test once per kind; both of part 2's alternatives
     for line in lines:
         (words,) = split_commands(line)
         program, argv = invocation(words)
         assert program in ("gatlib.bench.selftest", "gatlib.bench.compare",
-                           "benchmarks/triton_sweep.py", "benchmarks/input_space.py"), line
+                           "benchmarks/triton_sweep.py", "benchmarks/input_space.py",
+                           "benchmarks/profile_step.py"), line
         parse(Command("scripts/gpu_run.sh", line, program, argv))
