@@ -41,6 +41,14 @@ _TILE, _MAX_ROWS = 1024, 16
 # 2048 is the largest that ptxas fits in the register cap without spilling
 # (benchmarks/NOTES.md, "The H100 again"; tests/test_triton_compile.py's budget).
 _TILE_WIDE, _WIDE = 2048, 128
+# ... but the forward's at rows of _WIDE_FWD channels or more: 1024. With registers
+# for 4 programs per SM (_RESIDENT_FWD) it ran faster than at 2048 with 2 (H100,
+# C = 256, the fused call alone: 6.4 / 5.9 / 7.0 ms against 9.0 / 7.7 / 8.9 for GAT
+# from projected rows / GATv2 / dot), where the backward kernels at that setting ran
+# no faster in sum; at 128 channels the forward spills under that cap (8 more edges
+# per step), at 256 and more it does not (ptxas, sm_80/sm_90; benchmarks/NOTES.md,
+# "Compiled GAT with in-kernel terms; the forward at 4 programs per SM").
+_TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
 # Unpipelined, each step waits for its edges' indices, then for their gathered
@@ -182,17 +190,20 @@ def _interpreted() -> bool:
     return isinstance(_fwd_kernel, InterpretedFunction)
 
 
-def _tile(width: int = 0) -> Tuple[int, int]:
+def _tile(width: int = 0, forward: bool = False) -> Tuple[int, int]:
     """(tile elements, max rows per program): the compiled kernels' register
     budget (for the row kernels, whose rows are ``width`` channels wide: see
-    :data:`_TILE_WIDE`), or the interpreter's few wide programs."""
+    :data:`_TILE_WIDE`, the ``forward`` kernel's :data:`_TILE_WIDE_FWD`), or the
+    interpreter's few wide programs."""
     if _interpreted():
         return _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER
-    return (_TILE_WIDE if width >= _WIDE else _TILE), _MAX_ROWS
+    if width < _WIDE:
+        return _TILE, _MAX_ROWS
+    return (_TILE_WIDE_FWD if forward and width >= _WIDE_FWD else _TILE_WIDE), _MAX_ROWS
 
 
-def _rows_per_program(block_e: int, width: int) -> int:
-    tile, max_rows = _tile(width)
+def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
+    tile, max_rows = _tile(width, forward)
     r = max(1, min(max_rows, tile // (block_e * width)))
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
@@ -205,23 +216,28 @@ def _rows_per_program(block_e: int, width: int) -> int:
 # C = 256 the kernels take 101-175 registers (two programs per SM, one for the dst
 # backward) where the first H100 run's took 32-48 (five to eight) and ran its
 # forward faster; with the 1024 tile in 2 stages they fit 64 without spilling
-# (ptxas, sm_90; benchmarks/NOTES.md, "Pipelined edge loops on the H100"). Which
-# wins is for a GPU to say: benchmarks/triton_sweep.py's fourth variant field.
-_RESIDENT, _RESIDENT_HEAVY = 2, 1
+# (ptxas, sm_90; benchmarks/NOTES.md, "Pipelined edge loops on the H100"). On the
+# H100 the forward ran faster with 4 (and the 1024 tile, _TILE_WIDE_FWD); the
+# backward kernels did not, in sum (benchmarks/triton_sweep.py's fourth variant
+# field sets all three alike): the forward takes 4 at rows of _WIDE_FWD channels.
+_RESIDENT, _RESIDENT_HEAVY, _RESIDENT_FWD = 2, 1, 4
 
 
-def _max_registers(warps: int, heavy: bool = False) -> int:
-    """Registers per thread the row kernels may use (ptxas ``.maxnreg``): as many as
-    let :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
-    (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward (``heavy``); at
-    most 255.
+def _max_registers(warps: int, kernel=None, width: int = 0) -> int:
+    """Registers per thread a row kernel may use (ptxas ``.maxnreg``): as many as let
+    :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
+    (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
+    :data:`_RESIDENT_FWD` for the forward at rows of :data:`_WIDE_FWD` channels or
+    more; at most 255.
 
     Without an explicit cap ptxas picks a register count itself and at some shapes
     spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
     255 allowed); with one it takes what the kernel needs up to the cap and none of
     the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
     spills at the shapes users run"). tests/test_triton_compile.py holds both."""
-    resident = _RESIDENT_HEAVY if heavy else _RESIDENT
+    resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
+    if kernel is _fwd_kernel and width >= _WIDE_FWD:
+        resident = _RESIDENT_FWD
     return min(255, (1 << 16) // (resident * 32 * warps))
 
 
@@ -251,11 +267,12 @@ def _programs(device: torch.device, H: int) -> int:
     return H * -(-n // H)
 
 
-def _bucket_groups(width: int) -> List[Tuple[int, int, int]]:
+def _bucket_groups(width: int, forward: bool = False) -> List[Tuple[int, int, int]]:
     """``(first bucket, end bucket, BLOCK_E)`` of each group of buckets: consecutive
     buckets whose edge tiles are clamped to one width at wide channels compile to
-    the same code, and are one group."""
-    tile = _tile(width)[0]
+    the same code, and are one group (of the ``forward`` kernel's tile, or the
+    backward kernels')."""
+    tile = _tile(width, forward)[0]
     cap = 1 << (max(1, tile // width).bit_length() - 1)
     out: List[Tuple[int, int, int]] = []
     for b, (_, block_e) in enumerate(_BUCKETS):
@@ -267,14 +284,15 @@ def _bucket_groups(width: int) -> List[Tuple[int, int, int]]:
     return out
 
 
-def _group_consts(width: int) -> dict:
+def _group_consts(width: int, forward: bool = False) -> dict:
     """The row kernels' constexprs for :func:`_bucket_groups`: bounds ``B1, B2, B3``
     (groups ``[0, B1)``, ``[B1, B2)``, ``[B2, B3)`` of buckets, empty where equal)
     and each group's lanes per program ``R*`` and edge tile ``E*`` (1 where empty)."""
-    groups = _bucket_groups(width)
+    groups = _bucket_groups(width, forward)
     assert 1 <= len(groups) <= 3 == len(_BUCKETS)
     ends = [hi for _, hi, _ in groups] + [len(_BUCKETS)] * (3 - len(groups))
-    tiles = [(_rows_per_program(e, width), e) for _, _, e in groups] + [(1, 1)] * (3 - len(groups))
+    tiles = [(_rows_per_program(e, width, forward), e) for _, _, e in groups]
+    tiles += [(1, 1)] * (3 - len(groups))
     return {"B1": ends[0], "B2": ends[1], "B3": ends[2],
             **{f"R{g}": r for g, (r, _) in enumerate(tiles)},
             **{f"E{g}": e for g, (_, e) in enumerate(tiles)}}
@@ -301,12 +319,12 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     warps = _warps(width, consts["ACC"])
     wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
-        num_warps=warps, maxnreg=_max_registers(warps, kernel is _bwd_dst_kernel),
-        STAGES=_stages(consts), **_group_consts(width), **consts)
+        num_warps=warps, maxnreg=_max_registers(warps, kernel, width),
+        STAGES=_stages(consts), **_group_consts(width, kernel is _fwd_kernel), **consts)
 
 
 def _att_partials(width: int, H: int, device: torch.device) -> int:
-    """Rows of the ``part_att`` buffer :func:`_launch` fills."""
+    """Rows of the ``part_att`` buffer :func:`_launch` fills (the backward kernels')."""
     return sum(_programs(device, H) * _rows_per_program(block_e, width)
                for _, _, block_e in _bucket_groups(width))
 

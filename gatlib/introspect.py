@@ -122,16 +122,17 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     loops (1: not pipelined) and the programs their register cap lets share an SM
     (``resident``, every row kernel alike) set to these (``None``: as they are), for
     schedule sweeps (``benchmarks/triton_sweep.py``). Yields the values in force:
-    ``tile``, ``tile_wide`` (rows of ``wide`` channels or more), ``wide``,
-    ``programs_per_sm``, ``stages``, ``resident``, ``resident_heavy`` (the dst
-    backward's). A plan's schedule does not depend on them; the kernels' constexprs
+    ``tile``, ``tile_wide`` (the backward's at rows of ``wide`` channels or more),
+    ``tile_wide_fwd`` (the forward's), ``wide``, ``programs_per_sm``, ``stages``,
+    ``resident`` (the src backward's), ``resident_heavy`` (the dst backward's),
+    ``resident_fwd``. A plan's schedule does not depend on them; the kernels' constexprs
     and register caps do (new values compile new specialisations)."""
     from unittest import mock
 
     m = _triton_module("_triton_schedule")
     patches = {}
     if tile is not None:
-        patches.update(_TILE=tile, _TILE_WIDE=tile)
+        patches.update(_TILE=tile, _TILE_WIDE=tile, _TILE_WIDE_FWD=tile)
     if programs_per_sm is not None:
         patches["_PROGRAMS_PER_SM"] = programs_per_sm
     if stages is not None:
@@ -141,11 +142,12 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     if resident is not None:
         if not 1 <= resident <= 8:
             raise ValueError(f"triton_tiles: resident must be in [1, 8], got {resident}")
-        patches.update(_RESIDENT=resident, _RESIDENT_HEAVY=resident)
+        patches.update(_RESIDENT=resident, _RESIDENT_HEAVY=resident, _RESIDENT_FWD=resident)
     with mock.patch.multiple(m, **patches) if patches else contextlib.nullcontext():
-        yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "wide": m._WIDE,
-               "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES,
-               "resident": m._RESIDENT, "resident_heavy": m._RESIDENT_HEAVY}
+        yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "tile_wide_fwd": m._TILE_WIDE_FWD,
+               "wide": m._WIDE, "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES,
+               "resident": m._RESIDENT, "resident_heavy": m._RESIDENT_HEAVY,
+               "resident_fwd": m._RESIDENT_FWD}
 
 
 def check_triton_interpreter() -> None:

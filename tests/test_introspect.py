@@ -90,23 +90,39 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     library's own again (the larger tile from 128 channels on)."""
     sched = importlib.import_module("gatlib._triton_schedule")
     monkeypatch.setattr(sched, "_interpreted", lambda: False)  # the compiled path's tile
-    own = {w: sched._group_consts(w) for w in (64, 256)}
-    assert own[256]["E0"] == 8 and own[64]["E0"] == 16  # 2048 and 1024 elements per step
-    caps = [sched._max_registers(w, heavy) for w in (4, 8) for heavy in (False, True)]
-    assert caps == [255, 255, 128, 255]  # two programs per SM, the dst backward one
+    kernels = introspect.triton_kernels()
+    fwd, dst, src = (kernels[k] for k in ("_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"))
+
+    def consts():
+        return {(w, f): sched._group_consts(w, f) for w in (64, 256) for f in (False, True)}
+
+    def caps():  # (warps, row width) of narrow and wide rows
+        return [sched._max_registers(w, k, c) for w, c in ((4, 64), (8, 128), (8, 256))
+                for k in (fwd, dst, src)]
+
+    own = consts()
+    # 2048 elements per step for the backward at wide rows, 1024 for the forward at
+    # rows of 256 channels and at narrow rows
+    assert own[256, False]["E0"] == 8 and own[256, True]["E0"] == 4
+    assert own[64, False]["E0"] == own[64, True]["E0"] == 16
+    assert sched._group_consts(128, True)["E0"] == 16  # (2048 elements)
+    own_caps = caps()
+    # two programs per SM, one dst backward; four forward programs at 256 channels
+    assert own_caps == [255, 255, 255, 128, 255, 128, 64, 255, 128]
     with introspect.triton_tiles(tile=4096, programs_per_sm=8, stages=1, resident=4) as values:
-        assert values == {"tile": 4096, "tile_wide": 4096, "wide": 128, "programs_per_sm": 8,
-                          "stages": 1, "resident": 4, "resident_heavy": 4}
-        assert sched._group_consts(256)["E0"] == 16 and sched._group_consts(64)["E0"] == 64
+        assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
+                          "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,
+                          "resident_fwd": 4}
+        assert all(c["E0"] == (16 if w == 256 else 64) for (w, _), c in consts().items())
         assert sched._PROGRAMS_PER_SM == 8 and sched._STAGES == 1
-        # four programs of 8 (4) warps in 64K registers, the dst backward's too
-        assert [sched._max_registers(w, heavy) for w in (4, 8) for heavy in (False, True)] == [
-            128, 128, 64, 64]
-    assert {w: sched._group_consts(w) for w in (64, 256)} == own
-    assert [sched._max_registers(w, heavy) for w in (4, 8) for heavy in (False, True)] == caps
+        # four programs of 8 (4) warps in 64K registers, every row kernel alike
+        assert caps() == [128] * 3 + [64] * 6
+    assert consts() == own and caps() == own_caps
     with introspect.triton_tiles() as values:
         assert values["tile"] == 1024 and values["tile_wide"] == 2048 and values["stages"] == 2
+        assert values["tile_wide_fwd"] == 1024
         assert values["resident"] == 2 and values["resident_heavy"] == 1
+        assert values["resident_fwd"] == 4
     with pytest.raises(ValueError, match="stages must be >= 1"):
         with introspect.triton_tiles(stages=0):
             pass
@@ -129,6 +145,8 @@ def test_the_sweeps_variants_reach_triton_tiles():
     for variant, want in (("2048:8", {"tile": 2048, "programs_per_sm": 8}),
                           ("1024:4:1", {"tile": 1024, "programs_per_sm": 4, "stages": 1}),
                           ("1024:4:2:4", {"tile": 1024, "programs_per_sm": 4, "stages": 2,
-                                          "resident": 4, "resident_heavy": 4})):
+                                          "resident": 4, "resident_heavy": 4,
+                                          "resident_fwd": 4})):
         with sweep._tiles(variant) as values:
-            assert values == {**own, "tile_wide": want["tile"], **want}, variant
+            assert values == {**own, "tile_wide": want["tile"], "tile_wide_fwd": want["tile"],
+                              **want}, variant
