@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import unittest.mock as mock
 
 import torch
 
 import gatlib
-from gatlib import EdgeScore, GraphPlan
+from gatlib import EdgeScore, GraphPlan, introspect
 from gatlib.bench import measure, report, synthetic
 
 
@@ -81,7 +80,7 @@ def layer_steps(x, plan, H, C, backend, forward_only=False):
     def tf_input_space():
         # TransformerConv's rule keeps CUDA inputs projected (measured slower in input
         # space there): its input-space form is forced for the comparison
-        with mock.patch.object(gatlib.TransformerConv, "_input_space", lambda self, x_src: True):
+        with introspect.transformer_input_space_on_cuda():
             return tf(x, plan)
 
     return {"GAT projected": step(gat_projected), "GAT input-space": step(lambda: gat(x, plan)),

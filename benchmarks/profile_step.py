@@ -16,6 +16,7 @@ Usage (CUDA only)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--projected-under-compile", action="store_true",
                    help="diagnosis: compiled GATConv forms its attention terms in the Triton "
                         "kernels (KIND 3), as eager does, instead of the node terms "
-                        "(gatlib._dispatch._PROJECTED_UNDER_COMPILE)")
+                        "(gatlib.introspect.compiled_gat_terms_in_kernel)")
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -59,11 +60,9 @@ def main(argv=None) -> int:
     args.impls = ["pyg", *(i for i in args.impls if i != "pyg")]
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
-    from gatlib import _dispatch
+    from gatlib import introspect
     from gatlib.bench import compare as c
     from gatlib.bench.data import resolve_data_dir
-
-    _dispatch._PROJECTED_UNDER_COMPILE = args.projected_under_compile
 
     device = torch.device("cuda")
     graph = c.load_graph(args.graph, resolve_data_dir(None), 0)
@@ -72,34 +71,38 @@ def main(argv=None) -> int:
     ei = graph.edge_index.to(device)
     ei_loops = c.with_self_loops(ei, N)
     H, C = c.DEFAULT_HC["cuda"]
-    labels = c._labels(N, 40, device, 0)
+    labels = c.random_labels(N, 40, device, 0)
     out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "graph": args.graph,
            "projected_under_compile": args.projected_under_compile, "layers": {}}
-    for layer in args.layer:
-        torch._dynamo.reset()
-        pair = c.build_pair(layer, F_in, H, C, "triton", device, torch.float32, 0, "model", 40)
-        modules = c.with_compiled(pair, args.impls, c.COMPILE_OPTIONS)
-        edge_index = c.layer_edge_index(layer, ei, ei_loops)
-        graphs = {impl: c.graph_input(impl, edge_index, N, "plan") for impl in args.impls}
-        grads, sides = {}, {}
-        for impl in args.impls:  # before any step: a compiled side shares its eager twin's weights
-            c.warm_plan(impl, modules[impl], x, graphs[impl])
-            grads[impl] = c._model_outputs(modules[impl], x, graphs[impl], labels)[1]
-        for impl in args.impls:
-            step = c._make_pass(modules[impl], x, graphs[impl], labels, c.TRAIN_STEP)
-            for _ in range(3):  # compile (a compiled side) and warm
-                step()
-            kernels = _profile(step)
-            total = sum(ms for _, _, ms in kernels)
-            err = ((grads[impl] - grads["pyg"]).norm() / grads["pyg"].norm()).item()
-            sides[impl] = {"gpu_ms": total, "kernels": kernels, "weight_grad_rel_err": err}
-            print(f"== {layer} {impl}: {total:.2f} ms of GPU time in "
-                  f"{sum(n for _, n, _ in kernels)} launches; conv1 weight grad vs eager PyG "
-                  f"{err:.2e}", flush=True)
-            for name, n, ms in kernels[:args.top]:
-                print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
-        out["layers"][layer] = sides
+    # (the diagnosis: compiled GAT forms its attention terms in the kernels, as eager does)
+    terms = (introspect.compiled_gat_terms_in_kernel() if args.projected_under_compile
+             else contextlib.nullcontext())
+    with terms:
+        for layer in args.layer:
+            torch._dynamo.reset()
+            pair = c.build_pair(layer, F_in, H, C, "triton", device, torch.float32, 0, "model", 40)
+            modules = c.with_compiled(pair, args.impls, c.COMPILE_OPTIONS)
+            edge_index = c.layer_edge_index(layer, ei, ei_loops)
+            graphs = {impl: c.graph_input(impl, edge_index, N, "plan") for impl in args.impls}
+            grads, sides = {}, {}
+            for impl in args.impls:  # before any step: a compiled side shares its eager twin's weights
+                c.warm_plan(impl, modules[impl], x, graphs[impl])
+                grads[impl] = c.model_outputs(modules[impl], x, graphs[impl], labels)[1]
+            for impl in args.impls:
+                step = c.make_pass(modules[impl], x, graphs[impl], labels, c.TRAIN_STEP)
+                for _ in range(3):  # compile (a compiled side) and warm
+                    step()
+                kernels = _profile(step)
+                total = sum(ms for _, _, ms in kernels)
+                err = ((grads[impl] - grads["pyg"]).norm() / grads["pyg"].norm()).item()
+                sides[impl] = {"gpu_ms": total, "kernels": kernels, "weight_grad_rel_err": err}
+                print(f"== {layer} {impl}: {total:.2f} ms of GPU time in "
+                      f"{sum(n for _, n, _ in kernels)} launches; conv1 weight grad vs eager PyG "
+                      f"{err:.2e}", flush=True)
+                for name, n, ms in kernels[:args.top]:
+                    print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
+            out["layers"][layer] = sides
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

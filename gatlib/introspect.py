@@ -185,3 +185,29 @@ def triton_admits_cpu_tensors() -> Iterator[None]:
     with mock.patch.object(_dispatch, "_interpreting", lambda: True), \
             mock.patch.object(_kernels(), "_check_interpreter", lambda: None):
         yield
+
+
+@contextlib.contextmanager
+def compiled_gat_terms_in_kernel() -> Iterator[None]:
+    """Inside: compiled GAT calls form their attention terms ``a·Wh`` in the Triton
+    kernels where eager calls do (``EdgeScore.gat_projected``), instead of the node
+    terms compiled calls take outside it (on an H100 such a compiled step went wrong:
+    docs/compile.md). A diagnosis (``benchmarks/profile_step.py
+    --projected-under-compile``); calls compiled inside keep what they traced."""
+    from unittest import mock
+
+    with mock.patch.object(_dispatch, "_PROJECTED_UNDER_COMPILE", True):
+        yield
+
+
+@contextlib.contextmanager
+def transformer_input_space_on_cuda() -> Iterator[None]:
+    """Inside: ``TransformerConv`` attends CUDA inputs in input space where its rule
+    would otherwise (outside, it keeps them projected: its input-space forward ran
+    slower on an H100), for ``benchmarks/input_space.py`` to time both forms."""
+    from unittest import mock
+
+    from . import layers
+
+    with mock.patch.object(layers, "_TRANSFORMER_INPUT_SPACE_ON_CUDA", True):
+        yield

@@ -6,8 +6,9 @@ The layer runs on CPU tensors through :func:`gatlib.bench.launches.triton_on_cpu
 (launches bound and skipped); the compiled call is traced by AOT autograd, whose
 forward and backward graphs hold each kernel launch with its constexprs. Prints
 one JSON object: ``{"eager": [KIND, ...], "compiled": [KIND, ...]}`` of the row
-kernels' launches. ``--allow``: with ``_dispatch._PROJECTED_UNDER_COMPILE`` set.
+kernels' launches. ``--allow``: inside ``introspect.compiled_gat_terms_in_kernel()``.
 """
+import contextlib
 import json
 import sys
 
@@ -16,12 +17,12 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import gatlib
-from gatlib import _dispatch, _triton
+from gatlib import _triton, introspect
 from gatlib.bench.launches import Tally, triton_on_cpu
 
 
 def main() -> None:
-    _dispatch._PROJECTED_UNDER_COMPILE = "--allow" in sys.argv
+    allow = "--allow" in sys.argv
     graphs = []
 
     def keep(gm, example_inputs):
@@ -46,8 +47,9 @@ def main() -> None:
             conv(x, plan).sum().backward()  # also warms the plan for the compiled call
         finally:
             _triton._launch = launch
-        torch.compile(conv, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
-                      fullgraph=True)(x, plan).sum().backward()
+        with introspect.compiled_gat_terms_in_kernel() if allow else contextlib.nullcontext():
+            torch.compile(conv, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
+                          fullgraph=True)(x, plan).sum().backward()
     compiled = [n.kwargs["kwargs"]["KIND"] for gm in graphs for n in gm.graph.nodes
                 if "triton_kernel_wrapper" in str(n.target) and "KIND" in n.kwargs["kwargs"]]
     print(json.dumps({"eager": eager, "compiled": compiled}))

@@ -142,13 +142,13 @@ def test_compare_end_to_end_json(tmp_path, capsys):
 def test_graph_input_plan_or_tensor(tmp_path, monkeypatch, graph_input):
     """gatlib's layer gets a GraphPlan built once, or the tensor; PyG always the tensor."""
     seen = {}
-    real = compare._make_pass
+    real = compare.make_pass
 
     def make_pass(module, x, edge_index, target, name):
         seen[type(module).__module__.split(".")[0], name] = type(edge_index)
         return real(module, x, edge_index, target, name)
 
-    monkeypatch.setattr(compare, "_make_pass", make_pass)
+    monkeypatch.setattr(compare, "make_pass", make_pass)
     rc, rep = run_compare(tmp_path, "--layer", "gatv2", "--no-memory", "--graph-input", graph_input)
     assert rc == 0 and rep["config"]["graph_input"] == graph_input
     assert rep["checks"]["gatv2"]["status"] == "ok"
@@ -244,7 +244,7 @@ def test_layer_scope_four_sides(tmp_path, monkeypatch, static_compile):
     the same objects as the eager sides') and get a graph input of their own. (The
     forward pass is left out: compiled gatlib layers do not yet compile under no_grad.)"""
     seen = []  # (module, graph input) of each measured call, in the order they were made
-    real = compare._make_pass
+    real = compare.make_pass
 
     def make_pass(module, x, edge_index, target, name):
         warmed = isinstance(edge_index, gatlib.GraphPlan) and (edge_index._layout is not None
@@ -252,7 +252,7 @@ def test_layer_scope_four_sides(tmp_path, monkeypatch, static_compile):
         seen.append((module, edge_index, warmed))
         return real(module, x, edge_index, target, name)
 
-    monkeypatch.setattr(compare, "_make_pass", make_pass)
+    monkeypatch.setattr(compare, "make_pass", make_pass)
     rc, rep = run_compare(tmp_path, *TINY_COMPILED, "--no-memory", "--pass", "forward+backward")
     assert rc == 0
     _check_four_sides(rep, ["forward+backward"])
@@ -371,8 +371,8 @@ def test_model_pair_shares_weights_and_trains():
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
     assert ours["conv2.lin_skip.weight"].shape == (3, 8)  # conv2: H*C -> classes, one head
     data = synthetic.synthetic_graph("synthetic:50:200:8")
-    x, y = data.x, compare._labels(50, 3, "cpu", 0)
-    step = compare._make_pass(pair["gatlib"], x, data.edge_index, y, compare.TRAIN_STEP)
+    x, y = data.x, compare.random_labels(50, 3, "cpu", 0)
+    step = compare.make_pass(pair["gatlib"], x, data.edge_index, y, compare.TRAIN_STEP)
     before = pair["gatlib"].conv1.lin_key.weight.detach().clone()
     loss = step()
     assert loss.ndim == 0 and torch.isfinite(loss)
@@ -419,7 +419,7 @@ def test_compare_reports_memory_and_ratios(tmp_path, monkeypatch):
 
 
 def _pyg_runs_out_of_memory(monkeypatch, exc):
-    real = compare._make_pass
+    real = compare.make_pass
 
     def make_pass(layer, *args):
         p = real(layer, *args)
@@ -430,7 +430,7 @@ def _pyg_runs_out_of_memory(monkeypatch, exc):
             return boom
         return p
 
-    monkeypatch.setattr(compare, "_make_pass", make_pass)
+    monkeypatch.setattr(compare, "make_pass", make_pass)
 
 
 @pytest.mark.parametrize("exc", [torch.OutOfMemoryError("CUDA out of memory."), MemoryError()])

@@ -155,6 +155,9 @@ def test_the_transformer_attends_cuda_inputs_projected():
     assert x_cuda.device.type == "cuda"
     x_cpu = torch.randn(N, F_IN, dtype=torch.float64)
     assert tf._input_space(x_cpu) and not tf._input_space(x_cuda)
+    with gatlib.introspect.transformer_input_space_on_cuda():  # (benchmarks/input_space.py)
+        assert tf._input_space(x_cuda)
+    assert not tf._input_space(x_cuda)
     assert layers._input_space(x_cuda, gat.lin, C) and layers._input_space(x_cpu, gat.lin, C)
 
 

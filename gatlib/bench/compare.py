@@ -280,7 +280,7 @@ def _grad_out(num_nodes: int, width: int, dtype, device, seed: int) -> Tensor:
     return torch.randn(num_nodes, width, generator=g).to(device, dtype)  # [N, H*C]
 
 
-def _labels(num_nodes: int, num_classes: int, device, seed: int) -> Tensor:
+def random_labels(num_nodes: int, num_classes: int, device, seed: int) -> Tensor:
     g = torch.Generator().manual_seed(seed + 11)
     return torch.randint(num_classes, (num_nodes,), generator=g).to(device)  # [N]
 
@@ -330,7 +330,7 @@ class _TrainStep:
         return loss
 
 
-def _make_pass(module, x: Tensor, edge_index, target: Tensor, name: str):
+def make_pass(module, x: Tensor, edge_index, target: Tensor, name: str):
     """The call that is timed and whose memory is measured (tests wrap it):
     ``target`` is the output gradient of a layer pass or the labels of a training step."""
     if name == TRAIN_STEP:
@@ -357,10 +357,10 @@ def measured_call(spec: Dict):
         x = x.requires_grad_()
         target = _grad_out(N, spec["heads"] * spec["channels"], dtype, "cpu", spec["seed"])
     else:
-        target = _labels(N, spec["classes"], "cpu", spec["seed"])
+        target = random_labels(N, spec["classes"], "cpu", spec["seed"])
     graph = graph_input(impl, edge_index, N, spec["graph_input"])
     warm_plan(impl, module, x, graph)
-    fn = _make_pass(module, x, graph, target, spec["pass"])
+    fn = make_pass(module, x, graph, target, spec["pass"])
     if is_compiled(impl):  # compile now: the warm-up and measured calls must not
         res = settle(fn, torch.device("cpu"))
         if res["status"] != "ok":
@@ -462,7 +462,7 @@ def _layer_outputs(layer, x: Tensor, edge_index, grad_out: Tensor):
     return out.detach(), grad
 
 
-def _model_outputs(model, x: Tensor, edge_index, labels: Tensor):
+def model_outputs(model, x: Tensor, edge_index, labels: Tensor):
     """``(loss, gradient of conv1's first weight)``."""
     weight = getattr(model, "_orig_mod", model).get_parameter(first_weight(model))
     loss = F.cross_entropy(model(x.detach(), edge_index), labels)
@@ -470,7 +470,7 @@ def _model_outputs(model, x: Tensor, edge_index, labels: Tensor):
     return loss.detach(), grad
 
 
-_OUTPUTS = {"layer": _layer_outputs, "model": _model_outputs}
+_OUTPUTS = {"layer": _layer_outputs, "model": model_outputs}
 
 
 def pyg_reference(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
@@ -772,8 +772,8 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
     for impl in impls:
         warm_plan(impl, modules[impl], x, graphs[impl])
     target = (_grad_out(N, H * C, dtype, device, cfg["seed"]) if scope == "layer"
-              else _labels(N, cfg["classes"], device, cfg["seed"]))
-    passes = {(impl, p): _make_pass(modules[impl], x, graphs[impl], target, p)
+              else random_labels(N, cfg["classes"], device, cfg["seed"]))
+    passes = {(impl, p): make_pass(modules[impl], x, graphs[impl], target, p)
               for impl in impls for p in cfg["passes"]}
     rc = 0
 
@@ -864,7 +864,7 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
     if first_pass in cfg["passes"] and ("gatlib", first_pass) not in too_big:
         def first_call(module=modules["gatlib"]):  # building the graph input is part of its cost
             fresh = graph_input("gatlib", edge_index, N, cfg["graph_input"])
-            return _make_pass(module, x, fresh, target, first_pass)()
+            return make_pass(module, x, fresh, target, first_pass)()
 
         first = measure.time_once(first_call, device)
         passes["gatlib", first_pass].clear()
