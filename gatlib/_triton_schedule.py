@@ -42,11 +42,11 @@ _TILE, _MAX_ROWS = 1024, 16
 # (benchmarks/NOTES.md, "The H100 again"; tests/test_triton_compile.py's budget).
 _TILE_WIDE, _WIDE = 2048, 128
 # ... but the forward's at rows of _WIDE_FWD channels or more: 1024. With registers
-# for 4 programs per SM (_RESIDENT_FWD) it ran faster than at 2048 with 2 (H100,
-# C = 256, the fused call alone: 6.4 / 5.9 / 7.0 ms against 9.0 / 7.7 / 8.9 for GAT
-# from projected rows / GATv2 / dot), where the backward kernels at that setting ran
-# no faster in sum; at 128 channels the forward spills under that cap (8 more edges
-# per step), at 256 and more it does not (ptxas, sm_80/sm_90; benchmarks/NOTES.md,
+# for 4 programs per SM (_RESIDENT_FWD) it ran faster than at 2048 with 2 on an H100
+# for every score kind: more independent work items in flight per SM, each still
+# pipelined; the backward kernels at that setting ran no faster in sum. At 128
+# channels the forward spills under that cap (8 more edges per step), at 256 and
+# more it does not (ptxas, sm_80/sm_90; benchmarks/NOTES.md,
 # "Compiled GAT with in-kernel terms; the forward at 4 programs per SM").
 _TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024

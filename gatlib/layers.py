@@ -662,9 +662,9 @@ class TransformerConv(_AttentionConv):
         weights and that sum is not one: attention dropout in effect or an
         explainer's edge mask (unless the values have no bias); nor with the
         values' own dropout, which needs them projected; nor on CUDA, where the
-        Triton kernels' forward ran slower in input space than projected (H100,
-        arxiv-like, F = 128, C = 256: 16.2 ms against 12.7; the fused CPU kernel's
-        ran faster: benchmarks/NOTES.md, "Compiled GAT with in-kernel terms")."""
+        Triton kernels' forward ran slower in input space than projected on an H100
+        (the fused CPU kernel's ran faster; benchmarks/NOTES.md, "Compiled GAT with
+        in-kernel terms", has the figures)."""
         train = self.training
         biased = self.lin_value.bias is not None
         return (self.lin_edge is None
