@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TILE:PROGRAMS_PER_SM[:STAGES[:RESIDENT]], or default (repeatable; default: "
                         "default)")
     p.add_argument("--profile", action="store_true",
-                   help="also list the GPU time of each kernel in one forward+backward of each "
-                        "kind (torch.profiler), at the first variant")
+                   help="also list the GPU time of each kernel in a forward+backward of each "
+                        "kind (torch.profiler, the mean of 3), at every variant: each kernel's "
+                        "time under each schedule")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time (ms)")
     p.add_argument("--label", default="", help="a name for this checkout in the output")
     p.add_argument("--json", type=Path, default=None)
@@ -131,9 +132,10 @@ def _time(kind, plan, N, H, C, dtype, device, args):
     return out
 
 
-def _profile(kind, plan, N, H, C, dtype, device):
-    """``[(kernel, calls, GPU ms)]`` of one warmed forward+backward, most time first:
-    where a pass's time goes among the row kernels, merges and ATen ops."""
+def _profile(kind, plan, N, H, C, dtype, device, runs=3):
+    """``[(kernel, calls, GPU ms)]`` of a warmed forward+backward (the mean of ``runs``),
+    most time first: where a pass's time goes among the row kernels, merges and ATen
+    ops."""
     from torch.profiler import ProfilerActivity, profile
 
     from gatlib import graph_attention
@@ -143,14 +145,15 @@ def _profile(kind, plan, N, H, C, dtype, device):
     graph_attention(score, value, plan, N, backend="triton").backward(grad)  # warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph_attention(score, value, plan, N, backend="triton").backward(grad)
+        for _ in range(runs):
+            graph_attention(score, value, plan, N, backend="triton").backward(grad)
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None)
         us = e.cuda_time_total if us is None else us
         if us > 0:
-            rows.append((e.key, e.count, us / 1e3))
+            rows.append((e.key, e.count // runs, us / 1e3 / runs))
     return sorted(rows, key=lambda r: -r[2])
 
 
@@ -183,12 +186,12 @@ def main(argv=None) -> int:
                                      ms=ms, first_s=first, tiles=values))
                     print(f"[sweep] {args.label or '-'} {variant:>10} {kind:>13} {phase:>7}: "
                           f"{ms:8.3f} ms (first call {first:.1f} s)", flush=True)
-                if args.profile and variant == (args.variant or ["default"])[0]:
+                if args.profile:
                     kernels = _profile(kind, plan, N, H, C, dtype, device)
                     profiles.append(dict(variant=variant, kind=kind, kernels=kernels))
-                    for name, calls, ms in kernels[:12]:
-                        print(f"[profile] {kind:>13} {ms:8.3f} ms {calls:3d}x {name[:90]}",
-                              flush=True)
+                    for name, calls, ms in kernels[:6]:
+                        print(f"[profile] {variant:>10} {kind:>13} {ms:8.3f} ms {calls:3d}x "
+                              f"{name[:70]}", flush=True)
     result = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, graph=args.graph, nodes=N, edges=ei.size(1), heads=H,
                   channels=C, dtype=args.dtype, rows=rows, profiles=profiles)
