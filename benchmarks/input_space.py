@@ -23,7 +23,7 @@ import math
 import torch
 
 import gatlib
-from gatlib import EdgeScore, GraphPlan, introspect
+from gatlib import EdgeScore, GraphPlan
 from gatlib.bench import measure, report, synthetic
 
 
@@ -77,15 +77,9 @@ def layer_steps(x, plan, H, C, backend, forward_only=False):
             out.backward(torch.ones_like(out))
         return run
 
-    def tf_input_space():
-        # TransformerConv's rule keeps CUDA inputs projected (measured slower in input
-        # space there): its input-space form is forced for the comparison
-        with introspect.transformer_input_space_on_cuda():
-            return tf(x, plan)
-
     return {"GAT projected": step(gat_projected), "GAT input-space": step(lambda: gat(x, plan)),
             "Transformer projected": step(tf_projected),
-            "Transformer input-space": step(tf_input_space)}, (gat.lin, tf.lin_value)
+            "Transformer input-space": step(lambda: tf(x, plan))}, (gat.lin, tf.lin_value)
 
 
 def main() -> None:

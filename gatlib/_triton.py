@@ -513,14 +513,18 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
     # the parameters' gradients (_partial_sums): one partial per lane of each program
     # (a fixed number, whatever the graph), summed after the launches — in one
-    # buffer, by one launch, where they are one width
-    rows = _att_partials(width, H, dev)
+    # buffer, by one launch, where they are one width. The two kernels' schedules
+    # may have different lanes: the rows one does not write are zeros.
+    rows_dst = _att_partials(width, H, dev, _bwd_dst_kernel)
+    rows_src = _att_partials(width, H, dev, _bwd_src_kernel)
+    rows = max(rows_dst, rows_src)
+    new = torch.empty if rows_dst == rows_src else torch.zeros
     names, one_width = _partial_sums(meta.kind, need, ins)
     if one_width:
-        part_buf = torch.empty(len(names), rows, one_width, dtype=acc, device=dev)
+        part_buf = new(len(names), rows, one_width, dtype=acc, device=dev)
         parts = dict(zip(names, part_buf.unbind(0), strict=True))
     else:
-        parts = {n: torch.empty(rows, CV if n == "bias" else CK, dtype=acc, device=dev)
+        parts = {n: new(rows, CV if n == "bias" else CK, dtype=acc, device=dev)
                  for n in names}
     part_att, part_bias = parts.get("att"), parts.get("bias")
     with _device(value):

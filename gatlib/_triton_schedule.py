@@ -41,13 +41,14 @@ _TILE, _MAX_ROWS = 1024, 16
 # 2048 is the largest that ptxas fits in the register cap without spilling
 # (benchmarks/NOTES.md, "The H100 again"; tests/test_triton_compile.py's budget).
 _TILE_WIDE, _WIDE = 2048, 128
-# ... but the forward's at rows of _WIDE_FWD channels or more: 1024. With registers
-# for 4 programs per SM (_RESIDENT_FWD) it ran faster than at 2048 with 2 on an H100
-# for every score kind: more independent work items in flight per SM, each still
-# pipelined; the backward kernels at that setting ran no faster in sum. At 128
-# channels the forward spills under that cap (8 more edges per step), at 256 and
-# more it does not (ptxas, sm_80/sm_90; benchmarks/NOTES.md,
-# "Compiled GAT with in-kernel terms; the forward at 4 programs per SM").
+# ... but the forward's and the dst backward's at rows of _WIDE_FWD channels or more:
+# 1024. With registers for 4 programs per SM (_RESIDENT_FWD) both ran faster than
+# at 2048 with 2 (the dst backward: 1) on an H100 for every score kind: more
+# independent work items in flight per SM, each still pipelined; the src backward
+# ran slower at that setting and keeps the 2048 tile. At 128 channels the forward
+# spills under that cap (8 more edges per step), at 256 and more it does not
+# (ptxas, sm_80/sm_90; benchmarks/NOTES.md, "Compiled GAT with in-kernel terms; the
+# forward at 4 programs per SM", "Each row kernel its own schedule").
 _TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
@@ -190,11 +191,17 @@ def _interpreted() -> bool:
     return isinstance(_fwd_kernel, InterpretedFunction)
 
 
+def _fwd_schedule(kernel) -> bool:
+    """Whether ``kernel`` takes the forward's schedule at wide rows (:data:`_TILE_WIDE_FWD`,
+    :data:`_RESIDENT_FWD`): the forward and the dst backward; the src backward not."""
+    return kernel is _fwd_kernel or kernel is _bwd_dst_kernel
+
+
 def _tile(width: int = 0, forward: bool = False) -> Tuple[int, int]:
     """(tile elements, max rows per program): the compiled kernels' register
     budget (for the row kernels, whose rows are ``width`` channels wide: see
-    :data:`_TILE_WIDE`, the ``forward`` kernel's :data:`_TILE_WIDE_FWD`), or the
-    interpreter's few wide programs."""
+    :data:`_TILE_WIDE`, :data:`_TILE_WIDE_FWD` for a kernel of the ``forward``'s
+    schedule, :func:`_fwd_schedule`), or the interpreter's few wide programs."""
     if _interpreted():
         return _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER
     if width < _WIDE:
@@ -217,9 +224,10 @@ def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
 # backward) where the first H100 run's took 32-48 (five to eight) and ran its
 # forward faster; with the 1024 tile in 2 stages they fit 64 without spilling
 # (ptxas, sm_90; benchmarks/NOTES.md, "Pipelined edge loops on the H100"). On the
-# H100 the forward ran faster with 4 (and the 1024 tile, _TILE_WIDE_FWD); the
-# backward kernels did not, in sum (benchmarks/triton_sweep.py's fourth variant
-# field sets all three alike): the forward takes 4 at rows of _WIDE_FWD channels.
+# H100 the forward and the dst backward ran faster with 4 (and the 1024 tile,
+# _TILE_WIDE_FWD), the src backward slower (benchmarks/triton_sweep.py's fourth
+# variant field sets all three alike, and --profile times each kernel): those two
+# take 4 at rows of _WIDE_FWD channels.
 _RESIDENT, _RESIDENT_HEAVY, _RESIDENT_FWD = 2, 1, 4
 
 
@@ -227,8 +235,8 @@ def _max_registers(warps: int, kernel=None, width: int = 0) -> int:
     """Registers per thread a row kernel may use (ptxas ``.maxnreg``): as many as let
     :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
     (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
-    :data:`_RESIDENT_FWD` for the forward at rows of :data:`_WIDE_FWD` channels or
-    more; at most 255.
+    :data:`_RESIDENT_FWD` for the forward and the dst backward at rows of
+    :data:`_WIDE_FWD` channels or more (:func:`_fwd_schedule`); at most 255.
 
     Without an explicit cap ptxas picks a register count itself and at some shapes
     spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
@@ -236,7 +244,7 @@ def _max_registers(warps: int, kernel=None, width: int = 0) -> int:
     the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
     spills at the shapes users run"). tests/test_triton_compile.py holds both."""
     resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
-    if kernel is _fwd_kernel and width >= _WIDE_FWD:
+    if _fwd_schedule(kernel) and width >= _WIDE_FWD:
         resident = _RESIDENT_FWD
     return min(255, (1 << 16) // (resident * 32 * warps))
 
@@ -320,13 +328,15 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
         num_warps=warps, maxnreg=_max_registers(warps, kernel, width),
-        STAGES=_stages(consts), **_group_consts(width, kernel is _fwd_kernel), **consts)
+        STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel)), **consts)
 
 
-def _att_partials(width: int, H: int, device: torch.device) -> int:
-    """Rows of the ``part_att`` buffer :func:`_launch` fills (the backward kernels')."""
-    return sum(_programs(device, H) * _rows_per_program(block_e, width)
-               for _, _, block_e in _bucket_groups(width))
+def _att_partials(width: int, H: int, device: torch.device, kernel) -> int:
+    """Rows of the ``part_att`` buffer that :func:`_launch` of the backward ``kernel``
+    fills: one per lane of each program, over its groups of buckets."""
+    forward = _fwd_schedule(kernel)
+    return sum(_programs(device, H) * _rows_per_program(block_e, width, forward)
+               for _, _, block_e in _bucket_groups(width, forward))
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,

@@ -122,10 +122,12 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     loops (1: not pipelined) and the programs their register cap lets share an SM
     (``resident``, every row kernel alike) set to these (``None``: as they are), for
     schedule sweeps (``benchmarks/triton_sweep.py``). Yields the values in force:
-    ``tile``, ``tile_wide`` (the backward's at rows of ``wide`` channels or more),
-    ``tile_wide_fwd`` (the forward's), ``wide``, ``programs_per_sm``, ``stages``,
-    ``resident`` (the src backward's), ``resident_heavy`` (the dst backward's),
-    ``resident_fwd``. A plan's schedule does not depend on them; the kernels' constexprs
+    ``tile``, ``tile_wide`` (the src backward's at rows of ``wide`` channels or more,
+    and the others' below 256), ``tile_wide_fwd`` (the forward's and the dst
+    backward's at rows of 256 channels or more), ``wide``, ``programs_per_sm``,
+    ``stages``, ``resident`` (the src backward's), ``resident_heavy`` (the dst
+    backward's below 256 channels), ``resident_fwd`` (the forward's and the dst
+    backward's at 256 and more). A plan's schedule does not depend on them; the kernels' constexprs
     and register caps do (new values compile new specialisations)."""
     from unittest import mock
 
@@ -197,17 +199,4 @@ def compiled_gat_terms_in_kernel() -> Iterator[None]:
     from unittest import mock
 
     with mock.patch.object(_dispatch, "_PROJECTED_UNDER_COMPILE", True):
-        yield
-
-
-@contextlib.contextmanager
-def transformer_input_space_on_cuda() -> Iterator[None]:
-    """Inside: ``TransformerConv`` attends CUDA inputs in input space where its rule
-    would otherwise (outside, it keeps them projected: its input-space forward ran
-    slower on an H100), for ``benchmarks/input_space.py`` to time both forms."""
-    from unittest import mock
-
-    from . import layers
-
-    with mock.patch.object(layers, "_TRANSFORMER_INPUT_SPACE_ON_CUDA", True):
         yield

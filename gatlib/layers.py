@@ -484,12 +484,6 @@ class GATv2Conv(_AttentionConv):
         return x_j * alpha.unsqueeze(-1)
 
 
-# Whether TransformerConv attends CUDA inputs in input space where its rule allows it:
-# not, since its input-space forward ran slower than the projected one on an H100
-# (TransformerConv._input_space; gatlib.introspect.transformer_input_space_on_cuda).
-_TRANSFORMER_INPUT_SPACE_ON_CUDA = False
-
-
 class TransformerConv(_AttentionConv):
     r"""The graph Transformer attention layer of `Shi et al. (2021)
     <https://arxiv.org/abs/2009.03509>`_ (UniMP): scaled dot-product attention
@@ -661,14 +655,12 @@ class TransformerConv(_AttentionConv):
         terms to both), nor where the value's bias would need the sum of a row's
         weights and that sum is not one: attention dropout in effect or an
         explainer's edge mask (unless the values have no bias); nor with the
-        values' own dropout, which needs them projected; nor on CUDA, where the
-        Triton kernels' forward ran slower in input space than projected on an H100
-        (the fused CPU kernel's ran faster; benchmarks/NOTES.md, "Compiled GAT with
-        in-kernel terms", has the figures)."""
+        values' own dropout, which needs them projected. (On an H100 its input-space
+        forward ran slower than the projected one, but the training step ran faster:
+        benchmarks/NOTES.md, "Each row kernel its own schedule".)"""
         train = self.training
         biased = self.lin_value.bias is not None
         return (self.lin_edge is None
-                and (x_src.device.type != "cuda" or _TRANSFORMER_INPUT_SPACE_ON_CUDA)
                 and _input_space(x_src, self.lin_key, self.out_channels)
                 and not isinstance(self.lin_value.weight, UninitializedTensorMixin)
                 and not (self.value_dropout > 0.0 and train)

@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
-# The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in two calls that
+# The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in calls that
 # fit its 15 minutes of device time: part 1 (at most 560 s) checks the Triton kernels against the
 # reference, sweeps the row kernels' schedule (edge tile, pipelining stages, programs per SM)
-# with each kernel's share of a pass, and times the 2-layer training step against PyG
-# (arxiv-like, eager and under torch.compile's default mode); part 2 (at most 480 s, sent at once
-# after part 1, while the machine is still warm) times that step again at the sweep's fastest
-# variant where that is not the default (else one GATConv layer against its bandwidth floor),
+# with each kernel's time at each variant, and times the 2-layer training step against PyG
+# (arxiv-like, eager and under torch.compile's default mode); part 2 (at most 460 s), after a
+# change of schedule that part 1's sweep decided, checks the kernels again and times that step,
 # Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
 # launch-bound), and the input-space form of GATConv and TransformerConv against the projected
-# one (part 1 took 297 s on the last H100, with a 35 s start):
+# one, forward and backward (part 1 took 369 s on the last H100, with a 35 s start; each step
+# logs its seconds):
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
-#   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 550
-#   device run: command "bash scripts/gpu_run.sh 2 VARIANT", carry [".planetoid"], timeout_s 500
-#   (VARIANT: the fastest sweep variant, which part 1 prints last; default: none)
+#   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 570
+#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 460
 #   (if time is left: the diagnosis of compiled GAT's in-kernel terms, at most 500 s:
 #   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 510)
 #
@@ -27,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PRINT=0 PART=${1:-}
 [[ "$PART" == "--print" ]] && PRINT=1
-[[ "$PART" =~ ^(1|2|3|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2 [VARIANT]|3|--print" >&2; exit 2; }
+[[ "$PART" =~ ^(1|2|3|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2|3|--print" >&2; exit 2; }
 OUT=${OUT:-gpu_run}
 PY=${PYTHON:-python3}  # (the device machine's python3 holds torch)
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -54,17 +53,19 @@ step() {  # step SECONDS COMMAND...: run COMMAND for at most SECONDS (or print i
     return
   fi
   echo "== $* (at most $limit s)" | tee -a "$log"
+  local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  echo "== exit $rc" | tee -a "$log"
+  echo "== exit $rc after $((SECONDS - t0)) s" | tee -a "$log"
   [[ $rc == 0 ]] || status=1
   return "$rc"
 }
 
-if [[ $PART == 1 || $PRINT == 1 ]]; then
-  # the kernels against the reference (two cases per kind and dtype; no PyG comparison here),
-  # one process per kind at once: compiling the kernels takes most of it (16 cores there)
-  pids=()
+selftests() {
+  # the kernels against the reference (two cases per kind and dtype; no PyG comparison here)
+  # and the GPU checks (a compiled training step among them), one process per kind at once:
+  # compiling the kernels takes most of it (16 cores there)
+  local pids=() logs kind
   [[ $PRINT == 1 ]] || logs=$(mktemp -d)
   for kind in gat gatv2 dot gat_projected; do
     if [[ $PRINT == 1 ]]; then
@@ -80,6 +81,15 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
     for pid in "${pids[@]}"; do wait "$pid" || status=1; done
     cat "$logs"/*.txt | tee -a "$OUT/log_$PART.txt"
   fi
+}
+step_arxiv() {  # the training step against PyG, eager and compiled (memory children recompile)
+  step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
+    --device cuda --backend triton --repeats 3 --no-memory \
+    --json "$OUT/compare_arxiv-like_model_cuda_$gpu.json"
+}
+
+if [[ $PART == 1 || $PRINT == 1 ]]; then
+  selftests
   # the row kernels at wide rows (H = 3, C = 256): the default (edge loops in 2 pipelined
   # stages; the forward's tile 1024 with registers for 4 programs per SM, the backward's tile
   # 2048 with registers for two, one in the dst backward) against every row kernel at the 1024
@@ -89,45 +99,26 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
   step 170 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
     --variant 1024:4:2:4 --variant 1024:4:2:3 --variant 1024:4:2:2 --variant 2048:4:2:3 \
     --variant 2048:4:2:2 --rep 200 --profile --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
-  # the training step against PyG, eager and compiled: time first (memory children recompile)
-  step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
-    --device cuda --backend triton --repeats 3 --no-memory \
-    --json "$OUT/compare_arxiv-like_model_cuda_$gpu.json"
+  step_arxiv
   if [[ $PRINT == 0 ]]; then  # the variant with the least forward+backward time over the kinds
     best=$($PY -c "import json, sys, collections; t = collections.Counter()
 for r in json.load(open(sys.argv[1]))['rows']:
     t[r['variant']] += r['ms'] if r['phase'] == 'fwd+bwd' else 0
 print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json") || best="(none: the sweep failed)"
-    echo "== fastest sweep variant: $best; next: bash scripts/gpu_run.sh 2 $best" \
+    echo "== fastest sweep variant in sum: $best (each kernel's own: the [profile] lines)" \
       | tee -a "$OUT/log_$PART.txt"
   fi
 fi
 if [[ $PART == 2 || $PRINT == 1 ]]; then
-  # part 1's fastest sweep variant, which part 1 prints at its end (each device call starts
-  # with an empty $OUT: part 1's files are not there)
-  best=${2:-default}
-  [[ $PRINT == 1 ]] && best=FASTEST_VARIANT
-  [[ $PRINT == 1 ]] || echo "== the step again at: $best (the sweep's fastest variant, as given)" \
-    | tee -a "$OUT/log_$PART.txt"
-  if [[ $best != default ]]; then
-    # the training step at that variant, against the default's in part 1
-    step 240 "$PY" -m gatlib.bench.compare --scope model --layer all --graph arxiv-like \
-      --device cuda --backend triton --repeats 3 --no-memory --triton-tiles "$best" \
-      --json "$OUT/compare_arxiv-like_model_cuda_tiles_$gpu.json"
-  fi
+  selftests
+  step_arxiv
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
-  if [[ $best == default || $PRINT == 1 ]]; then
-    # (in the step's place) one layer, forward and forward+backward, against its floor
-    step 110 "$PY" -m gatlib.bench.compare --scope layer --layer gat --graph arxiv-like \
-      --device cuda --backend triton --pass both --repeats 3 \
-      --json "$OUT/compare_arxiv-like_cuda_$gpu.json"
-  fi
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
-  # form against the projected one, forward alone (the pass where GAT lost to compiled PyG)
-  step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward \
-    --repeats 3 --json "$OUT/input_space_arxiv-like_forward_cuda_$gpu.json"
+  # form against the projected one, forward and backward (what their rule decides on)
+  step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward+backward \
+    --repeats 3 --json "$OUT/input_space_arxiv-like_train_cuda_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
   # a diagnosis of compiled GAT with its attention terms formed in the kernels (KIND 3), which

@@ -143,24 +143,6 @@ def test_the_transformer_projects_first_where_its_value_bias_needs_projected_wei
     assert_input_space_under_the_same_dropout(conv, x, ei, monkeypatch)
 
 
-def test_the_transformer_attends_cuda_inputs_projected():
-    """TransformerConv's rule keeps CUDA inputs projected (its input-space forward was
-    measured slower on an H100), GATConv's does not; read from the rule on CUDA-device
-    fake tensors (no GPU needed), beside the same inputs on CPU."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    tf, gat = make("TransformerConv", "auto"), make("GATConv", "auto")
-    with FakeTensorMode():
-        x_cuda = torch.empty(N, F_IN, device="cuda")
-    assert x_cuda.device.type == "cuda"
-    x_cpu = torch.randn(N, F_IN, dtype=torch.float64)
-    assert tf._input_space(x_cpu) and not tf._input_space(x_cuda)
-    with gatlib.introspect.transformer_input_space_on_cuda():  # (benchmarks/input_space.py)
-        assert tf._input_space(x_cuda)
-    assert not tf._input_space(x_cuda)
-    assert layers._input_space(x_cuda, gat.lin, C) and layers._input_space(x_cpu, gat.lin, C)
-
-
 def test_gat_attention_dropout_and_explainer_masks_stay_in_input_space(monkeypatch):
     """GAT's values have no bias: dropout and an explainer's edge weights multiply
     the weights of a linear sum, so input space holds for both."""

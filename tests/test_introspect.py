@@ -107,8 +107,9 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     assert own[64, False]["E0"] == own[64, True]["E0"] == 16
     assert sched._group_consts(128, True)["E0"] == 16  # (2048 elements)
     own_caps = caps()
-    # two programs per SM, one dst backward; four forward programs at 256 channels
-    assert own_caps == [255, 255, 255, 128, 255, 128, 64, 255, 128]
+    # two programs per SM, one dst backward; four forward and dst backward programs at
+    # 256 channels
+    assert own_caps == [255, 255, 255, 128, 255, 128, 64, 64, 128]
     with introspect.triton_tiles(tile=4096, programs_per_sm=8, stages=1, resident=4) as values:
         assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
                           "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,

@@ -151,6 +151,46 @@ def test_wide_channels_narrow_the_edge_tile(monkeypatch):
     compare(score, v, ei, n)
 
 
+@pytest.mark.parametrize("kind", ["gatv2", "gat_projected"])
+def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monkeypatch):
+    """At wide rows the dst backward takes the forward's tile and the src backward a
+    larger one (_fwd_schedule): their programs hold other numbers of lanes, so the
+    buffer of the parameters' per-lane partials (GATv2's att from the dst kernel,
+    projected GAT's from the src kernel) has rows one kernel does not write — which
+    must add nothing. Here (the compiled branch's tiles, scaled to C = 16) the dst
+    backward has 1 lane per program and the src backward 3."""
+    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
+    monkeypatch.setattr(_triton_schedule, "_WIDE", 16)
+    monkeypatch.setattr(_triton_schedule, "_WIDE_FWD", 16)
+    monkeypatch.setattr(_triton_schedule, "_TILE_WIDE", 128)
+    monkeypatch.setattr(_triton_schedule, "_TILE_WIDE_FWD", 32)
+    H, C = 2, 16
+    rows = {k: _triton_schedule._att_partials(C, H, torch.device(DEVICE), k)
+            for k in (_triton._bwd_dst_kernel, _triton._bwd_src_kernel)}
+    assert len(set(rows.values())) == 2, rows
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # what no kernel writes is NaN, not a lucky zero
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    ei, n, _ = graph_case("hub", DEVICE)
+    if kind == "gatv2":
+        score = make_score(kind, n, n, ei.size(1), H, C, seed=3, device=DEVICE)
+        v = torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+        compare(score, v, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
+        return
+    h, a_s, a_d, _ = _projected(n, ei.size(1), H, C, False)
+    res = {}
+    for backend in ("triton", "torch"):
+        out = graph_attention(EdgeScore.gat_projected(h, a_s, a_d), h, ei, n, backend=backend)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                        dtype=torch.float64).to(out)
+        res[backend] = torch.autograd.grad((out * w).sum(), [h, a_s, a_d])
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 def test_huge_logits_stay_finite():
     ei, n_src, n_dst = graph_case("random", DEVICE)
     s = make_score("dot", n_src, n_dst, ei.size(1), 2, 4, edge=False, dtype=torch.float32,
