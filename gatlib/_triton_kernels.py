@@ -176,13 +176,19 @@ def _fwd_items(
         dst = row[:, None]
         m_dst = valid[:, None]
         cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
-        m_i = tl.full([BLOCK_R], float("-inf"), ACC)
-        l_i = tl.zeros([BLOCK_R], ACC)
-        # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
-        # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
-        # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
-        # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
-        acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
+        # An online softmax per edge slot of the tile: slot e of each lane sees edges
+        # e, e + BLOCK_E, ... with its own running max m_i, sum l_i and accumulator
+        # acc, combined once after the loop. The loop then reduces nothing across
+        # the edge axis, which spans warps: a running max and sum per lane would
+        # reduce the scores and the [R, E, CV] products across warps (through shared
+        # memory, at a barrier) at every step (benchmarks/NOTES.md, "An online softmax
+        # per edge slot"). The accumulator has the tile's layout, as a 2-D slice of
+        # it each thread would hold every channel, which spilled at wide C (ptxas,
+        # sm_90; "GATv2's forward accumulator"); tests/test_triton_compile.py holds
+        # the kernels to no spills.
+        m_i = tl.full([BLOCK_R, BLOCK_E], float("-inf"), ACC)
+        l_i = tl.zeros([BLOCK_R, BLOCK_E], ACC)
+        acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
         for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
             pos = off + tl.arange(0, BLOCK_E)[None, :]
             emask = pos < length[:, None]  # [R, E]
@@ -196,11 +202,11 @@ def _fwd_items(
                                           emask, m_dst, emask, scale, slope, KIND, HAS_DST,
                                           HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
             score = tl.where(emask, score, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(score, 1))
+            m_new = tl.maximum(m_i, score)  # [R, E]
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
-            p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
+            p = tl.exp(score - m_safe)  # [R, E], 0 off the edges
             corr = tl.exp(m_i - m_safe)
-            l_i = l_i * corr + tl.sum(p, 1)
+            l_i = l_i * corr + p
             if DROPOUT:
                 keep = tl.rand(rng_seed, k * H + h2) >= p_drop
                 p = tl.where(keep, p * keep_scale, 0.0)
@@ -224,11 +230,17 @@ def _fwd_items(
                 else:
                     v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
                                     other=0).to(ACC)
-            acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
+            acc = acc * corr[:, :, None] + p[:, :, None] * v
             m_i = m_new
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
-        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+        # the slots combined: each rescaled to the lane's max (slots that saw no edge,
+        # or only -inf scores, add 0)
+        m_row = tl.max(m_i, 1)  # [R]
+        m_row = tl.where(m_row == float("-inf"), 0.0, m_row)
+        w = tl.exp(m_i - m_row[:, None])  # [R, E]
+        l_row = tl.sum(l_i * w, 1)
+        l_safe = tl.where(l_row > 0, l_row, 1.0)
+        o = tl.sum(acc * w[:, :, None], 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
+        row_lse = tl.where(l_row > 0, m_row + tl.log(l_safe), float("-inf"))
         cv = tl.arange(0, BLOCK_CV)[None, :]
         cm = cv < CV
         orow = row * H + h
@@ -380,8 +392,12 @@ def _bwd_dst_items(
     first = tl.load(bounds + B_LO)
     n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
     # GATv2's att gradient, summed over the blocks this program runs: each lane
-    # keeps one head, as the grid is a multiple of H (_programs)
-    att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    # keeps one head, as the grid is a multiple of H (_programs). This and the edge
+    # loop's accumulators keep one partial per edge slot of the tile, summed over
+    # the slots after the loop: a sum over the edge axis, which spans warps, at
+    # every step would go through shared memory at a barrier (as the forward's
+    # online softmax per slot; benchmarks/NOTES.md, "An online softmax per edge slot")
+    att_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
     # the output bias's gradient likewise: the sum of grad_out over the rows
     bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
@@ -427,9 +443,9 @@ def _bwd_dst_items(
         if GALPHA:
             row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
         if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
-            d_acc = tl.zeros([BLOCK_R], ACC)
+            d_acc = tl.zeros([BLOCK_R, BLOCK_E], ACC)
         else:
-            d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+            d_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
         if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
             att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
                           other=0).to(ACC)  # [R, 1, CK]
@@ -482,24 +498,25 @@ def _bwd_dst_items(
             if KIND == 0 or KIND == 3:
                 dz = ds * tl.where(z > 0, 1.0, slope)
                 tl.store(ds_buf + eoff, dz, mask=emask)
-                d_acc += tl.sum(dz, 1)
+                d_acc += dz
                 if NEED_EDGE:
                     tl.store(d_edge + eid * H + h2, dz, mask=emask)
             elif KIND == 1:
                 tl.store(ds_buf + eoff, ds, mask=emask)
                 dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
-                d_acc += tl.sum(dz, 1)
+                d_acc += dz
                 if NEED_ATT:
-                    att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
+                    att_acc += ds[:, :, None] * tl.where(z > 0, z, z * slope)
                 if NEED_EDGE:
                     tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
                              mask=emask[:, :, None] & (ck3 < CK))
             else:
                 tl.store(ds_buf + eoff, ds, mask=emask)
-                d_acc += tl.sum(ds[:, :, None] * z, 1)  # dq_i, scaled below
+                d_acc += ds[:, :, None] * z  # dq_i, scaled below
                 if NEED_EDGE:
                     tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
                              mask=emask[:, :, None] & (ck3 < CK))
+        d_acc = tl.sum(d_acc, 1)  # over the edge slots
         prow = slot * H + h
         if NEED_DST:
             if KIND == 0 or KIND == 3:  # (KIND 3: the per-node scalar, for the source kernel)
@@ -516,7 +533,8 @@ def _bwd_dst_items(
         ck = tl.arange(0, BLOCK_CK)
         slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
             + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        tl.store(part_att + slot[:, None] * CK + ck[None, :], att_acc, mask=(ck < CK)[None, :])
+        tl.store(part_att + slot[:, None] * CK + ck[None, :], tl.sum(att_acc, 1),
+                 mask=(ck < CK)[None, :])
     if NEED_BIAS:  # (as att's)
         cv = tl.arange(0, BLOCK_CV)
         slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
@@ -600,13 +618,14 @@ def _bwd_src_items(
         ck = tl.arange(0, BLOCK_CK)
         ckm = ck < CK
         ck3 = ck[None, None, :]
-        dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
-        if KIND == 0 or KIND == 3:  # GAT: the source term's gradient, a scalar, summed
-            # over the edge slots after the loop: a per-step sum into an [R] accumulator
-            # failed Triton 3.6's compiler at C <= 4 (TritonGPUOptimizeThreadLocality)
+        # one partial per edge slot of the tile, summed over the slots after the loop
+        # (as the dst kernel's; a per-step sum of GAT's scalar into an [R] accumulator
+        # also failed Triton 3.6's compiler at C <= 4, TritonGPUOptimizeThreadLocality)
+        dv_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
+        if KIND == 0 or KIND == 3:  # GAT: the source term's gradient, a scalar
             ds_acc = tl.zeros([BLOCK_R, BLOCK_E], ACC)
         else:
-            ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+            ds_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
         if KIND == 1:
             rmask = valid[:, None, None] & (ck3 < CK)
             att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)  # [R, 1, CK]
@@ -628,7 +647,7 @@ def _bwd_src_items(
                 else:
                     gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
                                  mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
-                dv_acc += tl.sum(a[:, :, None] * gi, 1)
+                dv_acc += a[:, :, None] * gi
             if NEED_SRC:
                 ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
                 if KIND == 0 or KIND == 3:
@@ -648,11 +667,11 @@ def _bwd_src_items(
                             eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
                             z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * sk + ck3, mask=cmask,
                                             other=0).to(ACC)
-                        ds_acc += tl.sum(ds[:, :, None] * att * tl.where(z > 0, 1.0, slope), 1)
+                        ds_acc += ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)
                     else:
-                        ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
-        if KIND == 0 or KIND == 3:
-            ds_acc = tl.sum(ds_acc, 1)
+                        ds_acc += ds[:, :, None] * xd  # dk_j, scaled below
+        dv_acc = tl.sum(dv_acc, 1)
+        ds_acc = tl.sum(ds_acc, 1)
         prow = slot * H + h
         if KIND == 3:
             # GAT's terms formed in-kernel from h (EdgeScore.gat_projected): h_j's

@@ -3,12 +3,13 @@
 # fit its 15 minutes of device time: part 1 (at most 560 s) checks the Triton kernels against the
 # reference, sweeps the row kernels' schedule (edge tile, pipelining stages, programs per SM)
 # with each kernel's time at each variant, and times the 2-layer training step against PyG
-# (arxiv-like, eager and under torch.compile's default mode); part 2 (at most 460 s), after a
-# change of schedule that part 1's sweep decided, checks the kernels again and times that step,
-# Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
+# (arxiv-like, eager and under torch.compile's default mode); part 2, after a change that part
+# 1's sweep decided, checks the kernels again, times the fused call and each kernel in it, the
+# step, Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
 # launch-bound), and the input-space form of GATConv and TransformerConv against the projected
-# one, forward and backward (part 1 took 369 s on the last H100, with a 35 s start; each step
-# logs its seconds):
+# one, forward and backward, in that order (its steps' limits sum to 700 s: send it with the
+# device time left; part 1 took 369 s on the last H100, with a 35 s start; each step logs its
+# seconds):
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 570
@@ -111,6 +112,9 @@ print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json") || best="(no
 fi
 if [[ $PART == 2 || $PRINT == 1 ]]; then
   selftests
+  # the fused call alone and each kernel's time in it, at the library's schedule
+  step 70 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
+    --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
   step_arxiv
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
