@@ -66,7 +66,8 @@ from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
 from ._triton_schedule import (_att_partials, _interpreted, _launch, _merge, _Plan, _plan,
-                               _Schedule, _schedule_sizes, _tile, _tl_acc, _warps, wrap_triton)
+                               _Schedule, _schedule_sizes, _slot_sums, _tile, _tl_acc, _warps,
+                               wrap_triton)
 
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024
@@ -537,7 +538,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                 part_att=_or(part_att, dummy), part_bias=_or(part_bias, dummy),
                 DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                 NEED_EDGE=need_edge, NEED_DST=d_dst is not None, NEED_ATT=part_att is not None,
-                NEED_BIAS=part_bias is not None, **consts)
+                NEED_BIAS=part_bias is not None, SLOTS=_slot_sums(width), **consts)
         if d_dst is not None:
             _merge(d_dst, part_dst, items, H)
         need_value = need[4]
@@ -565,6 +566,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                     H, CK, CV,
                     KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
                     NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT="att_src" in parts,
+                    SLOTS=_slot_sums(width),
                     ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
                     BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
             if need_value:

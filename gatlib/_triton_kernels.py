@@ -176,19 +176,13 @@ def _fwd_items(
         dst = row[:, None]
         m_dst = valid[:, None]
         cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
-        # An online softmax per edge slot of the tile: slot e of each lane sees edges
-        # e, e + BLOCK_E, ... with its own running max m_i, sum l_i and accumulator
-        # acc, combined once after the loop. The loop then reduces nothing across
-        # the edge axis, which spans warps: a running max and sum per lane would
-        # reduce the scores and the [R, E, CV] products across warps (through shared
-        # memory, at a barrier) at every step (benchmarks/NOTES.md, "An online softmax
-        # per edge slot"). The accumulator has the tile's layout, as a 2-D slice of
-        # it each thread would hold every channel, which spilled at wide C (ptxas,
-        # sm_90; "GATv2's forward accumulator"); tests/test_triton_compile.py holds
-        # the kernels to no spills.
-        m_i = tl.full([BLOCK_R, BLOCK_E], float("-inf"), ACC)
-        l_i = tl.zeros([BLOCK_R, BLOCK_E], ACC)
-        acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
+        m_i = tl.full([BLOCK_R], float("-inf"), ACC)
+        l_i = tl.zeros([BLOCK_R], ACC)
+        # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
+        # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
+        # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
+        # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
+        acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
         for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
             pos = off + tl.arange(0, BLOCK_E)[None, :]
             emask = pos < length[:, None]  # [R, E]
@@ -202,11 +196,11 @@ def _fwd_items(
                                           emask, m_dst, emask, scale, slope, KIND, HAS_DST,
                                           HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
             score = tl.where(emask, score, float("-inf"))
-            m_new = tl.maximum(m_i, score)  # [R, E]
+            m_new = tl.maximum(m_i, tl.max(score, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
-            p = tl.exp(score - m_safe)  # [R, E], 0 off the edges
+            p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
             corr = tl.exp(m_i - m_safe)
-            l_i = l_i * corr + p
+            l_i = l_i * corr + tl.sum(p, 1)
             if DROPOUT:
                 keep = tl.rand(rng_seed, k * H + h2) >= p_drop
                 p = tl.where(keep, p * keep_scale, 0.0)
@@ -230,17 +224,11 @@ def _fwd_items(
                 else:
                     v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
                                     other=0).to(ACC)
-            acc = acc * corr[:, :, None] + p[:, :, None] * v
+            acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
             m_i = m_new
-        # the slots combined: each rescaled to the lane's max (slots that saw no edge,
-        # or only -inf scores, add 0)
-        m_row = tl.max(m_i, 1)  # [R]
-        m_row = tl.where(m_row == float("-inf"), 0.0, m_row)
-        w = tl.exp(m_i - m_row[:, None])  # [R, E]
-        l_row = tl.sum(l_i * w, 1)
-        l_safe = tl.where(l_row > 0, l_row, 1.0)
-        o = tl.sum(acc * w[:, :, None], 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
-        row_lse = tl.where(l_row > 0, m_row + tl.log(l_safe), float("-inf"))
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
+        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
         cv = tl.arange(0, BLOCK_CV)[None, :]
         cm = cv < CV
         orow = row * H + h
@@ -382,7 +370,7 @@ def _bwd_dst_items(
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
-    NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
+    NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
     R_BEFORE: tl.constexpr,
@@ -392,12 +380,8 @@ def _bwd_dst_items(
     first = tl.load(bounds + B_LO)
     n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
     # GATv2's att gradient, summed over the blocks this program runs: each lane
-    # keeps one head, as the grid is a multiple of H (_programs). This and the edge
-    # loop's accumulators keep one partial per edge slot of the tile, summed over
-    # the slots after the loop: a sum over the edge axis, which spans warps, at
-    # every step would go through shared memory at a barrier (as the forward's
-    # online softmax per slot; benchmarks/NOTES.md, "An online softmax per edge slot")
-    att_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
+    # keeps one head, as the grid is a multiple of H (_programs)
+    att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     # the output bias's gradient likewise: the sum of grad_out over the rows
     bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
     for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
@@ -442,10 +426,19 @@ def _bwd_dst_items(
             bias_acc += tl.where((final | (piece & (start == row_ptr)))[:, None], g2, 0.0)
         if GALPHA:
             row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
+        # With SLOTS the dot kind's query gradient keeps one partial per edge slot of
+        # the tile, summed over the slots after the loop: a sum over the edge axis,
+        # which spans warps, at every step goes through shared memory at a barrier.
+        # On an H100 (C = 256) that made the dot kind's dst backward faster and GAT's
+        # and GATv2's no faster, whose per-slot partials spilled at some shapes
+        # (benchmarks/NOTES.md, "Each row kernel its own schedule; accumulators per
+        # edge slot"; the launcher's rule: _triton_schedule._slot_sums)
         if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
-            d_acc = tl.zeros([BLOCK_R, BLOCK_E], ACC)
-        else:
+            d_acc = tl.zeros([BLOCK_R], ACC)
+        elif KIND == 2 and SLOTS:
             d_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
+        else:
+            d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
         if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
             att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
                           other=0).to(ACC)  # [R, 1, CK]
@@ -498,25 +491,29 @@ def _bwd_dst_items(
             if KIND == 0 or KIND == 3:
                 dz = ds * tl.where(z > 0, 1.0, slope)
                 tl.store(ds_buf + eoff, dz, mask=emask)
-                d_acc += dz
+                d_acc += tl.sum(dz, 1)
                 if NEED_EDGE:
                     tl.store(d_edge + eid * H + h2, dz, mask=emask)
             elif KIND == 1:
                 tl.store(ds_buf + eoff, ds, mask=emask)
                 dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
-                d_acc += dz
+                d_acc += tl.sum(dz, 1)
                 if NEED_ATT:
-                    att_acc += ds[:, :, None] * tl.where(z > 0, z, z * slope)
+                    att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
                 if NEED_EDGE:
                     tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
                              mask=emask[:, :, None] & (ck3 < CK))
             else:
                 tl.store(ds_buf + eoff, ds, mask=emask)
-                d_acc += ds[:, :, None] * z  # dq_i, scaled below
+                if SLOTS:
+                    d_acc += ds[:, :, None] * z  # dq_i, scaled below
+                else:
+                    d_acc += tl.sum(ds[:, :, None] * z, 1)
                 if NEED_EDGE:
                     tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
                              mask=emask[:, :, None] & (ck3 < CK))
-        d_acc = tl.sum(d_acc, 1)  # over the edge slots
+        if KIND == 2 and SLOTS:
+            d_acc = tl.sum(d_acc, 1)  # over the edge slots
         prow = slot * H + h
         if NEED_DST:
             if KIND == 0 or KIND == 3:  # (KIND 3: the per-node scalar, for the source kernel)
@@ -533,8 +530,7 @@ def _bwd_dst_items(
         ck = tl.arange(0, BLOCK_CK)
         slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
             + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        tl.store(part_att + slot[:, None] * CK + ck[None, :], tl.sum(att_acc, 1),
-                 mask=(ck < CK)[None, :])
+        tl.store(part_att + slot[:, None] * CK + ck[None, :], att_acc, mask=(ck < CK)[None, :])
     if NEED_BIAS:  # (as att's)
         cv = tl.arange(0, BLOCK_CV)
         slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
@@ -550,7 +546,7 @@ def _bwd_dst_kernel(
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
-    NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, ACC: tl.constexpr,
+    NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
@@ -562,21 +558,21 @@ def _bwd_dst_kernel(
         s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
         delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
         H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-        SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
+        SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
         0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-            SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
+            SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
             B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-            SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, ACC,
+            SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
             B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
 
@@ -588,7 +584,7 @@ def _bwd_src_items(
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
     H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
-    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr,
+    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
     ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
@@ -618,14 +614,23 @@ def _bwd_src_items(
         ck = tl.arange(0, BLOCK_CK)
         ckm = ck < CK
         ck3 = ck[None, None, :]
-        # one partial per edge slot of the tile, summed over the slots after the loop
-        # (as the dst kernel's; a per-step sum of GAT's scalar into an [R] accumulator
-        # also failed Triton 3.6's compiler at C <= 4, TritonGPUOptimizeThreadLocality)
-        dv_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
+        # With SLOTS one partial per edge slot of the tile, summed over the slots after
+        # the loop (as the dst kernel's dot kind's; all three kinds' src backward ran
+        # faster so on an H100 at C = 256; at C = 128 GATv2's spilled). GAT's scalar
+        # always: a per-step sum into an [R] accumulator failed Triton 3.6's compiler
+        # at C <= 4 (TritonGPUOptimizeThreadLocality). GATv2's value is its scorer's
+        # x_src (SUM_SRC): per slot, both its gradients go into dv_acc, one tile-sized
+        # accumulator (two spilled at C = 256)
+        if SLOTS:
+            dv_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
+        else:
+            dv_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
         if KIND == 0 or KIND == 3:  # GAT: the source term's gradient, a scalar
             ds_acc = tl.zeros([BLOCK_R, BLOCK_E], ACC)
-        else:
+        elif SLOTS:
             ds_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
+        else:
+            ds_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
         if KIND == 1:
             rmask = valid[:, None, None] & (ck3 < CK)
             att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=rmask, other=0).to(ACC)  # [R, 1, CK]
@@ -647,7 +652,10 @@ def _bwd_src_items(
                 else:
                     gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
                                  mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
-                dv_acc += a[:, :, None] * gi
+                if SLOTS:
+                    dv_acc += a[:, :, None] * gi
+                else:
+                    dv_acc += tl.sum(a[:, :, None] * gi, 1)
             if NEED_SRC:
                 ds = tl.load(ds_buf + k * H + h2, mask=emask, other=0)
                 if KIND == 0 or KIND == 3:
@@ -667,11 +675,21 @@ def _bwd_src_items(
                             eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
                             z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * sk + ck3, mask=cmask,
                                             other=0).to(ACC)
-                        ds_acc += ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)
-                    else:
+                        dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)
+                        if SLOTS and SUM_SRC:  # (KIND 1 here)
+                            dv_acc += dz
+                        elif SLOTS:
+                            ds_acc += dz
+                        else:
+                            ds_acc += tl.sum(dz, 1)
+                    elif SLOTS:
                         ds_acc += ds[:, :, None] * xd  # dk_j, scaled below
-        dv_acc = tl.sum(dv_acc, 1)
-        ds_acc = tl.sum(ds_acc, 1)
+                    else:
+                        ds_acc += tl.sum(ds[:, :, None] * xd, 1)  # dk_j, scaled below
+        if SLOTS:  # over the edge slots
+            dv_acc = tl.sum(dv_acc, 1)
+        if SLOTS or KIND == 0 or KIND == 3:
+            ds_acc = tl.sum(ds_acc, 1)
         prow = slot * H + h
         if KIND == 3:
             # GAT's terms formed in-kernel from h (EdgeScore.gat_projected): h_j's
@@ -693,7 +711,7 @@ def _bwd_src_items(
                 hj = tl.load(s_src + orow[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
                 att_s_acc += ds_acc[:, None] * hj
                 att_d_acc += dt[:, None] * hj
-        elif SUM_SRC:  # value is the scorer's x_src (GATv2): one gradient, its two parts summed
+        elif SUM_SRC and not SLOTS:  # value is the scorer's x_src: one gradient, two parts
             dv_acc += ds_acc
         if NEED_VALUE:
             vm = cvm[None, :]
@@ -726,7 +744,7 @@ def _bwd_src_kernel(
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
     H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
-    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr,
+    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
     ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
@@ -738,16 +756,16 @@ def _bwd_src_kernel(
     _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
         csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
         d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
-        NEED_SRC, SUM_SRC, NEED_ATT, ACC, 0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, 0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
             part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
-            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV,
+            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV,
             FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
             part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
-            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, ACC, B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK,
+            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK,
             BLOCK_CV, FULL_CK, FULL_CV)

@@ -231,12 +231,14 @@ def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
 _RESIDENT, _RESIDENT_HEAVY, _RESIDENT_FWD = 2, 1, 4
 
 
-def _max_registers(warps: int, kernel=None, width: int = 0) -> int:
+def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False) -> int:
     """Registers per thread a row kernel may use (ptxas ``.maxnreg``): as many as let
     :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
     (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
     :data:`_RESIDENT_FWD` for the forward and the dst backward at rows of
-    :data:`_WIDE_FWD` channels or more (:func:`_fwd_schedule`); at most 255.
+    :data:`_WIDE_FWD` channels or more (:func:`_fwd_schedule`) — but for ``heavy``
+    calls of the dst backward (:func:`_heavy`), which spilled under that cap at
+    C = 256 (ptxas, sm_80 and sm_90): they keep :data:`_RESIDENT_HEAVY`; at most 255.
 
     Without an explicit cap ptxas picks a register count itself and at some shapes
     spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
@@ -244,7 +246,7 @@ def _max_registers(warps: int, kernel=None, width: int = 0) -> int:
     the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
     spills at the shapes users run"). tests/test_triton_compile.py holds both."""
     resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
-    if _fwd_schedule(kernel) and width >= _WIDE_FWD:
+    if _fwd_schedule(kernel) and width >= _WIDE_FWD and not (heavy and kernel is _bwd_dst_kernel):
         resident = _RESIDENT_FWD
     return min(255, (1 << 16) // (resident * 32 * warps))
 
@@ -311,7 +313,29 @@ def _stages(consts: dict) -> int:
     calls with edge features (``HAS_EDGE``, ``HAS_VEDGE``), whose extra per-edge
     stream's copies in flight spilled under the register cap at 2 stages (ptxas,
     sm_90, C = 256: GAT's forward with dropout, GATv2's source backward)."""
-    return 1 if consts.get("HAS_EDGE") or consts.get("HAS_VEDGE") else _STAGES
+    return 1 if _has_edge(consts) else _STAGES
+
+
+def _slot_sums(width: int) -> bool:
+    """Whether the backward kernels keep their gradients' sums per edge slot of the
+    tile (``SLOTS``: the src kernel's, the dst kernel's dot query gradient), summed
+    once after the edge loop rather than across the tile's warps at every step: at
+    rows of :data:`_WIDE_FWD` channels or more, where the H100 ran them faster; at
+    128 GATv2's src backward spilled so (ptxas, sm_90; benchmarks/NOTES.md, "Each row
+    kernel its own schedule; accumulators per edge slot")."""
+    return width >= _WIDE_FWD
+
+
+def _has_edge(consts: dict) -> bool:
+    """Whether a row kernel's call reads a per-edge feature stream."""
+    return bool(consts.get("HAS_EDGE") or consts.get("HAS_VEDGE"))
+
+
+def _heavy(consts: dict) -> bool:
+    """The dst backward's calls that spilled under 64 registers at C = 256 (ptxas,
+    sm_90): with a per-edge feature stream (188 bytes per thread, GATv2 with dropout
+    and weights), and GAT's given node terms (KIND 0: 48 bytes, plain)."""
+    return _has_edge(consts) or consts.get("KIND") == 0
 
 
 def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> None:
@@ -327,7 +351,7 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     warps = _warps(width, consts["ACC"])
     wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
-        num_warps=warps, maxnreg=_max_registers(warps, kernel, width),
+        num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts)),
         STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel)), **consts)
 
 

@@ -151,14 +151,15 @@ def test_wide_channels_narrow_the_edge_tile(monkeypatch):
     compare(score, v, ei, n)
 
 
-@pytest.mark.parametrize("kind", ["gatv2", "gat_projected"])
+@pytest.mark.parametrize("kind", ["gat", "gatv2", "dot", "gat_projected"])
 def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monkeypatch):
     """At wide rows the dst backward takes the forward's tile and the src backward a
     larger one (_fwd_schedule): their programs hold other numbers of lanes, so the
     buffer of the parameters' per-lane partials (GATv2's att from the dst kernel,
     projected GAT's from the src kernel) has rows one kernel does not write — which
     must add nothing. Here (the compiled branch's tiles, scaled to C = 16) the dst
-    backward has 1 lane per program and the src backward 3."""
+    backward has 1 lane per program and the src backward 3; and the backward kernels
+    keep their sums per edge slot (_slot_sums), as at wide rows."""
     monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
     monkeypatch.setattr(_triton_schedule, "_WIDE", 16)
     monkeypatch.setattr(_triton_schedule, "_WIDE_FWD", 16)
@@ -168,6 +169,7 @@ def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monke
     rows = {k: _triton_schedule._att_partials(C, H, torch.device(DEVICE), k)
             for k in (_triton._bwd_dst_kernel, _triton._bwd_src_kernel)}
     assert len(set(rows.values())) == 2, rows
+    assert _triton_schedule._slot_sums(C)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):  # what no kernel writes is NaN, not a lucky zero
@@ -175,15 +177,21 @@ def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monke
         return t.fill_(float("nan")) if t.is_floating_point() else t
     monkeypatch.setattr(torch, "empty", poisoned)
     ei, n, _ = graph_case("hub", DEVICE)
-    if kind == "gatv2":
+    if kind in ("gat", "dot"):
         score = make_score(kind, n, n, ei.size(1), H, C, seed=3, device=DEVICE)
         v = torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
         compare(score, v, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
         return
+    # the layers' forms: GATv2's value is its scorer's x_src (both gradients summed in
+    # the src kernel), projected GAT's terms formed from its values' rows
     h, a_s, a_d, _ = _projected(n, ei.size(1), H, C, False)
     res = {}
     for backend in ("triton", "torch"):
-        out = graph_attention(EdgeScore.gat_projected(h, a_s, a_d), h, ei, n, backend=backend)
+        if kind == "gatv2":
+            score = EdgeScore.gatv2(h, a_d.expand(n, H, C), a_s.view(H, C))
+        else:
+            score = EdgeScore.gat_projected(h, a_s, a_d)
+        out = graph_attention(score, h, ei, n, backend=backend)
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
                         dtype=torch.float64).to(out)
         res[backend] = torch.autograd.grad((out * w).sum(), [h, a_s, a_d])
