@@ -514,18 +514,19 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
     # the parameters' gradients (_partial_sums): one partial per lane of each program
     # (a fixed number, whatever the graph), summed after the launches — in one
-    # buffer, by one launch, where they are one width. The two kernels' schedules
-    # may have different lanes: the rows one does not write are zeros.
-    rows_dst = _att_partials(width, H, dev, _bwd_dst_kernel)
-    rows_src = _att_partials(width, H, dev, _bwd_src_kernel)
-    rows = max(rows_dst, rows_src)
-    new = torch.empty if rows_dst == rows_src else torch.zeros
+    # buffer, by one launch, where they are one width. The dst kernel writes att's
+    # and bias's, the src kernel KIND 3's two vectors'; where both write, their
+    # schedules have the same lanes (_fwd_schedule), so every row is written.
     names, one_width = _partial_sums(meta.kind, need, ins)
+    rows = {_att_partials(width, H, dev, _bwd_src_kernel if n.startswith("att_")
+                          else _bwd_dst_kernel, meta.kind) for n in names}
+    assert len(rows) <= 1, rows  # (each row written: no zeros to fill)
+    rows = max(rows, default=0)
     if one_width:
-        part_buf = new(len(names), rows, one_width, dtype=acc, device=dev)
+        part_buf = torch.empty(len(names), rows, one_width, dtype=acc, device=dev)
         parts = dict(zip(names, part_buf.unbind(0), strict=True))
     else:
-        parts = {n: new(rows, CV if n == "bias" else CK, dtype=acc, device=dev)
+        parts = {n: torch.empty(rows, CV if n == "bias" else CK, dtype=acc, device=dev)
                  for n in names}
     part_att, part_bias = parts.get("att"), parts.get("bias")
     with _device(value):

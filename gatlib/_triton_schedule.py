@@ -191,10 +191,13 @@ def _interpreted() -> bool:
     return isinstance(_fwd_kernel, InterpretedFunction)
 
 
-def _fwd_schedule(kernel) -> bool:
+def _fwd_schedule(kernel, kind: Optional[int] = None) -> bool:
     """Whether ``kernel`` takes the forward's schedule at wide rows (:data:`_TILE_WIDE_FWD`,
-    :data:`_RESIDENT_FWD`): the forward and the dst backward; the src backward not."""
-    return kernel is _fwd_kernel or kernel is _bwd_dst_kernel
+    :data:`_RESIDENT_FWD`): the forward and the dst backward; the src backward not, nor
+    the dst backward of GAT from projected rows (``kind`` 3), whose parameters' per-lane
+    partials share one buffer and one sum with the src backward's: with other lanes per
+    program its rows would need zeroing, one more launch per call."""
+    return kernel is _fwd_kernel or (kernel is _bwd_dst_kernel and kind != 3)
 
 
 def _tile(width: int = 0, forward: bool = False) -> Tuple[int, int]:
@@ -231,7 +234,8 @@ def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
 _RESIDENT, _RESIDENT_HEAVY, _RESIDENT_FWD = 2, 1, 4
 
 
-def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False) -> int:
+def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
+                   kind: Optional[int] = None) -> int:
     """Registers per thread a row kernel may use (ptxas ``.maxnreg``): as many as let
     :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
     (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
@@ -246,7 +250,7 @@ def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False)
     the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
     spills at the shapes users run"). tests/test_triton_compile.py holds both."""
     resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
-    if _fwd_schedule(kernel) and width >= _WIDE_FWD and not (heavy and kernel is _bwd_dst_kernel):
+    if _fwd_schedule(kernel, kind) and width >= _WIDE_FWD and not (heavy and kernel is _bwd_dst_kernel):
         resident = _RESIDENT_FWD
     return min(255, (1 << 16) // (resident * 32 * warps))
 
@@ -349,16 +353,19 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     program, the groups' one after another (:func:`_att_partials`).
     """
     warps = _warps(width, consts["ACC"])
+    kind = consts.get("KIND")
     wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
-        num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts)),
-        STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel)), **consts)
+        num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts), kind),
+        STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind)), **consts)
 
 
-def _att_partials(width: int, H: int, device: torch.device, kernel) -> int:
+def _att_partials(width: int, H: int, device: torch.device, kernel,
+                  kind: Optional[int] = None) -> int:
     """Rows of the ``part_att`` buffer that :func:`_launch` of the backward ``kernel``
-    fills: one per lane of each program, over its groups of buckets."""
-    forward = _fwd_schedule(kernel)
+    fills for a call of score ``kind``: one per lane of each program, over its groups
+    of buckets."""
+    forward = _fwd_schedule(kernel, kind)
     return sum(_programs(device, H) * _rows_per_program(block_e, width, forward)
                for _, _, block_e in _bucket_groups(width, forward))
 

@@ -154,12 +154,14 @@ def test_wide_channels_narrow_the_edge_tile(monkeypatch):
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "dot", "gat_projected"])
 def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monkeypatch):
     """At wide rows the dst backward takes the forward's tile and the src backward a
-    larger one (_fwd_schedule): their programs hold other numbers of lanes, so the
-    buffer of the parameters' per-lane partials (GATv2's att from the dst kernel,
-    projected GAT's from the src kernel) has rows one kernel does not write — which
-    must add nothing. Here (the compiled branch's tiles, scaled to C = 16) the dst
-    backward has 1 lane per program and the src backward 3; and the backward kernels
-    keep their sums per edge slot (_slot_sums), as at wide rows."""
+    larger one (_fwd_schedule): their programs hold other numbers of lanes. The buffer
+    of the parameters' per-lane partials (GATv2's att from the dst kernel, projected
+    GAT's vectors from the src kernel and its bias from the dst kernel) is sized by
+    the kernel that writes it, and where both write it (projected GAT) the dst
+    backward keeps the src's schedule: no row goes unwritten (every new buffer is NaN
+    here). Here (the compiled branch's tiles, scaled to C = 16) the dst backward has 1
+    lane per program and the src backward 3; and the backward kernels keep their sums
+    per edge slot (_slot_sums), as at wide rows."""
     monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
     monkeypatch.setattr(_triton_schedule, "_WIDE", 16)
     monkeypatch.setattr(_triton_schedule, "_WIDE_FWD", 16)
@@ -169,6 +171,8 @@ def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monke
     rows = {k: _triton_schedule._att_partials(C, H, torch.device(DEVICE), k)
             for k in (_triton._bwd_dst_kernel, _triton._bwd_src_kernel)}
     assert len(set(rows.values())) == 2, rows
+    assert len({_triton_schedule._att_partials(C, H, torch.device(DEVICE), k, 3)
+                for k in (_triton._bwd_dst_kernel, _triton._bwd_src_kernel)}) == 1
     assert _triton_schedule._slot_sums(C)
     empty = torch.empty
 
