@@ -383,7 +383,9 @@ def graph_attention(
     Returns:
         ``out`` or ``(out, alpha)``.
     """
+    V.check_value(value, score.heads)
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
+    V.check_attention_inputs(score, value, value_edge, plan.num_src, plan.num_dst, plan.num_edges)
     if bias is not None:
         V.check_bias(bias, (score.heads if concat else 1) * value.size(-1), value)
     out, alpha = attend_planned(score, value, plan, value_edge, dropout, training, concat,

@@ -253,6 +253,49 @@ def check_edge_weight(edge_weight, num_edges: int, value: Tensor) -> None:
                          f"got {tuple(edge_weight.shape)}")
 
 
+def check_value(value, heads: int) -> None:
+    """The values of a :func:`gatlib.graph_attention` call: ``[N_src, H, C]``, or
+    ``[N_src, 1, C]`` (one head that every head shares)."""
+    if not isinstance(value, Tensor) or value.dim() != 3:
+        raise ValueError(f"value must be a [N_src, H, C] tensor (or [N_src, 1, C], one head for "
+                         f"all); got {getattr(value, 'shape', type(value).__name__)}")
+    if value.size(1) not in (1, heads):
+        raise ValueError(f"value has {value.size(1)} heads; the score has {heads} (or 1, shared)")
+
+
+def check_attention_inputs(score, value, value_edge, num_src: int, num_dst: int,
+                           num_edges: int) -> None:
+    """The tensors of a :func:`gatlib.graph_attention` call agree with the graph and
+    with one another: ``value`` ``[N_src, H or 1, C]``; the score's per-source terms
+    ``N_src`` rows, per-destination terms ``num_dst`` rows, per-edge terms ``E``
+    rows, each with ``H`` heads (the dot kind's key may have one) and the kind's
+    channels; ``value_edge`` ``[E, H, C]``. The kernels index these tensors by node
+    and edge: a row too few would be read past its end, a row too many would get a
+    gradient no kernel writes. (``value`` itself: :func:`check_value`.)"""
+    H = score.heads
+    if score.projected:  # (h is the values: checked where it is formed)
+        terms = [("src", score.src, num_src, "N_src", (H,))]
+    else:
+        terms = [("src", score.src, num_src, "N_src", (H, 1) if score.kind == "dot" else (H,)),
+                 ("dst", score.dst, num_dst, "num_dst", (H,)),
+                 ("edge", score.edge, num_edges, "E", (H,))]
+    wide = score.kind != "gat" or score.projected  # terms of CK channels, else scalars
+    CK = score.src.size(-1) if score.projected else score.dst.size(-1) if wide else None
+    for name, t, rows, what, heads in terms:
+        if t is None:
+            continue
+        if not (t.dim() == 2 + wide and t.size(0) == rows and t.size(1) in heads
+                and (not wide or t.size(2) == CK)):
+            dims = [f"{what}={rows}", f"H={H}" + (" or 1" if len(heads) > 1 else "")]
+            raise ValueError(f"score's {name} must have shape [{', '.join(dims + [f'C={CK}'] * wide)}]; "
+                             f"got {tuple(t.shape)}")
+    if score.kind == "gatv2" and tuple(score.att.shape) != (H, CK):
+        raise ValueError(f"score's att must have shape [H={H}, C={CK}]; got {tuple(score.att.shape)}")
+    if value_edge is not None and tuple(value_edge.shape) != (num_edges, H, value.size(-1)):
+        raise ValueError(f"value_edge must have shape [E={num_edges}, H={H}, C={value.size(-1)}]; "
+                         f"got {tuple(value_edge.shape)}")
+
+
 def check_bias(bias, width: int, value: Tensor) -> None:
     """An output bias: ``[width]`` floating values, one per output channel."""
     _check_floating("bias", bias, value, "value")

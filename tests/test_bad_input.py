@@ -242,3 +242,51 @@ def test_bad_plan_arguments():
         gatlib.GraphPlan(gatlib.GraphPlan(ei))
     with pytest.raises(ValueError, match=r"num_nodes must be in \[0, 3\]"):
         gatlib.GraphPlan(ei, num_nodes=3).with_self_loops(4)
+
+
+# --- graph_attention's tensors -------------------------------------------------
+def _attention_inputs():
+    ei = torch.tensor([[0, 1, 2, 3, 4, 4, 1], [0, 0, 1, 2, 2, 3, 3]])  # 5 sources, 4 destinations
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+    return ei, r
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused", "triton"])
+@pytest.mark.parametrize("case,match", [
+    ("gat src rows", r"score's src must have shape \[N_src=5, H=2\]; got \(3, 2\)"),
+    ("gat src too many", r"score's src must have shape \[N_src=5, H=2\]; got \(7, 2\)"),
+    ("gat dst rows", r"score's dst must have shape \[num_dst=4, H=2\]; got \(5, 2\)"),
+    ("gat edge rows", r"score's edge must have shape \[E=7, H=2\]; got \(6, 2\)"),
+    ("value heads", r"value has 3 heads; the score has 2 \(or 1, shared\)"),
+    ("value dims", r"value must be a \[N_src, H, C\] tensor"),
+    ("dot key channels", r"score's src must have shape \[N_src=5, H=2 or 1, C=4\]; got \(5, 2, 3\)"),
+    ("gatv2 att", r"score's att must have shape \[H=2, C=4\]; got \(2, 3\)"),
+    ("value_edge rows", r"value_edge must have shape \[E=7, H=2, C=3\]; got \(5, 2, 3\)"),
+])
+def test_graph_attention_tensors_that_disagree_with_the_graph(backend, case, match):
+    """Each of a call's tensors has the rows of what it is indexed by (sources,
+    destinations, edges) and the score's heads and channels: a row too few would be
+    read past its end by the kernels, a row too many would get a gradient no kernel
+    writes (the Triton backward's, uninitialised)."""
+    ei, r = _attention_inputs()
+    S = gatlib.EdgeScore
+    value = r(5, 2, 3)
+    value_edge = None
+    score = {"gat src rows": lambda: S.gat(r(3, 2), r(4, 2)),
+             "gat src too many": lambda: S.gat(r(7, 2), r(4, 2)),
+             "gat dst rows": lambda: S.gat(r(5, 2), r(5, 2)),
+             "gat edge rows": lambda: S.gat(r(5, 2), r(4, 2), r(6, 2)),
+             "dot key channels": lambda: S.dot(r(4, 2, 4), r(5, 2, 3)),
+             "gatv2 att": lambda: S.gatv2(r(5, 2, 4), r(4, 2, 4), r(2, 3))}.get(case)
+    score = score() if score else S.gat(r(5, 2), r(4, 2))
+    if case == "value heads":
+        value = r(5, 3, 3)
+    elif case == "value dims":
+        value = r(5, 6)
+    elif case == "value_edge rows":
+        value_edge = r(5, 2, 3)
+    with pytest.raises(ValueError, match=match):
+        gatlib.graph_attention(score, value, ei, 4, value_edge=value_edge, backend=backend)
