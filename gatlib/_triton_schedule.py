@@ -241,8 +241,8 @@ def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
     (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
     :data:`_RESIDENT_FWD` for the forward and the dst backward at rows of
     :data:`_WIDE_FWD` channels or more (:func:`_fwd_schedule`) — but for ``heavy``
-    calls of the dst backward (:func:`_heavy`), which spilled under that cap at
-    C = 256 (ptxas, sm_80 and sm_90): they keep :data:`_RESIDENT_HEAVY`; at most 255.
+    calls (:func:`_heavy`), which spilled under that cap at C = 256 (ptxas, sm_80
+    and sm_90): they keep their kernel's count; at most 255.
 
     Without an explicit cap ptxas picks a register count itself and at some shapes
     spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
@@ -250,7 +250,7 @@ def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
     the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
     spills at the shapes users run"). tests/test_triton_compile.py holds both."""
     resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
-    if _fwd_schedule(kernel, kind) and width >= _WIDE_FWD and not (heavy and kernel is _bwd_dst_kernel):
+    if _fwd_schedule(kernel, kind) and width >= _WIDE_FWD and not heavy:
         resident = _RESIDENT_FWD
     return min(255, (1 << 16) // (resident * 32 * warps))
 
@@ -335,11 +335,16 @@ def _has_edge(consts: dict) -> bool:
     return bool(consts.get("HAS_EDGE") or consts.get("HAS_VEDGE"))
 
 
-def _heavy(consts: dict) -> bool:
-    """The dst backward's calls that spilled under 64 registers at C = 256 (ptxas,
-    sm_90): with a per-edge feature stream (188 bytes per thread, GATv2 with dropout
-    and weights), and GAT's given node terms (KIND 0: 48 bytes, plain)."""
-    return _has_edge(consts) or consts.get("KIND") == 0
+def _heavy(consts: dict, kernel=None) -> bool:
+    """The calls of ``kernel`` that spilled under the forward's schedule's 64 registers
+    at C = 256 (ptxas, sm_90): with attention dropout, the forward (GATv2: 24 bytes
+    per thread, 64 in bfloat16) and the dst backward (GATv2: 136, 408 with returned
+    weights), whose random stream's state and keep masks are live besides the tiles;
+    and the dst backward's with a per-edge feature stream (188 bytes, GATv2 with
+    dropout and weights) and with GAT's given node terms (KIND 0: 48 bytes, plain)."""
+    if consts.get("DROPOUT"):
+        return True
+    return kernel is _bwd_dst_kernel and (_has_edge(consts) or consts.get("KIND") == 0)
 
 
 def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> None:
@@ -356,7 +361,7 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     kind = consts.get("KIND")
     wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
-        num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts), kind),
+        num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind),
         STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind)), **consts)
 
 

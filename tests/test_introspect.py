@@ -110,12 +110,14 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     # two programs per SM, one dst backward; four forward and dst backward programs at
     # 256 channels
     assert own_caps == [255, 255, 255, 128, 255, 128, 64, 64, 128]
-    # ... but the dst backward's heavy calls (edge features, GAT's node terms) keep one
-    # program's registers
+    # ... but heavy calls keep their kernel's count: the dst backward's (edge features,
+    # GAT's node terms, dropout) one program's registers, the forward's (dropout) two
     assert sched._max_registers(8, dst, 256, heavy=True) == 255
-    assert sched._max_registers(8, fwd, 256, heavy=True) == 64
-    assert sched._heavy({"KIND": 0}) and sched._heavy({"KIND": 2, "HAS_VEDGE": True})
-    assert not sched._heavy({"KIND": 3, "HAS_EDGE": False})
+    assert sched._max_registers(8, fwd, 256, heavy=True) == 128
+    assert sched._heavy({"KIND": 0}, dst) and sched._heavy({"KIND": 2, "HAS_VEDGE": True}, dst)
+    assert not sched._heavy({"KIND": 0}, fwd) and not sched._heavy({"KIND": 2, "HAS_EDGE": True}, fwd)
+    assert all(sched._heavy({"KIND": 1, "DROPOUT": True}, k) for k in (fwd, dst))
+    assert not sched._heavy({"KIND": 3, "HAS_EDGE": False, "DROPOUT": False}, dst)
     with introspect.triton_tiles(tile=4096, programs_per_sm=8, stages=1, resident=4) as values:
         assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
                           "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,
