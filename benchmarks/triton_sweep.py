@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("gat", "gat_projected", "gatv2", "dot")
+# "gat_inputs", "dot_inputs": GATConv's and TransformerConv's calls in input space
+# (F = --in-channels < C): values (and the key) x_j of one head that all heads share
+KINDS = ("gat", "gat_projected", "gatv2", "dot", "gat_inputs", "dot_inputs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph", default="arxiv-like")
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--channels", type=int, default=256)
+    p.add_argument("--in-channels", type=int, default=128,
+                   help="F of the input-space kinds (the arxiv-like graph's features)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
@@ -65,7 +69,9 @@ def _graph(name: str, device):
     return torch.cat([ei, loops], dim=1).to(device), spec.num_nodes
 
 
-def _inputs(kind, N, E, H, C, dtype, device):
+def _inputs(kind, N, E, H, C, dtype, device, F=128):
+    """``(score, value)`` of one kind's call; the values are ``[N, H, C]``, or in
+    input space ``[N, 1, F]`` (one head for all)."""
     from gatlib import EdgeScore
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -73,6 +79,11 @@ def _inputs(kind, N, E, H, C, dtype, device):
     def r(*shape):
         return (0.1 * torch.randn(*shape, generator=g, device=device, dtype=dtype)).requires_grad_()
 
+    if kind == "gat_inputs":
+        return EdgeScore.gat(r(N, H), r(N, H)), r(N, 1, F)
+    if kind == "dot_inputs":  # the key is the value: x_j
+        x = r(N, 1, F)
+        return EdgeScore.dot(r(N, H, F), x, None, C ** -0.5), x
     value = r(N, H, C)
     if kind == "gat":
         return EdgeScore.gat(r(N, H), r(N, H)), value
@@ -108,8 +119,8 @@ def _time(kind, plan, N, H, C, dtype, device, args):
 
     from gatlib import graph_attention
 
-    score, value = _inputs(kind, N, plan.num_edges, H, C, dtype, device)
-    grad = torch.randn(N, H * C, device=device, dtype=dtype)
+    score, value = _inputs(kind, N, plan.num_edges, H, C, dtype, device, args.in_channels)
+    grad = torch.randn(N, H * value.size(-1), device=device, dtype=dtype)
     ins = [t for t in (*score.tensors(), value) if t is not None]
 
     def forward():
@@ -132,7 +143,7 @@ def _time(kind, plan, N, H, C, dtype, device, args):
     return out
 
 
-def _profile(kind, plan, N, H, C, dtype, device, runs=3):
+def _profile(kind, plan, N, H, C, dtype, device, F, runs=3):
     """``[(kernel, calls, GPU ms)]`` of a warmed forward+backward (the mean of ``runs``),
     most time first: where a pass's time goes among the row kernels, merges and ATen
     ops."""
@@ -140,8 +151,8 @@ def _profile(kind, plan, N, H, C, dtype, device, runs=3):
 
     from gatlib import graph_attention
 
-    score, value = _inputs(kind, N, plan.num_edges, H, C, dtype, device)
-    grad = torch.randn(N, H * C, device=device, dtype=dtype)
+    score, value = _inputs(kind, N, plan.num_edges, H, C, dtype, device, F)
+    grad = torch.randn(N, H * value.size(-1), device=device, dtype=dtype)
     graph_attention(score, value, plan, N, backend="triton").backward(grad)  # warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -187,14 +198,14 @@ def main(argv=None) -> int:
                     print(f"[sweep] {args.label or '-'} {variant:>10} {kind:>13} {phase:>7}: "
                           f"{ms:8.3f} ms (first call {first:.1f} s)", flush=True)
                 if args.profile:
-                    kernels = _profile(kind, plan, N, H, C, dtype, device)
+                    kernels = _profile(kind, plan, N, H, C, dtype, device, args.in_channels)
                     profiles.append(dict(variant=variant, kind=kind, kernels=kernels))
                     for name, calls, ms in kernels[:6]:
                         print(f"[profile] {variant:>10} {kind:>13} {ms:8.3f} ms {calls:3d}x "
                               f"{name[:70]}", flush=True)
     result = dict(command=" ".join(sys.argv), device=torch.cuda.get_device_name(),
                   torch=torch.__version__, graph=args.graph, nodes=N, edges=ei.size(1), heads=H,
-                  channels=C, dtype=args.dtype, rows=rows, profiles=profiles)
+                  channels=C, in_channels=args.in_channels, dtype=args.dtype, rows=rows, profiles=profiles)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

@@ -38,6 +38,11 @@ depends on a value read back to the host. The edge loops are software-pipelined
 (``_STAGES``): the next steps' index loads and gathers are issued as asynchronous
 copies into shared memory while a step computes.
 
+**Values of one head.** A value (or the dot kind's key) ``[N, 1, C]`` that every
+head shares — a layer aggregating its inputs, :func:`gatlib._conv._input_space` —
+is read in place: the lanes of a row read one copy of each source row, and the
+backward sums its per-head gradient over the heads.
+
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
 channels are padded to a power of two and masked. Attention dropout draws
 Philox numbers keyed by ``(seed, CSR edge position * H + head)``, so the
@@ -61,7 +66,8 @@ from torch import Tensor
 
 from . import _record
 from . import _triton_schedule as TS
-from ._core import EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads
+from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads,
+                    score_heads)
 from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
@@ -94,15 +100,25 @@ class _Meta:
     need_alpha: bool
     alpha_dtype: torch.dtype
     acc: torch.dtype  # accumulation dtype: float32, or float64 for float64 inputs
-    share_v: bool  # value is the scorer's x_src (GATv2 layers; KIND 3: h)
+    share_v: bool  # value is the scorer's x_src (GATv2 layers; KIND 3: h; dot: the key)
     share_ve: bool  # value_edge is the scorer's edge term (Transformer layers)
+    one_k: bool  # the dot kind's key has one head, shared by every head ([N, 1, CK])
+    one_v: bool  # the value has one head, shared by every head ([N, 1, CV])
 
 
 def _meta(kind: int, scale: float, slope: float, p: float, need_alpha: bool,
           alpha_dtype: torch.dtype, share_v: bool, share_ve: bool, ins) -> _Meta:
     s_src, value = ins[0], ins[4]
-    return _Meta(kind, value.size(1), 1 if kind == 0 else s_src.size(-1), value.size(-1), scale, slope,
-                 p, need_alpha, alpha_dtype, acc_dtype(*ins), share_v, share_ve)
+    H = _heads(kind, ins)
+    return _Meta(kind, H, 1 if kind == 0 else s_src.size(-1), value.size(-1), scale, slope,
+                 p, need_alpha, alpha_dtype, acc_dtype(*ins), share_v, share_ve,
+                 kind == 2 and s_src.size(1) != H, value.size(1) != H)
+
+
+def _heads(kind: int, ins) -> int:
+    """``H`` of a call (:func:`gatlib._core.score_heads`): the query's for the dot
+    kind, whose key may have one head; the value may have one too."""
+    return score_heads(_KIND_NAMES[kind], ins[0], ins[1])
 
 
 class _Graph(NamedTuple):
@@ -223,7 +239,7 @@ def _operator(name: str, fake):
 def _fake_forward(s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed, graph, kind, scale,
                   slope, p, need_alpha, alpha_dtype, share_v, share_ve):
     num_dst, E = graph[0].numel() - 1, graph[1].numel()
-    H = value.size(1)
+    H = _heads(kind, (s_src, s_dst))
     acc = acc_dtype(s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     alpha = value.new_empty(E, H, dtype=alpha_dtype) if need_alpha else value.new_empty(0)
     out = value.new_empty(num_dst, H, value.size(2))
@@ -255,7 +271,7 @@ def _fake_backward(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value, val
     grads = [torch.empty_like(t) if n and t is not None else value.new_empty(0)
              for t, n in zip(ins, ret, strict=True)]
     names, width = _partial_sums(kind, need, ins)
-    summed = value.new_empty(len(names), value.size(1), width, dtype=acc_dtype(*ins)) if width \
+    summed = value.new_empty(len(names), _heads(kind, ins), width, dtype=acc_dtype(*ins)) if width \
         else value.new_empty(0)
     return grads + [summed]
 
@@ -458,7 +474,7 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
                     lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
                     KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
-                    ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
+                    ONE_K=meta.one_k, ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
                     FULL_CK=consts["FULL_CK"],
                     num_warps=_warps(consts["BLOCK_CK"], consts["ACC"]))
     if out_b is None:
@@ -552,8 +568,14 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
         d_value = d_src = None
         if need_value or need_src:
             sitems = plan.src_items
-            d_value = torch.empty_like(value) if need_value else None
-            d_src = torch.empty_like(s_src) if need_src and not (sum_src or projected) else None
+            # a lane writes its (source, head)'s gradient: of a value or key of one
+            # head, each head's row in the accumulation dtype, summed below
+            if need_value:
+                d_value = (value.new_empty(value.size(0), H, CV, dtype=acc) if meta.one_v
+                           else torch.empty_like(value))
+            if need_src and not (sum_src or projected):
+                d_src = (s_src.new_empty(s_src.size(0), H, CK, dtype=acc) if meta.one_k
+                         else torch.empty_like(s_src))
             part_value = torch.empty(sitems.max_pieces, H, CV, dtype=acc, device=dev) \
                 if need_value else None
             part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
@@ -572,8 +594,12 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                     BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
             if need_value:
                 _merge(d_value, part_value, sitems, H)
+                if meta.one_v:
+                    d_value = d_value.sum(1, keepdim=True).to(value.dtype)
             if d_src is not None:
                 _merge(d_src, part_src, sitems, H)
+                if meta.one_k:
+                    d_src = d_src.sum(1, keepdim=True).to(s_src.dtype)
     d_att = d_bias = summed = None
     if one_width:  # [k, H, width], cut by _grads
         summed = part_buf.view(len(names), -1, H, one_width).sum(1)
@@ -589,11 +615,11 @@ def _reference_backward(kind: int, scale: float, slope: float, p: float, seed: O
                         graph: _Graph, ins, need, g_out, g_alpha) -> List[Optional[Tensor]]:
     """Differentiable gradients of the same call: the reference's, on the edge list
     with the kernels' dropout mask. Builds ``[E, H, C]`` tensors, as the reference does."""
-    value, bias = ins[4], ins[6]
+    bias = ins[6]
     drop = None
     if p > 0:
         acc = acc_dtype(*ins)
-        keep = _keep_mask(graph.csr_eid, value.size(1), p, seed)
+        keep = _keep_mask(graph.csr_eid, _heads(kind, ins), p, seed)
         drop = keep.to(acc) * (1.0 / (1.0 - p))
     perm = graph.perm.long()
     src = torch.empty_like(perm).index_copy_(0, perm, graph.src.long())  # edge-list order
@@ -616,6 +642,7 @@ def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
     return dict(
         KIND=meta.kind, HAS_DST=s_dst is not None, HAS_EDGE=s_edge is not None,
         HAS_VEDGE=value_edge is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
+        ONE_K=meta.one_k, ONE_V=meta.one_v,
         ACC=_tl_acc(meta.acc), BLOCK_CK=triton.next_power_of_2(meta.CK),
         BLOCK_CV=triton.next_power_of_2(meta.CV), FULL_CV=meta.CV == triton.next_power_of_2(meta.CV),
         FULL_CK=meta.CK == triton.next_power_of_2(meta.CK),
@@ -686,21 +713,17 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     if kind == 3 and not (value is s_src and s_dst is s_src):
         raise ValueError("a projected GAT score's h must be the values (gatlib's dispatcher "
                          "gives any other call the per-node terms: EdgeScore.node_terms)")
-    # A value (or a dot key) of one head that all heads share: each lane of these
-    # kernels reads one (row, head), so the shared rows are copied per head; the
-    # per-edge reads are C wide per head either way (the rule in gatlib.layers).
+    # A value (or a dot key) of one head that all heads share ([N, 1, C]: a layer in
+    # input space) goes to the kernels as it is: their lanes of one row read its one
+    # copy (ONE_V, ONE_K), and its gradient is the sum of the heads'
     H = score.heads
-    if value.size(1) != H:
-        value = value.expand(-1, H, -1)
-    if kind == 2 and s_src.size(1) != H:
-        s_src = s_src.expand(-1, H, -1)
     if bias is not None and (bias.dtype != value.dtype or bias.device != value.device
                              or bias.numel() != H * value.size(-1)):
         raise ValueError(f"bias must be [H * C] = [{H * value.size(-1)}] in the values' dtype "
                          f"({value.dtype}) on their device; got {tuple(bias.shape)} {bias.dtype} "
                          f"on {bias.device}")
     tensors = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
-    share_v = kind in (1, 3) and s_src is value
+    share_v = kind in (1, 2, 3) and s_src is value
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
     seed = _draw_seed(value.device) if p > 0 else None
     alpha_dtype = promoted_dtype(s_src, s_dst, s_edge, s_att)

@@ -61,7 +61,8 @@ def _lane_slots(valid, slot, length):
 @triton.jit
 def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m_edge,
            scale, slope, KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr,
-           ACC: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr):
+           ONE_K: tl.constexpr, ACC: tl.constexpr, BLOCK_CK: tl.constexpr,
+           FULL_CK: tl.constexpr):
     """Scores of a 2-D tile of edges ``src -> dst`` (original ids ``eid``), head ``h``:
     :mod:`gatlib._scores`' formulas (``gat_edge``, ``gatv2_edge``, ``dot_edge``).
 
@@ -72,7 +73,10 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
 
     ``KIND`` 0 GAT from per-node terms, 1 GATv2, 2 dot product, 3 GAT from the
     projected rows ``h`` (``s_src``, ``s_dst``) and ``s_att = [a_src; a_dst]``
-    (:meth:`gatlib.EdgeScore.gat_projected`).
+    (:meth:`gatlib.EdgeScore.gat_projected`). ``ONE_K``: the source rows ``s_src``
+    have one head that every head shares (the dot kind's key in input space,
+    ``[N, 1, CK]``): a lane reads row ``src``, not ``src * H + h``, and the
+    lanes of one item read the same row (from cache after the first).
 
     Returns ``(score, z, xs, xd, xe)``: the ``[R, E]`` scores; ``z`` the
     pre-activation (GAT ``[R, E]``, GATv2 ``[R, E, CK]``) or ``k_j + e_ij``
@@ -92,12 +96,16 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
         xe = z
     else:
         ck = tl.arange(0, BLOCK_CK)[None, None, :]
+        if ONE_K:
+            srow = src
+        else:
+            srow = src * H + h
         if FULL_CK:
             # CK is the tile's width: rows start at multiples of the constexpr BLOCK_CK
             # and no channel is masked, so the compiler can prove a row's lanes aligned
             # and contiguous and load them 64/128 bits at a time (CK itself stays an
             # unspecialised integer: a new graph compiles nothing new)
-            xs = tl.load(s_src + (src * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_src[:, :, None],
+            xs = tl.load(s_src + srow[:, :, None] * BLOCK_CK + ck, mask=m_src[:, :, None],
                          other=0).to(ACC)
             xd = tl.load(s_dst + (dst * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_dst[:, :, None],
                          other=0).to(ACC)
@@ -108,7 +116,7 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
                 xe = xs
         else:
             cm = ck < CK
-            xs = tl.load(s_src + (src * H + h)[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
+            xs = tl.load(s_src + srow[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
                          other=0).to(ACC)
             xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
                          other=0).to(ACC)
@@ -152,7 +160,8 @@ def _fwd_items(
     out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
+    DROPOUT: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
@@ -194,7 +203,7 @@ def _fwd_items(
                 eid = k
             score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
                                           emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                          HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
+                                          HAS_EDGE, ONE_K, ACC, BLOCK_CK, FULL_CK)
             score = tl.where(emask, score, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(score, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
@@ -204,16 +213,21 @@ def _fwd_items(
             if DROPOUT:
                 keep = tl.rand(rng_seed, k * H + h2) >= p_drop
                 p = tl.where(keep, p * keep_scale, 0.0)
-            # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers) or
-            # value_edge (Transformer layers) is the same tensor
+            # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers, the dot
+            # kind in input space) or value_edge (Transformer layers) is the same
+            # tensor; a value of one head (ONE_V, input space) is row src for every head
+            if ONE_V:
+                vrow = src
+            else:
+                vrow = src * H + h2
             if FULL_CV:
                 # CV is the tile's width: rows start at multiples of it and no channel
                 # is masked, which lets the compiler prove rows aligned for wide loads
                 vmask = emask[:, :, None]
-                row_v = (src * H + h2)[:, :, None] * BLOCK_CV
+                row_v = vrow[:, :, None] * BLOCK_CV
             else:
                 vmask = emask[:, :, None] & (cv3 < CV)
-                row_v = (src * H + h2)[:, :, None] * CV
+                row_v = vrow[:, :, None] * CV
             if SHARE_V:
                 v = xs
             else:
@@ -249,7 +263,8 @@ def _fwd_kernel(
     out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
+    DROPOUT: tl.constexpr, ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
@@ -262,19 +277,19 @@ def _fwd_kernel(
     _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
         s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
         p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-        DROPOUT, ACC,
+        ONE_K, ONE_V, DROPOUT, ACC,
         0, B1, R0, E0, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
             s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-            DROPOUT, ACC,
+            ONE_K, ONE_V, DROPOUT, ACC,
             B1, B2, R1, E1, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
             s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-            DROPOUT, ACC,
+            ONE_K, ONE_V, DROPOUT, ACC,
             B2, B3, R2, E2, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
 
@@ -282,8 +297,8 @@ def _fwd_kernel(
 @triton.jit(do_not_specialize=_PER_CALL)
 def _alpha_kernel(
     csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha, H, CK,
-    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ONE_K: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr,
 ):
     """``alpha[eid, h] = exp(e_ij - lse_i)``, one lane per (CSR position, head)."""
     lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)[:, None]  # [K, 1]
@@ -296,7 +311,8 @@ def _alpha_kernel(
     scale = tl.load(coef).to(ACC)
     slope = tl.load(coef + 1).to(ACC)
     score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m, m, m,
-                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
+                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ONE_K, ACC, BLOCK_CK,
+                                  FULL_CK)
     row_lse = tl.load(lse + dst * H + h, mask=m, other=0)
     tl.store(alpha + eid * H + h, tl.exp(score - row_lse), mask=m)
 
@@ -368,7 +384,8 @@ def _bwd_dst_items(
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
     seed, p_drop, H, CK, CV, part_att, part_bias,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
-    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
+    DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -453,7 +470,7 @@ def _bwd_dst_items(
                 eid = k
             score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
                                           emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                          HAS_EDGE, ACC, BLOCK_CK, FULL_CK)
+                                          HAS_EDGE, ONE_K, ACC, BLOCK_CK, FULL_CK)
             p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
             vmask = emask[:, :, None] & (cv3 < CV)
             if FULL_CV:  # (as the destination rows above)
@@ -464,6 +481,8 @@ def _bwd_dst_items(
                 stride = CV
             if SHARE_V:
                 v = xs
+            elif ONE_V:  # (as in the forward)
+                v = tl.load(value + src[:, :, None] * stride + cv3, mask=lmask, other=0).to(ACC)
             else:
                 v = tl.load(value + (src * H + h2)[:, :, None] * stride + cv3, mask=lmask,
                             other=0).to(ACC)
@@ -544,7 +563,8 @@ def _bwd_dst_kernel(
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
     seed, p_drop, H, CK, CV, part_att, part_bias,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
-    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
+    DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
     B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
@@ -558,21 +578,21 @@ def _bwd_dst_kernel(
         s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
         delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
         H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-        SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
+        SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
         0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-            SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
+            SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
             B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-            SHARE_VE, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
+            SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
             B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
 
@@ -605,6 +625,7 @@ def _bwd_src_items(
         length = tl.load(item_len + it, mask=valid, other=0)
         final, piece, slot, max_len = _lane_slots(
             valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
+        scale = tl.load(coef).to(ACC)
         slope = tl.load(coef + 1).to(ACC)
         h2 = h[:, None]
         orow = row * H + h  # this lane's source node and head
@@ -620,7 +641,8 @@ def _bwd_src_items(
         # always: a per-step sum into an [R] accumulator failed Triton 3.6's compiler
         # at C <= 4 (TritonGPUOptimizeThreadLocality). GATv2's value is its scorer's
         # x_src (SUM_SRC): per slot, both its gradients go into dv_acc, one tile-sized
-        # accumulator (two spilled at C = 256)
+        # accumulator (two spilled at C = 256); so is the dot kind's key when it is the
+        # value (input space), its gradient scaled as it is summed
         if SLOTS:
             dv_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
         else:
@@ -682,6 +704,8 @@ def _bwd_src_items(
                             ds_acc += dz
                         else:
                             ds_acc += tl.sum(dz, 1)
+                    elif SLOTS and SUM_SRC:  # (KIND 2 here)
+                        dv_acc += ds[:, :, None] * xd * scale
                     elif SLOTS:
                         ds_acc += ds[:, :, None] * xd  # dk_j, scaled below
                     else:
@@ -712,7 +736,10 @@ def _bwd_src_items(
                 att_s_acc += ds_acc[:, None] * hj
                 att_d_acc += dt[:, None] * hj
         elif SUM_SRC and not SLOTS:  # value is the scorer's x_src: one gradient, two parts
-            dv_acc += ds_acc
+            if KIND == 2:
+                dv_acc += ds_acc * scale
+            else:
+                dv_acc += ds_acc
         if NEED_VALUE:
             vm = cvm[None, :]
             tl.store(d_value + orow[:, None] * CV + cv[None, :], dv_acc, mask=final[:, None] & vm)
@@ -723,7 +750,7 @@ def _bwd_src_items(
                 tl.store(part_src + prow, ds_acc, mask=piece)
             else:
                 if KIND == 2:
-                    ds_acc = ds_acc * tl.load(coef).to(ACC)
+                    ds_acc = ds_acc * scale
                 km = ckm[None, :]
                 tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
                 tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)

@@ -7,7 +7,7 @@
 # 1's sweep decided, checks the kernels again, times the fused call and each kernel in it, the
 # step, Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
 # launch-bound), and the input-space form of GATConv and TransformerConv against the projected
-# one, forward and backward, in that order (its steps' limits sum to 700 s: send it with the
+# one, forward and backward, in that order (its steps' limits sum to 730 s: send it with the
 # device time left; part 1 took 369 s on the last H100, with a 35 s start; each step logs its
 # seconds):
 #
@@ -112,8 +112,10 @@ print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json") || best="(no
 fi
 if [[ $PART == 2 || $PRINT == 1 ]]; then
   selftests
-  # the fused call alone and each kernel's time in it, at the library's schedule
-  step 70 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
+  # the fused call alone and each kernel's time in it, at the library's schedule; with GATConv's
+  # and TransformerConv's input-space calls (values and key of one head, F = 128)
+  step 100 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot gat_inputs dot_inputs \
+    --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
   step_arxiv
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \

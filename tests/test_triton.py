@@ -3,6 +3,7 @@
 Without a GPU the kernels run in Triton's CPU interpreter on CPU tensors
 (slow: the graphs here are small); with CUDA the same tests run on the GPU.
 """
+import functools
 import os
 
 import torch
@@ -256,6 +257,84 @@ def test_gradcheck_with_dropout():
                                    dropout=0.5, training=True, backend="triton")
 
     assert torch.autograd.gradcheck(f, (v, score.dst, score.src, score.edge), fast_mode=True)
+
+
+# ---------------------------------------------------------------------------
+# Values and keys of one head that every head shares (the layers' input space).
+# ---------------------------------------------------------------------------
+ONE_HEAD_FORMS = ["gat", "dot", "dot_key_is_value", "dot_key_only"]
+
+
+def _one_head_call(form, n, n_dst, H, C, dtype, seed=0):
+    """``(score, value)`` with the value (and the dot kind's key) of one head:
+    GATConv in input space ("gat"), TransformerConv's ("dot_key_is_value": its key
+    and value are the inputs x_j), a key and a value of one head each ("dot"), and
+    a key of one head with values of H ("dot_key_only")."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_()
+
+    if form == "gat":
+        return EdgeScore.gat(r(n, H), r(n_dst, H), None, 0.2), r(n, 1, C)
+    key = r(n, 1, C)
+    score = EdgeScore.dot(r(n_dst, H, C), key, None, 1 / C ** 0.5)
+    value = {"dot": lambda: r(n, 1, C), "dot_key_is_value": lambda: key,
+             "dot_key_only": lambda: r(n, H, C)}[form]()
+    return score, value
+
+
+@pytest.mark.parametrize("slots", [False, True], ids=["step_sums", "slot_sums"])
+@pytest.mark.parametrize("form", ONE_HEAD_FORMS)
+def test_values_and_keys_of_one_head_are_read_in_place(form, slots, monkeypatch):
+    """A value or key ``[N, 1, C]`` goes to the kernels as it is — no copy per head:
+    each lane reads row ``j`` for every head (ONE_V, ONE_K), and its gradient is the
+    heads' sum — over split rows both ways, with the backward's sums per step or
+    per edge slot (as at wide rows)."""
+    monkeypatch.setattr(_triton, "_slot_sums", lambda width: slots)
+    hub, n, _ = graph_case("hub", DEVICE)
+    ei = torch.cat([hub, hub.flip(0)], 1)  # node 0 receives and sends 600 edges: split rows
+    H, C = 3, 5
+    score, value = _one_head_call(form, n, n, H, C, torch.float64)
+    launched = []
+    launch = _triton._launch
+
+    def record(kernel, items, heads, width, *args, **consts):
+        launched.append((kernel, consts))
+        return launch(kernel, items, heads, width, *args, **consts)
+
+    monkeypatch.setattr(_triton, "_launch", record)
+    compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
+    one_k, one_v = form != "gat", form != "dot_key_only"
+    row_kernels = [c for k, c in launched if k in (_triton._fwd_kernel, _triton._bwd_dst_kernel)]
+    assert len(row_kernels) == 2
+    assert all(c["ONE_K"] == one_k and c["ONE_V"] == one_v for c in row_kernels), row_kernels
+    assert all(c["SHARE_V"] == (form == "dot_key_is_value") for c in row_kernels)
+
+
+@pytest.mark.parametrize("form", ["gat", "dot_key_is_value"])
+def test_one_head_values_gradcheck(form, monkeypatch):
+    """gradcheck (float64) of the one-head forms, split pieces and dropout included."""
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 3)
+    ei = _small_graph()
+    n_src, n_dst, H, C = 5, 4, 2, 3
+    score, value = _one_head_call(form, n_src, n_dst, H, C, torch.float64)
+    shared = value is score.src
+
+    def f(p, v, *ts):
+        it = iter(ts)
+        s = score.with_tensors(*(None if t is None else v if shared and t is value else next(it)
+                                 for t in score.tensors()))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same dropout seed on every call
+            return graph_attention(s, v, ei, n_dst, backend="triton", dropout=p, training=True,
+                                   return_attention=True)
+
+    ts = [t for t in leaves(score) if not (shared and t is value)]
+    with gatlib.record_kernels() as log:
+        for p in (0.0, 0.5):
+            assert torch.autograd.gradcheck(functools.partial(f, p), (value, *ts), fast_mode=True)
+    assert "triton" in log and "triton.backward" in log
 
 
 def test_second_order_matches_the_reference():

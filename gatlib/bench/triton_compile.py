@@ -46,6 +46,9 @@ from gatlib import introspect  # noqa: E402
 TARGETS = {"sm_80": 80, "sm_90": 90}
 # "gat_projected": GATConv's score from its projected rows (EdgeScore.gat_projected)
 KINDS = ("gat", "gatv2", "dot", "gat_projected")
+# GATConv's and TransformerConv's calls in input space: values (and the Transformer's
+# key, which is its value) x_j of one head that every head shares, C = F channels
+INPUT_KINDS = ("gat_inputs", "dot_inputs")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 # Channel counts per head: one per power-of-two tile width the kernels pad to,
@@ -83,13 +86,24 @@ def default_cases() -> List[Case]:
     C=64; every channel width for each kind (float32 and bfloat16, with edge
     features, dropout and alpha: the most live tiles); and the plain call (none
     of those) at each of :data:`USER_CHANNELS` (float32 and bfloat16): what most
-    layers run, with other tiles live than the first two."""
+    layers run, with other tiles live than the first two; and the input-space calls
+    (:data:`INPUT_KINDS`) plain at each of those and with what they may add
+    (GAT's edge term, dropout, alpha) at 128 and 256 channels; and every kind with
+    dropout and alpha but no edge features at 128 and 256."""
     cases = [Case(k, d, 64, e, p, p) for k, d, e, p in
              itertools.product(KINDS, DTYPES, (False, True), (False, True))]
     cases += [Case(k, d, c, True, True, True) for k, d, c in
               itertools.product(KINDS, ("float32", "bfloat16"), CHANNELS) if c != 64]
     cases += [Case(k, d, c, False, False, False) for k, d, c in
               itertools.product(KINDS, ("float32", "bfloat16"), USER_CHANNELS) if c != 64]
+    cases += [Case(k, d, c, False, False, False) for k, d, c in
+              itertools.product(INPUT_KINDS, ("float32", "bfloat16"), USER_CHANNELS)]
+    cases += [Case(k, d, c, k == "gat_inputs", True, True) for k, d, c in
+              itertools.product(INPUT_KINDS, ("float32", "bfloat16"), (128, 256))]
+    # dropout and weights without edge features at wide rows: pipelined edge loops
+    # (edge features take one stage) with the random stream live
+    cases += [Case(k, d, c, False, True, True) for k, d, c in
+              itertools.product(KINDS, ("float32", "bfloat16"), (128, 256))]
     return cases
 
 
@@ -119,6 +133,13 @@ def _case_tensors(case: Case, n: int, E: int):
         return torch.randn(*shape, dtype=dt, requires_grad=True)
 
     edge = None
+    if case.kind == "gat_inputs":
+        if case.edge:
+            edge = r(E, H)
+        return EdgeScore.gat(r(n, H), r(n, H), edge, 0.2), r(n, 1, C), None, None
+    if case.kind == "dot_inputs":
+        x = r(n, 1, C)
+        return EdgeScore.dot(r(n, H, C), x, None, C ** -0.5), x, None, None
     if case.kind == "gat":
         if case.edge:
             edge = r(E, H)
