@@ -68,7 +68,7 @@ selftests() {
   # compiling the kernels takes most of it (16 cores there)
   local pids=() logs kind
   [[ $PRINT == 1 ]] || logs=$(mktemp -d)
-  for kind in gat gatv2 dot gat_projected; do
+  for kind in gat gatv2 dot gat_projected gat_inputs dot_inputs; do
     if [[ $PRINT == 1 ]]; then
       step 150 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" --quick --kinds "$kind" \
         --json "$OUT/selftest_${kind}_$gpu.json"

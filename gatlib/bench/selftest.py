@@ -8,7 +8,8 @@ What a GPU owner runs once, and commits the JSON of::
    against the reference (``backend="torch"``) on a small graph with duplicate
    edges, isolated nodes and a hub of :data:`HUB_DEGREE` in-edges (the kernels
    split rows longer than 256 edges), for every score kind (GAT's also formed by
-   the kernels from projected rows, as GATConv runs it) × dtype × with or
+   the kernels from projected rows, as GATConv runs it; GAT and the dot product
+   also over values of one head, as the layers in input space) × dtype × with or
    without edge features (a score term and a value term per edge) × attention
    dropout on or off × attention weights returned or not, the GAT kinds with an
    output bias (as GATConv and GATv2Conv have); forward and the
@@ -25,7 +26,8 @@ What a GPU owner runs once, and commits the JSON of::
      one without dropout, everything is finite, and the backward used the
      forward's mask: with the mask fixed, ``out`` is linear in the values, so
      ``<w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad
-     bias, bias>`` (not for ``gat_projected``, whose values are the scores' input).
+     bias, bias>`` (not for ``gat_projected`` and ``dot_inputs``, whose values are the
+     scores' input).
 
 2. **Comparison with PyG**: ``python -m gatlib.bench.compare --layer all
    --backend triton --no-compile`` per graph (``--graphs``), each in its own
@@ -64,7 +66,10 @@ from .report import command_line, environment, format_table, write_json
 SCHEMA = "gatlib.selftest/1"
 # "gat_projected": GAT's score formed by the kernels from the projected rows h, which are
 # the values too (EdgeScore.gat_projected: what GATConv runs where it does not fold)
-KINDS = ("gat", "gatv2", "dot", "gat_projected")
+# "gat_inputs", "dot_inputs": GATConv's and TransformerConv's calls in input space, values
+# (and the Transformer's key, which is its value) of one head that every head shares
+INPUT_KINDS = ("gat_inputs", "dot_inputs")
+KINDS = ("gat", "gatv2", "dot", "gat_projected", *INPUT_KINDS)
 # the kinds whose layers (GATConv, GATv2Conv) have an output bias: the checks add one
 BIASED = ("gat", "gatv2", "gat_projected")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -131,7 +136,13 @@ def _inputs(kind: str, edge: bool, E: int, device, seed: int) -> Dict[str, Tenso
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
 
     # A non-zero mean: a sum accumulated in low precision would drift on the hub.
-    t = {"value": 1 + r(N, H, C)}
+    t = {"value": 1 + r(N, 1 if kind in INPUT_KINDS else H, C)}
+    if kind == "gat_inputs":  # (as GATConv: no value_edge, its bias added after projecting)
+        t.update(src=r(N, H), dst=r(N, H), **({"edge": r(E, H)} if edge else {}))
+        return t
+    if kind == "dot_inputs":  # the key is the value (no edge features in input space)
+        t["dst"] = r(N, H, C)
+        return t
     if kind == "gat_projected":  # (no value_edge: GATConv has none)
         t.update(att_src=r(H, C), att_dst=r(H, C), **({"edge": r(E, H)} if edge else {}))
     else:
@@ -152,8 +163,10 @@ def _score(kind: str, t: Dict[str, Tensor]):
 
     if kind == "gat_projected":
         return EdgeScore.gat_projected(t["value"], t["att_src"], t["att_dst"], t.get("edge"))
-    if kind == "gat":
+    if kind in ("gat", "gat_inputs"):
         return EdgeScore.gat(t["src"], t["dst"], t.get("edge"))
+    if kind == "dot_inputs":
+        return EdgeScore.dot(t["dst"], t["value"])
     if kind == "gatv2":
         return EdgeScore.gatv2(t["src"], t["dst"], t["att"], t.get("edge"))
     return EdgeScore.dot(t["dst"], t["src"], t.get("edge"))  # query per dst, key per src
@@ -263,9 +276,9 @@ def _dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) -> Dict:
     effect = _max_abs(a["out"], plain)
     # With the mask fixed, out is linear in (value, value_edge, bias), so
     # <w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad bias, bias>
-    # holds only if the backward applied the forward's mask. Not for gat_projected,
-    # whose values are also the scores' input (its mask is the other kinds' code).
-    linear = kind != "gat_projected"
+    # holds only if the backward applied the forward's mask. Not for gat_projected and
+    # dot_inputs, whose values are also the scores' input (the mask is the others' code).
+    linear = kind not in ("gat_projected", "dot_inputs")
     terms = [a["out"].double() * weights["out"].double()]
     terms += [-a[f"grad {k}"].double() * inputs[k].double()
               for k in ("value", "value_edge", "bias") if k in inputs]
@@ -298,11 +311,12 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print,
     import gatlib
 
     plan = gatlib.GraphPlan(kernel_graph().to(device), num_nodes=NUM_NODES)
-    grid = [(kind, dtype, edge, p, alpha)
-            for kind in kinds for dtype in DTYPES.values()
-            for edge in (True, False) for p in (0.0, DROPOUT) for alpha in (True, False)
-            # quick: edge features and weights without dropout; neither with it
-            if not quick or edge == alpha == (p == 0)]
+    grid = list(dict.fromkeys(
+        (kind, dtype, edge and kind != "dot_inputs", p, alpha)  # (it has no edge features)
+        for kind in kinds for dtype in DTYPES.values()
+        for edge in (True, False) for p in (0.0, DROPOUT) for alpha in (True, False)
+        # quick: edge features and weights without dropout; neither with it
+        if not quick or edge == alpha == (p == 0)))
     cases = []
     for i, (kind, dtype, edge, p, alpha) in enumerate(grid):
         cases.append(check_case(kind, dtype, edge, p, alpha, plan, device))
