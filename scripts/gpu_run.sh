@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in calls that
-# fit its 15 minutes of device time: part 1 (at most 560 s) checks the Triton kernels against the
-# reference, sweeps the row kernels' schedule (edge tile, pipelining stages, programs per SM)
-# with each kernel's time at each variant, and times the 2-layer training step against PyG
-# (arxiv-like, eager and under torch.compile's default mode); part 2, after a change that part
-# 1's sweep decided, checks the kernels again, times the fused call and each kernel in it, the
-# step, Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
-# launch-bound), and the input-space form of GATConv and TransformerConv against the projected
-# one, forward and backward, in that order (its steps' limits sum to 730 s: send it with the
-# device time left; part 1 took 369 s on the last H100, with a 35 s start; each step logs its
-# seconds):
+# fit its 15 minutes of device time (one call at most 600 s). Part 2 is the one to run next: it
+# checks the kernels against the reference (every score kind, the input-space calls' values of
+# one head among them), times the fused call and each kernel in it at the library's schedule,
+# the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
+# mode), the input-space form of GATConv and TransformerConv against the projected one, forward
+# and backward, and Cora's step with both compiled sides replayed as CUDA graphs
+# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 730 s, so the
+# last may be cut (the last H100 took 137 s for the self-tests, 167 s for the step, after a 35 s
+# start; each step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
+# pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 is a
+# diagnosis of compiled GAT with its terms formed in the kernels:
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
-#   device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"], timeout_s 570
-#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 460
-#   (if time is left: the diagnosis of compiled GAT's in-kernel terms, at most 500 s:
-#   device run: command "bash scripts/gpu_run.sh 3", carry [".planetoid"], timeout_s 510)
+#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 600
+#   (if time is left: device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"],
+#   timeout_s 570; or "bash scripts/gpu_run.sh 3", at most 500 s, timeout_s 510)
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
 # (benchmarks/NOTES.md): the device machine's copy of the repository may carry other git metadata.
@@ -118,13 +118,13 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
   step_arxiv
-  step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
-    --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
-    --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
   # form against the projected one, forward and backward (what their rule decides on)
   step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward+backward \
     --repeats 3 --json "$OUT/input_space_arxiv-like_train_cuda_$gpu.json"
+  step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
+    --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
+    --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
   # a diagnosis of compiled GAT with its attention terms formed in the kernels (KIND 3), which
