@@ -174,6 +174,43 @@ def test_input_space_compiles_without_a_graph_break(layer):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
+def test_input_space_compiled_on_the_triton_kernels(layer, monkeypatch):
+    """A compiled training call of the input-space form on the Triton kernels (their
+    operators traced with their shape functions: the values ``[N, 1, F]`` of one head,
+    the output and the gradients of ``H``): the eager call's output and gradients, and
+    the kernels got the one-head values (ONE_V) in the compiled graph too."""
+    from gatlib import _triton
+
+    conv = make(layer, "triton").float()
+    x, ei = torch.randn(N, F_IN), graph()
+    seen = []
+    launch = _triton._launch
+
+    def record(kernel, items, heads, width, *args, **consts):
+        seen.append(consts.get("ONE_V"))
+        return launch(kernel, items, heads, width, *args, **consts)
+
+    monkeypatch.setattr(_triton, "_launch", record)
+
+    def step(fn):
+        conv.zero_grad()
+        xg = x.clone().requires_grad_()
+        out = fn(xg, ei)
+        out.square().sum().backward()
+        return [out.detach(), xg.grad] + [p.grad.clone() for p in conv.parameters()]
+
+    want = step(conv)
+    torch._dynamo.reset()
+    seen.clear()
+    with gatlib.record_kernels() as log:
+        got = step(torch.compile(conv, fullgraph=True))
+    assert "triton" in log and "triton.backward" in log
+    assert seen and all(one is not False for one in seen) and True in seen, seen
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_per_head_products_in_place_are_the_einsum():
     """The per-head products of input space (gatlib._heads): one matrix product per
     head in place, against the einsum, forward, backward and double backward
