@@ -167,6 +167,30 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     assert not [a for a in fwd + bwd if a[0] == (n, H, C) and a[1] == torch.float32]
 
 
+@pytest.mark.parametrize("form", ["gat", "dot_key_is_value"])
+def test_values_of_one_head_are_not_copied_per_head(form, recorder):
+    """A value (and the dot kind's key) of one head that every head shares, as the
+    layers in input space pass it, goes to the kernels as it is: the forward allocates
+    one ``[N, H, C]`` tensor, its output, and no per-head copy of the values."""
+    from gatlib import EdgeScore
+
+    n, H, C = 40, 3, 8
+    ei = hub_graph(n, 60)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, C, generator=g, requires_grad=True)
+    if form == "gat":
+        score = EdgeScore.gat(torch.randn(n, H, generator=g), torch.randn(n, H, generator=g))
+    else:
+        score = EdgeScore.dot(torch.randn(n, H, C, generator=g), x)
+    plan = GraphPlan(ei, num_nodes=n)
+    graph_attention(score, x, plan, n, backend="triton")  # derive the plan
+    rec = recorder([t for t in (*score.tensors(), x) if t is not None])
+    with rec:
+        out = graph_attention(score, x, plan, n, backend="triton")
+    assert out.shape == (n, H * C)
+    assert [a[0] for a in rec.allocs].count((n, H, C)) == 1, rec.allocs
+
+
 # ATen ops that make a CUDA stream wait for the host: reading a value
 # (.item(), bool(), int()), or output sizes that depend on values
 
