@@ -357,8 +357,12 @@ def graph_attention(
         \; \sum_{j \in \mathcal{N}(i)} \alpha^{h}_{ij}\,(v^{h}_j + u^{h}_{ij})
 
     Args:
-        score: an :class:`EdgeScore` holding the per-node terms of ``e_ij``.
-        value: ``[N_src, H, C]`` values of the source nodes.
+        score: an :class:`EdgeScore` holding the per-node terms of ``e_ij``:
+            per-source terms of ``N_src`` rows, per-destination terms of
+            ``num_dst`` rows, per-edge terms of ``E`` rows, each with ``H``
+            heads (the dot product's key may have one, shared).
+        value: ``[N_src, H, C]`` values of the source nodes, or ``[N_src, 1, C]``
+            shared by every head.
         edge_index: ``[2, E]`` integer ``(src, dst)`` pairs, a PyG ``EdgeIndex``,
             a sparse adjacency ``[num_dst, N_src]`` (PyG's ``adj_t``; its edges in
             stored order) or a :class:`GraphPlan` of ``N_src`` sources and
@@ -382,6 +386,10 @@ def graph_attention(
 
     Returns:
         ``out`` or ``(out, alpha)``.
+
+    Raises:
+        ValueError: a tensor whose shape disagrees with the graph or the score
+            (naming it and the shape expected).
     """
     V.check_value(value, score.heads)
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
