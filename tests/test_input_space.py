@@ -10,7 +10,7 @@ import torch
 import gatlib
 from gatlib import layers
 
-from testing import kernels, random_graph
+from testing import kernels, random_graph, record_launches
 
 N, N_DST, F_IN, C, H = 40, 30, 3, 8, 3
 
@@ -180,18 +180,9 @@ def test_input_space_compiled_on_the_triton_kernels(layer, monkeypatch):
     operators traced with their shape functions: the values ``[N, 1, F]`` of one head,
     the output and the gradients of ``H``): the eager call's output and gradients, and
     the kernels got the one-head values (ONE_V) in the compiled graph too."""
-    from gatlib import _triton
-
     conv = make(layer, "triton").float()
     x, ei = torch.randn(N, F_IN), graph()
-    seen = []
-    launch = _triton._launch
-
-    def record(kernel, items, heads, width, *args, **consts):
-        seen.append(consts.get("ONE_V"))
-        return launch(kernel, items, heads, width, *args, **consts)
-
-    monkeypatch.setattr(_triton, "_launch", record)
+    launched = record_launches(monkeypatch)
 
     def step(fn):
         conv.zero_grad()
@@ -202,10 +193,11 @@ def test_input_space_compiled_on_the_triton_kernels(layer, monkeypatch):
 
     want = step(conv)
     torch._dynamo.reset()
-    seen.clear()
+    launched.clear()
     with gatlib.record_kernels() as log:
         got = step(torch.compile(conv, fullgraph=True))
     assert "triton" in log and "triton.backward" in log
+    seen = [consts.get("ONE_V") for _, consts in launched]  # (the src backward has none)
     assert seen and all(one is not False for one in seen) and True in seen, seen
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -27,7 +27,8 @@ from gatlib import EdgeScore, GraphPlan, _triton, _triton_schedule, graph_attent
 from gatlib._core import reference_attention  # noqa: E402
 
 from testing import (DEVICE, KINDS, LOW_PRECISION, LOW_PRECISION_BOUND, dtype_id, graph_case,  # noqa: E402
-                     graphs, hub_graph, leaves, low_precision_errors, make_score, run)
+                     graphs, hub_graph, leaves, low_precision_errors, make_score, record_launches,
+                     run)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -296,14 +297,7 @@ def test_values_and_keys_of_one_head_are_read_in_place(form, slots, monkeypatch)
     ei = torch.cat([hub, hub.flip(0)], 1)  # node 0 receives and sends 600 edges: split rows
     H, C = 3, 5
     score, value = _one_head_call(form, n, n, H, C, torch.float64)
-    launched = []
-    launch = _triton._launch
-
-    def record(kernel, items, heads, width, *args, **consts):
-        launched.append((kernel, consts))
-        return launch(kernel, items, heads, width, *args, **consts)
-
-    monkeypatch.setattr(_triton, "_launch", record)
+    launched = record_launches(monkeypatch)
     compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
     one_k, one_v = form != "gat", form != "dot_key_only"
     row_kernels = [c for k, c in launched if k in (_triton._fwd_kernel, _triton._bwd_dst_kernel)]
@@ -477,19 +471,14 @@ def test_one_launch_per_kernel_over_every_bucket(monkeypatch):
     deg = torch.arange(40) % 24  # rows of 0..23 edges: every bucket
     dst = torch.repeat_interleave(torch.arange(40), deg)
     ei = torch.stack([torch.randint(0, 40, (dst.numel(),), generator=g), dst]).to(DEVICE)
-    launched = []
-    launch = _triton._launch
-
-    def counted(kernel, *args, **kwargs):
-        launched.append(kernel)
-        return launch(kernel, *args, **kwargs)
-    monkeypatch.setattr(_triton, "_launch", counted)
+    launched = record_launches(monkeypatch)
     for kind in KINDS:
         launched.clear()
         s = make_score(kind, 40, 40, ei.size(1), 2, C, seed=1, device=DEVICE)
         v = torch.randn(40, 2, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
         compare(s, v, ei, 40, tol=dict(rtol=1e-9, atol=1e-9))
-        assert launched == [_triton._fwd_kernel, _triton._bwd_dst_kernel, _triton._bwd_src_kernel]
+        assert [k for k, _ in launched] == [_triton._fwd_kernel, _triton._bwd_dst_kernel,
+                                            _triton._bwd_src_kernel]
 
 
 def test_unsupported_calls_raise_with_the_reason():

@@ -235,6 +235,22 @@ def count_sorts(monkeypatch):
     return calls
 
 
+def record_launches(monkeypatch):
+    """A list that gets ``(kernel, constexprs)`` for each row-kernel launch of the
+    Triton path (``gatlib._triton._launch``) from now on."""
+    from gatlib import _triton
+
+    launched = []
+    launch = _triton._launch
+
+    def record(kernel, *args, **consts):
+        launched.append((kernel, consts))
+        return launch(kernel, *args, **consts)
+
+    monkeypatch.setattr(_triton, "_launch", record)
+    return launched
+
+
 # The ops that read a tensor's value back to the host (item(), bool(tensor), nonzero, ...).
 HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
               "aten.is_nonzero", "aten.equal", "aten.item")
