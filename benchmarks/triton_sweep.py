@@ -9,7 +9,10 @@ TILE:PROGRAMS[:STAGES[:RESIDENT]]`` sets the row kernels' tile (elements of the
 ``[R, E, C]`` tile a program holds per step, at every width), programs per SM, the
 pipelining stages of their edge loops (1: not pipelined) and the programs their
 register cap lets share an SM (every row kernel alike) before timing
-(``gatlib.introspect.triton_tiles``; repeatable; ``default``: the library's own).
+(``gatlib.introspect.triton_tiles``; repeatable; ``default``: the library's own);
+``--variant NAME=VALUE[,NAME=VALUE]`` sets ``triton_tiles``' arguments by name
+(``edges_wide=16``: the forward's schedule at rows of 128 channels as one lane of
+16 edges per step, as before it took 4 lanes of 4).
 Only the public API is used, so the same script times an older checkout's
 kernels: ``PYTHONPATH=<checkout> python benchmarks/triton_sweep.py`` (kinds and
 variants that checkout cannot run are skipped).
@@ -47,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--variant", action="append", default=None,
-                   help="TILE:PROGRAMS_PER_SM[:STAGES[:RESIDENT]], or default (repeatable; default: "
+                   help="TILE:PROGRAMS_PER_SM[:STAGES[:RESIDENT]], NAME=VALUE[,NAME=VALUE] "
+                        "(introspect.triton_tiles' arguments), or default (repeatable; default: "
                         "default)")
     p.add_argument("--profile", action="store_true",
                    help="also list the GPU time of each kernel in a forward+backward of each "
@@ -104,6 +108,11 @@ def _tiles(variant: str):
         return contextlib.nullcontext() if variant == "default" else None
     if variant == "default":
         return tiles()
+    if "=" in variant:
+        named = dict(item.split("=", 1) for item in variant.split(","))
+        if not set(named) <= set(inspect.signature(tiles).parameters):
+            return None
+        return tiles(**{k: int(v) for k, v in named.items()})
     values = [int(v) for v in variant.split(":")]
     if not 2 <= len(values) <= 4:
         raise ValueError(f"--variant: TILE:PROGRAMS[:STAGES[:RESIDENT]] or default, got {variant!r}")

@@ -2,11 +2,12 @@
 # The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in calls that
 # fit its 15 minutes of device time (one call at most 600 s). Part 2 is the one to run next: it
 # checks the kernels against the reference (every score kind, the input-space calls' values of
-# one head among them), times the fused call and each kernel in it at the library's schedule,
+# one head among them), times the fused call and each kernel in it at the library's schedule
+# (and the input-space calls at rows of 128 channels with the schedule before 4 lanes of 4 edges),
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
 # mode), the input-space form of GATConv and TransformerConv against the projected one, forward
 # and backward, and Cora's step with both compiled sides replayed as CUDA graphs
-# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 730 s, so the
+# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 790 s, so the
 # last may be cut (the last H100 took 137 s for the self-tests, 167 s for the step, after a 35 s
 # start; each step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
 # pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 is a
@@ -117,6 +118,10 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   step 100 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot gat_inputs dot_inputs \
     --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
+  # the input-space calls' rows are 128 wide, where the forward and the dst backward now take 4
+  # lanes of 4 edges per step: against one lane of 16, as before (an estimate chose it)
+  step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs dot_inputs --variant edges_wide=16 \
+    --rep 200 --profile --json "$OUT/triton_sweep_edges16_arxiv-like_$gpu.json"
   step_arxiv
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
   # form against the projected one, forward and backward (what their rule decides on)

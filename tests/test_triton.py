@@ -459,6 +459,43 @@ def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
         assert [consts[f"E{g}"] for g in range(len(groups))] == [e for *_, e in groups]
 
 
+@pytest.mark.parametrize("form", ["gat", "gatv2", "dot", "gat_one_head"])
+def test_rows_of_128_channels_take_lanes_before_edges(form, monkeypatch):
+    """At rows of 128 channels the compiled kernels' forward schedule (the forward, the
+    dst backward) holds 4 lanes of at most 4 edges per step, the src backward one lane
+    of 16 (the 2048 tile both): with those tiles, run here in the interpreter, over
+    rows of 0..23 edges and a split hub row, the results equal the reference."""
+    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
+    g = torch.Generator().manual_seed(0)
+    deg = torch.cat([torch.arange(24), torch.tensor([40])])  # the last row is split
+    n = deg.numel()
+    dst = torch.repeat_interleave(torch.arange(n), deg)
+    ei = torch.stack([torch.randint(0, n, (dst.numel(),), generator=g), dst]).to(DEVICE)
+    H, C = 3, 128
+    if form == "gat_one_head":
+        score, value = _one_head_call("gat", n, n, H, C, torch.float64)
+    else:
+        score = make_score(form, n, n, ei.size(1), H, C, seed=1, device=DEVICE)
+        value = torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    tiles = {}  # the constexprs each row kernel was launched with
+    wrap = _triton_schedule.wrap_triton
+
+    def recording(kernel):
+        def grid(g):
+            def launch(*args, **kw):
+                if "R0" in kw:
+                    tiles[kernel] = (kw["R0"], kw["E0"], kw["B1"])
+                return wrap(kernel)[g](*args, **kw)
+            return launch
+        return type("Launcher", (), {"__getitem__": lambda self, g: grid(g)})()
+
+    monkeypatch.setattr(_triton_schedule, "wrap_triton", recording)
+    compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
+    assert tiles[_triton._fwd_kernel] == tiles[_triton._bwd_dst_kernel] == (4, 4, 3), tiles
+    assert tiles[_triton._bwd_src_kernel][:2] == (1, 16), tiles
+
+
 def test_one_launch_per_kernel_over_every_bucket(monkeypatch):
     """A graph whose rows fill all three buckets runs each kernel once, and each
     group of buckets does its rows' work: the results equal the reference
