@@ -18,7 +18,7 @@ module needs no Triton; the ``triton_*`` functions and constants do
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "kernel",
     "triton_admits_cpu_tensors",
     "triton_attention",
+    "triton_blocks",
     "triton_kernels",
     "triton_schedule",
     "triton_tiles",
@@ -175,6 +176,37 @@ def dropout_keep_mask(plan: "GraphPlan", heads: int, p: float, seed: "Tensor") -
     """The ``[E, H]`` bool mask of the attention weights that the Triton kernels
     keep for ``seed``, in edge-list order."""
     return _kernels().dropout_keep_mask(plan, heads, p, seed)
+
+
+def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd_kernel",
+                  kind: Optional[int] = None) -> List[Dict[str, object]]:
+    """The blocks of lanes that one launch of the row ``kernel`` (``"_fwd_kernel"``,
+    ``"_bwd_dst_kernel"``, ``"_bwd_src_kernel"``) runs on ``plan`` at ``heads`` and rows
+    of ``width`` channels (a power of two), under the compiled kernels' tiles in force
+    (:func:`triton_tiles`): per group of buckets, in launch order, ``edges`` per step,
+    ``lanes`` per program, ``steps`` (an int64 tensor: the edge-loop trips of each
+    block, its longest item over ``edges``), and ``resident``, the programs of the
+    kernel's register cap (a plain float32 call's) that share an SM. Lanes are ``(item, head)`` pairs, heads
+    side by side, as the kernels number them; score ``kind`` as the kernels' ``KIND``."""
+    m = _triton_module("_triton_schedule")
+    fn = triton_kernels()[kernel]
+    items = m._plan(plan).src_items if kernel == "_bwd_src_kernel" else m._plan(plan).dst_items
+    forward = m._fwd_schedule(fn, kind)
+    length = items.length.long().clamp(min=0).cpu()
+    bounds = items.bounds.tolist()
+    warps = m._warps(width, None)
+    regs = m._max_registers(warps, fn, width, m._heavy({"KIND": kind}, fn), kind)
+    resident = (1 << 16) // (regs * 32 * warps)
+    out = []
+    for lo, hi, edges in m._bucket_groups(width, forward):
+        lanes = m._rows_per_program(edges, width, forward)
+        lane_len = length[bounds[lo]:bounds[hi]].repeat_interleave(heads)
+        blocks = -(-lane_len.numel() // lanes)
+        padded = torch.zeros(blocks * lanes, dtype=torch.int64)
+        padded[:lane_len.numel()] = lane_len
+        steps = (padded.view(blocks, lanes).amax(1) + edges - 1) // edges
+        out.append({"edges": edges, "lanes": lanes, "steps": steps, "resident": resident})
+    return out
 
 
 @contextlib.contextmanager

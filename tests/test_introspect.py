@@ -170,3 +170,23 @@ def test_the_sweeps_variants_reach_triton_tiles():
     with sweep._tiles("edges_wide=16,stages=1") as values:
         assert values == {**own, "edges_wide": 16, "stages": 1}
     assert sweep._tiles("no_such_setting=1") is None  # (an older checkout's: skipped)
+
+
+@needs_triton
+def test_triton_blocks_are_the_launch_blocks_of_lanes(monkeypatch):
+    """``triton_blocks``: the blocks of (item, head) lanes a row kernel's launch runs, heads
+    side by side, with the edge-loop trips of each block (its longest item over the edge
+    tile), at the compiled kernels' tiles: rows of 10, 6 and 2 edges at 128 channels, 3 heads,
+    in the forward's 4 lanes of 4 edges and the src backward's one lane of 16."""
+    sched = importlib.import_module("gatlib._triton_schedule")
+    monkeypatch.setattr(sched, "_interpreted", lambda: False)
+    dst = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 6, 2]))
+    plan = gatlib.GraphPlan(torch.stack([torch.zeros_like(dst), dst]), num_nodes=3)
+    (fwd,) = introspect.triton_blocks(plan, 3, 128, "_fwd_kernel", kind=1)
+    # lanes 10,10,10,6 | 6,6,2,2 | 2 (the items longest first, each 3 heads)
+    assert (fwd["lanes"], fwd["edges"]) == (4, 4) and fwd["steps"].tolist() == [3, 2, 1]
+    src = introspect.triton_blocks(plan, 3, 128, "_bwd_src_kernel", kind=1)
+    # over sources: node 0 sends all 18 edges (one item, 3 lanes); nodes 1, 2 send none
+    assert [(g["lanes"], g["edges"]) for g in src] == [(1, 16), (4, 4)]
+    assert src[0]["steps"].tolist() == [2, 2, 2] and src[1]["steps"].tolist() == [0, 0]
+    assert fwd["resident"] == 2 and src[0]["resident"] == 2
