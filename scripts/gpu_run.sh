@@ -5,11 +5,11 @@
 # one head among them), times the fused call and each kernel in it at the library's schedule
 # (and the input-space calls at rows of 128 channels with the schedule before 4 lanes of 4 edges),
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
-# mode), the input-space form of GATConv and TransformerConv against the projected one, forward
-# and backward, and Cora's step with both compiled sides replayed as CUDA graphs
-# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 790 s, so the
-# last may be cut (the last H100 took 137 s for the self-tests, 167 s for the step, after a 35 s
-# start; each step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
+# mode), Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
+# launch-bound), and the input-space form of GATConv and TransformerConv against the projected
+# one, forward and backward, in that order; its steps' limits sum to 790 s, so the last may be
+# cut (the last H100 took 137 s for the self-tests, 167 s for the step, after a 35 s start; each
+# step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
 # pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 is a
 # diagnosis of compiled GAT with its terms formed in the kernels:
 #
@@ -123,13 +123,13 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs dot_inputs --variant edges_wide=16 \
     --rep 200 --profile --json "$OUT/triton_sweep_edges16_arxiv-like_$gpu.json"
   step_arxiv
+  step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
+    --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
+    --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
   # form against the projected one, forward and backward (what their rule decides on)
   step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward+backward \
     --repeats 3 --json "$OUT/input_space_arxiv-like_train_cuda_$gpu.json"
-  step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
-    --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
-    --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
   # a diagnosis of compiled GAT with its attention terms formed in the kernels (KIND 3), which
