@@ -580,7 +580,14 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                 if need_value else None
             part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
                                    dtype=acc, device=dev) if d_src is not None else None
-            _launch(_bwd_src_kernel, sitems, H, width,
+            # the tile's rows are as wide as what the kernel gathers per edge: a value's
+            # gradient rows (CV), GATv2's and the dot kind's destination terms (CK), or
+            # for GAT's scalar terms alone (a first layer's inputs need no gradient)
+            # scalars, which take the narrow rows' lanes, not one lane of a wide tile;
+            # KIND 3 keeps the dst kernel's lanes (their parameters' partials share rows)
+            src_width = width if projected else max(
+                consts["BLOCK_CV"] if need_value else 1, consts["BLOCK_CK"] if meta.kind else 1)
+            _launch(_bwd_src_kernel, sitems, H, src_width,
                     lay.csc_edge, lay.csc_dst, plan.csc_eid, lay.src, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
                     _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
@@ -589,7 +596,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                     H, CK, CV,
                     KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
                     NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT="att_src" in parts,
-                    SLOTS=_slot_sums(width),
+                    SLOTS=_slot_sums(src_width),
                     ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
                     BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
             if need_value:

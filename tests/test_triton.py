@@ -27,7 +27,7 @@ from gatlib import EdgeScore, GraphPlan, _triton, _triton_schedule, graph_attent
 from gatlib._core import reference_attention  # noqa: E402
 
 from testing import (DEVICE, KINDS, LOW_PRECISION, LOW_PRECISION_BOUND, dtype_id, graph_case,  # noqa: E402
-                     graphs, hub_graph, leaves, low_precision_errors, make_score, record_launches,
+                     graphs, hub_graph, leaves, low_precision_errors, make_score, record_launches, record_tiles,
                      run)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -478,22 +478,34 @@ def test_rows_of_128_channels_take_lanes_before_edges(form, monkeypatch):
     else:
         score = make_score(form, n, n, ei.size(1), H, C, seed=1, device=DEVICE)
         value = torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
-    tiles = {}  # the constexprs each row kernel was launched with
-    wrap = _triton_schedule.wrap_triton
-
-    def recording(kernel):
-        def grid(g):
-            def launch(*args, **kw):
-                if "R0" in kw:
-                    tiles[kernel] = (kw["R0"], kw["E0"], kw["B1"])
-                return wrap(kernel)[g](*args, **kw)
-            return launch
-        return type("Launcher", (), {"__getitem__": lambda self, g: grid(g)})()
-
-    monkeypatch.setattr(_triton_schedule, "wrap_triton", recording)
+    launched = record_tiles(monkeypatch)
     compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
+    tiles = {k: (c["R0"], c["E0"], c["B1"]) for k, c in launched.items()}
     assert tiles[_triton._fwd_kernel] == tiles[_triton._bwd_dst_kernel] == (4, 4, 3), tiles
     assert tiles[_triton._bwd_src_kernel][:2] == (1, 16), tiles
+
+
+@pytest.mark.parametrize("value_grad", [False, True], ids=["inputs_without_grad", "value_grad"])
+def test_src_backward_of_scalar_terms_takes_narrow_lanes(value_grad, monkeypatch):
+    """GAT's src backward gathers one scalar per edge when the value needs no gradient (a
+    first layer in input space: its inputs are data): its tile is then the narrow rows'
+    (16 lanes, up to 64 edges per step at the GPU's tiles), not one lane of 16 edges of
+    the values' 128-wide rows; with the value's gradient, the rows' tile. The gradients
+    equal the reference's either way (split hub row included)."""
+    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
+    g = torch.Generator().manual_seed(0)
+    deg = torch.cat([torch.arange(24), torch.tensor([40])])
+    n = deg.numel()
+    src = torch.repeat_interleave(torch.arange(n), deg)  # sources of 0..40 out-edges
+    ei = torch.stack([src, torch.randint(0, n, (src.numel(),), generator=g)]).to(DEVICE)
+    score, value = _one_head_call("gat", n, n, 3, 128, torch.float64)
+    value.requires_grad_(value_grad)
+    launched = record_tiles(monkeypatch)
+    compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
+    c = launched[_triton._bwd_src_kernel]
+    want = (1, 16) if value_grad else (16, 64)  # (lanes, edges) of the first group
+    assert (c["R0"], c["E0"]) == want, c
 
 
 def test_one_launch_per_kernel_over_every_bucket(monkeypatch):

@@ -251,6 +251,30 @@ def record_launches(monkeypatch):
     return launched
 
 
+def record_tiles(monkeypatch):
+    """A dict that gets, for each row kernel the Triton path launches from now on, the
+    constexprs of its tile and schedule as launched (``R0``, ``E0``, ``B1``, ``num_warps``,
+    ...; the last launch's)."""
+    from gatlib import _triton_schedule
+
+    tiles = {}
+    wrap = _triton_schedule.wrap_triton
+
+    class Launcher:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                if "R0" in kw:
+                    tiles[self.kernel] = kw
+                return wrap(self.kernel)[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(_triton_schedule, "wrap_triton", Launcher)
+    return tiles
+
+
 # The ops that read a tensor's value back to the host (item(), bool(tensor), nonzero, ...).
 HOST_SYNCS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
               "aten.is_nonzero", "aten.equal", "aten.item")

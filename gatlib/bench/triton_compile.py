@@ -68,11 +68,14 @@ class Case:
     dropout: bool
     alpha: bool  # attention weights returned, and differentiated through
     heads: int = 3
+    # the value needs a gradient; not for a first layer's inputs in input space (data)
+    value_grad: bool = True
 
     @property
     def label(self) -> str:
         return (f"{self.kind} {self.dtype} C={self.channels}"
-                + " edge" * self.edge + " dropout" * self.dropout + " alpha" * self.alpha)
+                + " edge" * self.edge + " dropout" * self.dropout + " alpha" * self.alpha
+                + " data" * (not self.value_grad))
 
 
 # Channel counts per head that users run (Cora's 8 heads x 8, OGB's 16-256, 40
@@ -88,7 +91,8 @@ def default_cases() -> List[Case]:
     of those) at each of :data:`USER_CHANNELS` (float32 and bfloat16): what most
     layers run, with other tiles live than the first two; and the input-space calls
     (:data:`INPUT_KINDS`) plain at each of those and with what they may add
-    (GAT's edge term, dropout, alpha) at 128 and 256 channels; and every kind with
+    (GAT's edge term, dropout, alpha) at 128 and 256 channels, and GAT's plain with
+    inputs that need no gradient (a first layer's) at each; and every kind with
     dropout and alpha but no edge features at 128 and 256."""
     cases = [Case(k, d, 64, e, p, p) for k, d, e, p in
              itertools.product(KINDS, DTYPES, (False, True), (False, True))]
@@ -100,6 +104,8 @@ def default_cases() -> List[Case]:
               itertools.product(INPUT_KINDS, ("float32", "bfloat16"), USER_CHANNELS)]
     cases += [Case(k, d, c, k == "gat_inputs", True, True) for k, d, c in
               itertools.product(INPUT_KINDS, ("float32", "bfloat16"), (128, 256))]
+    cases += [Case("gat_inputs", d, c, False, False, False, value_grad=False) for d, c in
+              itertools.product(("float32", "bfloat16"), USER_CHANNELS)]
     # dropout and weights without edge features at wide rows: pipelined edge loops
     # (edge features take one stage) with the random stream live
     cases += [Case(k, d, c, False, True, True) for k, d, c in
@@ -136,7 +142,8 @@ def _case_tensors(case: Case, n: int, E: int):
     if case.kind == "gat_inputs":
         if case.edge:
             edge = r(E, H)
-        return EdgeScore.gat(r(n, H), r(n, H), edge, 0.2), r(n, 1, C), None, None
+        x = r(n, 1, C).requires_grad_(case.value_grad)
+        return EdgeScore.gat(r(n, H), r(n, H), edge, 0.2), x, None, None
     if case.kind == "dot_inputs":
         x = r(n, 1, C)
         return EdgeScore.dot(r(n, H, C), x, None, C ** -0.5), x, None, None
