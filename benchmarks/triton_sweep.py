@@ -34,8 +34,9 @@ from pathlib import Path
 import torch
 
 # "gat_inputs", "dot_inputs": GATConv's and TransformerConv's calls in input space
-# (F = --in-channels < C): values (and the key) x_j of one head that all heads share
-KINDS = ("gat", "gat_projected", "gatv2", "dot", "gat_inputs", "dot_inputs")
+# (F = --in-channels < C): values (and the key) x_j of one head that all heads share;
+# "gat_inputs_data": GATConv's first layer, whose inputs need no gradient
+KINDS = ("gat", "gat_projected", "gatv2", "dot", "gat_inputs", "gat_inputs_data", "dot_inputs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,8 +84,8 @@ def _inputs(kind, N, E, H, C, dtype, device, F=128):
     def r(*shape):
         return (0.1 * torch.randn(*shape, generator=g, device=device, dtype=dtype)).requires_grad_()
 
-    if kind == "gat_inputs":
-        return EdgeScore.gat(r(N, H), r(N, H)), r(N, 1, F)
+    if kind in ("gat_inputs", "gat_inputs_data"):
+        return EdgeScore.gat(r(N, H), r(N, H)), r(N, 1, F).requires_grad_(kind == "gat_inputs")
     if kind == "dot_inputs":  # the key is the value: x_j
         x = r(N, 1, F)
         return EdgeScore.dot(r(N, H, F), x, None, C ** -0.5), x

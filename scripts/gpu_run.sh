@@ -115,12 +115,14 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   selftests
   # the fused call alone and each kernel's time in it, at the library's schedule; with GATConv's
   # and TransformerConv's input-space calls (values and key of one head, F = 128)
-  step 100 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot gat_inputs dot_inputs \
+  step 100 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot gat_inputs \
+    gat_inputs_data dot_inputs \
     --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
   # the input-space calls' rows are 128 wide, where the forward and the dst backward now take 4
   # lanes of 4 edges per step: against one lane of 16, as before (an estimate chose it)
-  step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs dot_inputs --variant edges_wide=16 \
+  step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
+    --variant edges_wide=16 \
     --rep 200 --profile --json "$OUT/triton_sweep_edges16_arxiv-like_$gpu.json"
   step_arxiv
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
