@@ -130,8 +130,9 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     backward's at rows of 256 channels or more), ``wide``, ``programs_per_sm``,
     ``stages``, ``resident`` (the src backward's), ``resident_heavy`` (the dst
     backward's below 256 channels), ``resident_fwd`` (the forward's and the dst
-    backward's at 256 and more), ``edges_wide``. A plan's schedule does not depend on them; the kernels' constexprs
-    and register caps do (new values compile new specialisations)."""
+    backward's at 256 and more), ``edges_wide``. A plan's schedule does not depend on
+    them; the kernels' constexprs and register caps do (new values compile new
+    specialisations)."""
     from unittest import mock
 
     m = _triton_module("_triton_schedule")
@@ -182,12 +183,13 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
                   kind: Optional[int] = None) -> List[Dict[str, object]]:
     """The blocks of lanes that one launch of the row ``kernel`` (``"_fwd_kernel"``,
     ``"_bwd_dst_kernel"``, ``"_bwd_src_kernel"``) runs on ``plan`` at ``heads`` and rows
-    of ``width`` channels (a power of two), under the compiled kernels' tiles in force
-    (:func:`triton_tiles`): per group of buckets, in launch order, ``edges`` per step,
-    ``lanes`` per program, ``steps`` (an int64 tensor: the edge-loop trips of each
-    block, its longest item over ``edges``), and ``resident``, the programs of the
-    kernel's register cap (a plain float32 call's) that share an SM. Lanes are ``(item, head)`` pairs, heads
-    side by side, as the kernels number them; score ``kind`` as the kernels' ``KIND``."""
+    of ``width`` channels (a power of two), under the tiles in force (the compiled
+    kernels' outside Triton's interpreter; :func:`triton_tiles`): per group of buckets,
+    in launch order, ``edges`` per step, ``lanes`` per program, ``steps`` (an int64
+    tensor: the edge-loop trips of each block, its longest item over ``edges``), and
+    ``resident``, the programs of the kernel's register cap (a plain float32 call's)
+    that share an SM. Lanes are ``(item, head)`` pairs, heads side by side, as the
+    kernels number them; score ``kind`` as the kernels' ``KIND``."""
     m = _triton_module("_triton_schedule")
     fn = triton_kernels()[kernel]
     items = m._plan(plan).src_items if kernel == "_bwd_src_kernel" else m._plan(plan).dst_items
