@@ -196,7 +196,7 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     forward = m._fwd_schedule(fn, kind)
     length = items.length.long().clamp(min=0).cpu()
     bounds = items.bounds.tolist()
-    warps = m._warps(width, None)
+    warps = m._warps(width, m._tl_acc(torch.float32))
     regs = m._max_registers(warps, fn, width, m._heavy({"KIND": kind}, fn), kind)
     resident = (1 << 16) // (regs * 32 * warps)
     out = []
