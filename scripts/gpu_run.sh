@@ -5,12 +5,12 @@
 # one head among them), times the fused call and each kernel in it at the library's schedule
 # (and the input-space calls at rows of 128 channels with the schedule before 4 lanes of 4 edges),
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
-# mode), Cora's step with both compiled sides replayed as CUDA graphs (mode="reduce-overhead",
-# launch-bound), and the input-space form of GATConv and TransformerConv against the projected
-# one, forward and backward, in that order; its steps' limits sum to 790 s, so the last may be
-# cut (the last H100 took 137 s for the self-tests, 167 s for the step, after a 35 s start; each
+# mode), the GAT step's kernels on each side, and Cora's step with both compiled sides replayed
+# as CUDA graphs (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to
+# 820 s, so the last may be cut (the last H100 took 137 s for the self-tests, 167 s for the step, after a 35 s start; each
 # step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
 # pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 is a
+# the input-space form of GATConv and TransformerConv against the projected one, then a
 # diagnosis of compiled GAT with its terms formed in the kernels:
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
@@ -125,15 +125,19 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     --variant edges_wide=16 \
     --rep 200 --profile --json "$OUT/triton_sweep_edges16_arxiv-like_$gpu.json"
   step_arxiv
+  # where GAT's step (the layer furthest from its target) spends its time, kernel by kernel,
+  # against compiled PyG's (eager PyG runs too: the gradients' reference)
+  step 120 "$PY" benchmarks/profile_step.py --layer gat --impls pyg_compiled gatlib \
+    gatlib_compiled --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
+fi
+if [[ $PART == 3 || $PRINT == 1 ]]; then
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
   # form against the projected one, forward and backward (what their rule decides on)
   step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward+backward \
     --repeats 3 --json "$OUT/input_space_arxiv-like_train_cuda_$gpu.json"
-fi
-if [[ $PART == 3 || $PRINT == 1 ]]; then
   # a diagnosis of compiled GAT with its attention terms formed in the kernels (KIND 3), which
   # compiled calls no longer run (gatlib._dispatch._PROJECTED_UNDER_COMPILE): each side's kernel
   # times in one training step and the weight gradient against eager PyG, as shipped and with
