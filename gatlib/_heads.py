@@ -11,8 +11,13 @@ runs one matrix product per head, reading and writing each head's columns in
 place (a BLAS product takes a row stride), forward and backward.
 
 Where it cannot run (``torch.compile`` tracing, ``torch.func`` transforms,
-autocast, mixed dtypes), the einsum is the same function and is used instead:
-both are tested against each other (``tests/test_input_space.py``).
+autocast, mixed dtypes), :func:`per_head_mm_ops` writes the same products in
+differentiable ops, one ``mm`` per head and a concatenation, not the einsum:
+compiled, the einsum's weight gradient became one batched product reducing over
+all ``N`` rows, which cuBLAS ran on 32x32 tiles in 5.95 ms of a 27 ms GAT
+training step on an H100, where eager's per-head products took 1.3 ms
+(benchmarks/NOTES.md, "The GAT step on an H100 after lanes before edges").
+All three are tested against each other (``tests/test_input_space.py``).
 """
 from __future__ import annotations
 
@@ -73,13 +78,21 @@ class _PerHeadMM(torch.autograd.Function):
         return da, db
 
 
+def per_head_mm_ops(a: Tensor, b: Tensor) -> Tensor:
+    """:func:`per_head_mm_reference` as one differentiable ``mm`` per head (its
+    backward: one per head and input, as :class:`_PerHeadMM`'s)."""
+    N, (H, K, _) = a.size(0), b.shape
+    heads = zip(a.view(N, H, K).unbind(1), b.unbind(0), strict=True)
+    return torch.cat([a_h @ b_h for a_h, b_h in heads], 1)
+
+
 def per_head_mm(a: Tensor, b: Tensor) -> Tensor:
     """``a [N, H*K]``, ``b [H, K, M]`` -> ``[N, H*M]``, ``out_h = a_h @ b_h``: one
-    product per head in place (:class:`_PerHeadMM`), or the einsum where that
-    cannot run."""
+    product per head in place (:class:`_PerHeadMM`), or in differentiable ops
+    (:func:`per_head_mm_ops`) where that cannot run."""
     from ._dispatch import _transforms
 
     if (torch.compiler.is_compiling() or _transforms() or a.dtype != b.dtype
             or torch.is_autocast_enabled(a.device.type)):
-        return per_head_mm_reference(a, b)
+        return per_head_mm_ops(a, b)
     return _PerHeadMM.apply(a, b)
