@@ -50,18 +50,19 @@ _TILE_WIDE, _WIDE = 2048, 128
 # (ptxas, sm_80/sm_90; benchmarks/NOTES.md, "Compiled GAT with in-kernel terms; the
 # forward at 4 programs per SM", "Each row kernel its own schedule").
 _TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
-# ... and the forward's schedule at rows of _WIDE up to _WIDE_FWD channels splits its
-# 2048 tile into lanes before edges: at most _EDGES_WIDE edges per step, 4 lanes (one
-# lane of 16 before). A lane's item is a chain of dependent loads (the item, its
-# indices, the rows) that the pipeliner does not overlap across items, and at these
-# widths two programs are resident per SM: one lane per program left two chains in
-# flight per SM, and most items (14.7 edges on average on the arxiv-like graph) fill
-# one step. On the H100 the forward at 256 channels ran 1.4x faster with twice the
-# programs of half the tile (NOTES, "Compiled GAT with in-kernel terms"), as a count
-# of dependent latencies per SM predicts; the same count has 4 lanes of 4 edges at
-# 128 channels at 0.47x today's (NOTES, "Lanes before edges at rows of 128 channels"):
-# untimed. The src backward keeps its tiles: the count did not predict it.
-_EDGES_WIDE = 4
+# ... and the forward's schedule below _WIDE_FWD channels splits its tile into lanes
+# before edges: at most _EDGES_WIDE edges per step from _WIDE channels (4 lanes of the
+# 2048 tile), _EDGES_NARROW below (4 lanes of the 1024 tile at 64 channels, up to
+# _MAX_ROWS at 16 and fewer); before, a lane took up to 16 edges. A lane's item is a
+# chain of dependent loads (the item, its indices, the rows) that the pipeliner does
+# not overlap across items, and a few programs are resident per SM: one lane per
+# program left as few chains in flight per SM, and most items (14.7 edges on average
+# on the arxiv-like graph) fill one step. A count of dependent latencies per SM
+# (benchmarks/latency_count.py) put 4 lanes of 4 edges at 0.47x the one lane's at 128
+# and at 64 channels; on an H100 the forward at 128 channels ran 2.5x faster so, the
+# dst backward 2.1x (NOTES, "The GAT step on an H100 after lanes before edges"). The
+# src backward keeps its tiles: the count did not predict it at 256 channels.
+_EDGES_WIDE = _EDGES_NARROW = 4
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
 # Unpipelined, each step waits for its edges' indices, then for their gathered
@@ -300,8 +301,8 @@ def _bucket_groups(width: int, forward: bool = False) -> List[Tuple[int, int, in
     backward kernels')."""
     tile = _tile(width, forward)[0]
     cap = 1 << (max(1, tile // width).bit_length() - 1)
-    if forward and _WIDE <= width < _WIDE_FWD and not _interpreted():  # (the interpreter: few
-        cap = min(cap, _EDGES_WIDE)  # wide programs, _tile)
+    if forward and width < _WIDE_FWD and not _interpreted():  # (the interpreter: few wide
+        cap = min(cap, _EDGES_WIDE if width >= _WIDE else _EDGES_NARROW)  # programs, _tile)
     out: List[Tuple[int, int, int]] = []
     for b, (_, block_e) in enumerate(_BUCKETS):
         block_e = min(block_e, cap)

@@ -116,7 +116,8 @@ def triton_schedule(plan: "GraphPlan") -> object:
 @contextlib.contextmanager
 def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = None,
                  stages: Optional[int] = None, resident: Optional[int] = None,
-                 edges_wide: Optional[int] = None) -> Iterator[Dict[str, int]]:
+                 edges_wide: Optional[int] = None,
+                 edges_narrow: Optional[int] = None) -> Iterator[Dict[str, int]]:
     """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
     tile a program holds per step, at every width; the library's own is larger at
     wide rows), programs per SM, the software-pipelining stages of their edge
@@ -149,15 +150,17 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
         if not 1 <= resident <= 8:
             raise ValueError(f"triton_tiles: resident must be in [1, 8], got {resident}")
         patches.update(_RESIDENT=resident, _RESIDENT_HEAVY=resident, _RESIDENT_FWD=resident)
-    if edges_wide is not None:
-        if edges_wide < 1 or edges_wide & (edges_wide - 1):
-            raise ValueError(f"triton_tiles: edges_wide must be a power of two, got {edges_wide}")
-        patches["_EDGES_WIDE"] = edges_wide
+    for name, edges in (("edges_wide", edges_wide), ("edges_narrow", edges_narrow)):
+        if edges is not None:
+            if edges < 1 or edges & (edges - 1):
+                raise ValueError(f"triton_tiles: {name} must be a power of two, got {edges}")
+            patches["_" + name.upper()] = edges
     with mock.patch.multiple(m, **patches) if patches else contextlib.nullcontext():
         yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "tile_wide_fwd": m._TILE_WIDE_FWD,
                "wide": m._WIDE, "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES,
                "resident": m._RESIDENT, "resident_heavy": m._RESIDENT_HEAVY,
-               "resident_fwd": m._RESIDENT_FWD, "edges_wide": m._EDGES_WIDE}
+               "resident_fwd": m._RESIDENT_FWD, "edges_wide": m._EDGES_WIDE,
+               "edges_narrow": m._EDGES_NARROW}
 
 
 def check_triton_interpreter() -> None:

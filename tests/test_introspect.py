@@ -104,9 +104,10 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     # 2048 elements per step for the backward at wide rows, 1024 for the forward at
     # rows of 256 channels and at narrow rows
     assert own[256, False]["E0"] == 8 and own[256, True]["E0"] == 4
-    assert own[64, False]["E0"] == own[64, True]["E0"] == 16
-    # at 128 channels the forward's schedule has 4 lanes of 4 edges, the src backward
-    # one lane of 16 (2048 elements both)
+    # below 256 channels the forward's schedule has 4 lanes of 4 edges, the src backward
+    # one lane of 16 (1024 elements both at 64 channels, 2048 at 128)
+    assert [own[64, f][k] for f in (True, False) for k in ("R0", "E0", "B1")] \
+        == [4, 4, 3, 1, 16, 2]
     assert [sched._group_consts(128, f)[k] for f in (True, False) for k in ("R0", "E0", "B1")] \
         == [4, 4, 3, 1, 16, 2]
     own_caps = caps()
@@ -122,11 +123,12 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     assert all(sched._heavy({"KIND": 1, "DROPOUT": True}, k) for k in (fwd, dst))
     assert not sched._heavy({"KIND": 3, "HAS_EDGE": False, "DROPOUT": False}, dst)
     with introspect.triton_tiles(tile=4096, programs_per_sm=8, stages=1, resident=4,
-                                 edges_wide=16) as values:
+                                 edges_wide=16, edges_narrow=32) as values:
         assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
                           "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,
-                          "resident_fwd": 4, "edges_wide": 16}
-        assert all(c["E0"] == (16 if w == 256 else 64) for (w, _), c in consts().items())
+                          "resident_fwd": 4, "edges_wide": 16, "edges_narrow": 32}
+        assert all(c["E0"] == (16 if w == 256 else 32 if f else 64)
+                   for (w, f), c in consts().items())
         assert [sched._group_consts(128, True)[k] for k in ("R0", "E0")] == [2, 16]
         assert sched._PROGRAMS_PER_SM == 8 and sched._STAGES == 1
         # four programs of 8 (4) warps in 64K registers, every row kernel alike
@@ -136,16 +138,17 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
         assert values["tile"] == 1024 and values["tile_wide"] == 2048 and values["stages"] == 2
         assert values["tile_wide_fwd"] == 1024
         assert values["resident"] == 2 and values["resident_heavy"] == 1
-        assert values["resident_fwd"] == 4 and values["edges_wide"] == 4
+        assert values["resident_fwd"] == 4 and values["edges_wide"] == values["edges_narrow"] == 4
     with pytest.raises(ValueError, match="stages must be >= 1"):
         with introspect.triton_tiles(stages=0):
             pass
     with pytest.raises(ValueError, match="resident must be in"):
         with introspect.triton_tiles(resident=0):
             pass
-    with pytest.raises(ValueError, match="edges_wide must be a power of two"):
-        with introspect.triton_tiles(edges_wide=6):
-            pass
+    for name in ("edges_wide", "edges_narrow"):
+        with pytest.raises(ValueError, match=f"{name} must be a power of two"):
+            with introspect.triton_tiles(**{name: 6}):
+                pass
     assert sched._STAGES == 2
 
 

@@ -459,12 +459,19 @@ def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
         assert [consts[f"E{g}"] for g in range(len(groups))] == [e for *_, e in groups]
 
 
-@pytest.mark.parametrize("form", ["gat", "gatv2", "dot", "gat_one_head"])
-def test_rows_of_128_channels_take_lanes_before_edges(form, monkeypatch):
-    """At rows of 128 channels the compiled kernels' forward schedule (the forward, the
-    dst backward) holds 4 lanes of at most 4 edges per step, the src backward one lane
-    of 16 (the 2048 tile both): with those tiles, run here in the interpreter, over
-    rows of 0..23 edges and a split hub row, the results equal the reference."""
+@pytest.mark.parametrize("form,C,fwd,src", [
+    ("gat", 128, (4, 4, 3), (1, 16)), ("gatv2", 128, (4, 4, 3), (1, 16)),
+    ("dot", 128, (4, 4, 3), (1, 16)), ("gat_one_head", 128, (4, 4, 3), (1, 16)),
+    ("gat", 64, (4, 4, 3), (1, 16)), ("gatv2", 64, (4, 4, 3), (1, 16)),
+    ("dot", 64, (4, 4, 3), (1, 16)), ("gat", 8, (16, 4, 3), (2, 64))])
+def test_rows_below_256_channels_take_lanes_before_edges(form, C, fwd, src, monkeypatch):
+    """Below rows of 256 channels the compiled kernels' forward schedule (the forward,
+    the dst backward) holds lanes of at most 4 edges per step in its tile, one group for
+    every bucket, ``(lanes, edges, end of the first group)``: 4 lanes at 128 channels
+    (the 2048 tile) and at 64 (the 1024 tile), 16 (the most) at 8. The src backward
+    keeps the tile's edges: one lane of 16 at 128 and 64, 2 lanes of 64 at 8. With those
+    tiles, run here in the interpreter, over rows of 0..23 edges and a split hub row,
+    the results equal the reference."""
     monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
     g = torch.Generator().manual_seed(0)
@@ -472,7 +479,7 @@ def test_rows_of_128_channels_take_lanes_before_edges(form, monkeypatch):
     n = deg.numel()
     dst = torch.repeat_interleave(torch.arange(n), deg)
     ei = torch.stack([torch.randint(0, n, (dst.numel(),), generator=g), dst]).to(DEVICE)
-    H, C = 3, 128
+    H = 3
     if form == "gat_one_head":
         score, value = _one_head_call("gat", n, n, H, C, torch.float64)
     else:
@@ -481,8 +488,8 @@ def test_rows_of_128_channels_take_lanes_before_edges(form, monkeypatch):
     launched = record_tiles(monkeypatch)
     compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
     tiles = {k: (c["R0"], c["E0"], c["B1"]) for k, c in launched.items()}
-    assert tiles[_triton._fwd_kernel] == tiles[_triton._bwd_dst_kernel] == (4, 4, 3), tiles
-    assert tiles[_triton._bwd_src_kernel][:2] == (1, 16), tiles
+    assert tiles[_triton._fwd_kernel] == tiles[_triton._bwd_dst_kernel] == fwd, tiles
+    assert tiles[_triton._bwd_src_kernel][:2] == src, tiles
 
 
 @pytest.mark.parametrize("value_grad", [False, True], ids=["inputs_without_grad", "value_grad"])
