@@ -53,15 +53,17 @@ _TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
 # ... and the forward's schedule below _WIDE_FWD channels splits its tile into lanes
 # before edges: at most _EDGES_WIDE edges per step from _WIDE channels (4 lanes of the
 # 2048 tile), _EDGES_NARROW below (4 lanes of the 1024 tile at 64 channels, up to
-# _MAX_ROWS at 16 and fewer); before, a lane took up to 16 edges. A lane's item is a
-# chain of dependent loads (the item, its indices, the rows) that the pipeliner does
-# not overlap across items, and a few programs are resident per SM: one lane per
-# program left as few chains in flight per SM, and most items (14.7 edges on average
-# on the arxiv-like graph) fill one step. A count of dependent latencies per SM
-# (benchmarks/latency_count.py) put 4 lanes of 4 edges at 0.47x the one lane's at 128
-# and at 64 channels; on an H100 the forward at 128 channels ran 2.5x faster so, the
-# dst backward 2.1x (NOTES, "The GAT step on an H100 after lanes before edges"). The
-# src backward keeps its tiles: the count did not predict it at 256 channels.
+# _MAX_ROWS at 16 and fewer), but GAT from given node terms below _WIDE
+# (_edges_first). Before, a lane took as many edges as the tile held, up to 16 at 64
+# channels and more. A lane's item is a chain of dependent loads (the item, its
+# indices, the rows) that the pipeliner does not overlap across items, and a few
+# programs are resident per SM: one lane per program left as few chains in flight
+# per SM, and most items (14.7 edges on average on the arxiv-like graph) fill one
+# step. A count of dependent latencies per SM (benchmarks/latency_count.py) put 4
+# lanes of 4 edges at 0.47x the one lane's at 128 and at 64 channels. On an H100 the
+# forward ran 2.5x faster so at 128 channels and 1.7-2.6x at an output layer's 40
+# classes, the dst backward 1.5-2.1x (NOTES, "The GAT step on an H100 after lanes
+# before edges"). The src backward keeps its tiles: the count did not predict it.
 _EDGES_WIDE = _EDGES_NARROW = 4
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
@@ -294,15 +296,33 @@ def _programs(device: torch.device, H: int) -> int:
     return H * -(-n // H)
 
 
-def _bucket_groups(width: int, forward: bool = False) -> List[Tuple[int, int, int]]:
+def _edges_first(width: int, forward: bool, kind: Optional[int]) -> Optional[int]:
+    """The most edges per step of a kernel of the ``forward``'s schedule below
+    :data:`_WIDE_FWD` channels (the rest of the tile is lanes), or ``None``: as many
+    as the tile holds. GAT from given node terms (``kind`` 0) keeps that below
+    :data:`_WIDE`: with 4 lanes there, its compiled 2-layer step on an H100 (the
+    output layer's rows of 64 channels) gave conv1's weight gradient 2.32e-4 off
+    eager PyG's (tolerance 1e-4), where the other kinds' steps agreed; not explained
+    without a GPU (benchmarks/NOTES.md, "The GAT step on an H100 after lanes before
+    edges"). At 128 channels its 4 lanes agreed. The interpreter: few wide programs."""
+    if not forward or width >= _WIDE_FWD or _interpreted():
+        return None
+    if width >= _WIDE:
+        return _EDGES_WIDE
+    return None if kind == 0 else _EDGES_NARROW
+
+
+def _bucket_groups(width: int, forward: bool = False,
+                   kind: Optional[int] = None) -> List[Tuple[int, int, int]]:
     """``(first bucket, end bucket, BLOCK_E)`` of each group of buckets: consecutive
     buckets whose edge tiles are clamped to one width at wide channels compile to
     the same code, and are one group (of the ``forward`` kernel's tile, or the
-    backward kernels')."""
+    backward kernels'; of score ``kind``, :func:`_edges_first`)."""
     tile = _tile(width, forward)[0]
     cap = 1 << (max(1, tile // width).bit_length() - 1)
-    if forward and width < _WIDE_FWD and not _interpreted():  # (the interpreter: few wide
-        cap = min(cap, _EDGES_WIDE if width >= _WIDE else _EDGES_NARROW)  # programs, _tile)
+    edges = _edges_first(width, forward, kind)
+    if edges is not None:
+        cap = min(cap, edges)
     out: List[Tuple[int, int, int]] = []
     for b, (_, block_e) in enumerate(_BUCKETS):
         block_e = min(block_e, cap)
@@ -313,11 +333,11 @@ def _bucket_groups(width: int, forward: bool = False) -> List[Tuple[int, int, in
     return out
 
 
-def _group_consts(width: int, forward: bool = False) -> dict:
+def _group_consts(width: int, forward: bool = False, kind: Optional[int] = None) -> dict:
     """The row kernels' constexprs for :func:`_bucket_groups`: bounds ``B1, B2, B3``
     (groups ``[0, B1)``, ``[B1, B2)``, ``[B2, B3)`` of buckets, empty where equal)
     and each group's lanes per program ``R*`` and edge tile ``E*`` (1 where empty)."""
-    groups = _bucket_groups(width, forward)
+    groups = _bucket_groups(width, forward, kind)
     assert 1 <= len(groups) <= 3 == len(_BUCKETS)
     ends = [hi for _, hi, _ in groups] + [len(_BUCKETS)] * (3 - len(groups))
     tiles = [(_rows_per_program(e, width, forward), e) for _, _, e in groups]
@@ -377,7 +397,8 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
         num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind),
-        STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind)), **consts)
+        STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind), kind),
+        **consts)
 
 
 def _att_partials(width: int, H: int, device: torch.device, kernel,
@@ -387,7 +408,7 @@ def _att_partials(width: int, H: int, device: torch.device, kernel,
     of buckets."""
     forward = _fwd_schedule(kernel, kind)
     return sum(_programs(device, H) * _rows_per_program(block_e, width, forward)
-               for _, _, block_e in _bucket_groups(width, forward))
+               for _, _, block_e in _bucket_groups(width, forward, kind))
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,

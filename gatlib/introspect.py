@@ -203,7 +203,7 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     regs = m._max_registers(warps, fn, width, m._heavy({"KIND": kind}, fn), kind)
     resident = (1 << 16) // (regs * 32 * warps)
     out = []
-    for lo, hi, edges in m._bucket_groups(width, forward):
+    for lo, hi, edges in m._bucket_groups(width, forward, kind):
         lanes = m._rows_per_program(edges, width, forward)
         lane_len = length[bounds[lo]:bounds[hi]].repeat_interleave(heads)
         blocks = -(-lane_len.numel() // lanes)

@@ -108,6 +108,9 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     # one lane of 16 (1024 elements both at 64 channels, 2048 at 128)
     assert [own[64, f][k] for f in (True, False) for k in ("R0", "E0", "B1")] \
         == [4, 4, 3, 1, 16, 2]
+    # ... but GAT from given node terms (KIND 0) below 128 channels: the tile's edges
+    assert [sched._group_consts(64, True, 0)[k] for k in ("R0", "E0", "B1")] == [1, 16, 2]
+    assert [sched._group_consts(128, True, 0)[k] for k in ("R0", "E0", "B1")] == [4, 4, 3]
     assert [sched._group_consts(128, f)[k] for f in (True, False) for k in ("R0", "E0", "B1")] \
         == [4, 4, 3, 1, 16, 2]
     own_caps = caps()

@@ -462,16 +462,18 @@ def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
 @pytest.mark.parametrize("form,C,fwd,src", [
     ("gat", 128, (4, 4, 3), (1, 16)), ("gatv2", 128, (4, 4, 3), (1, 16)),
     ("dot", 128, (4, 4, 3), (1, 16)), ("gat_one_head", 128, (4, 4, 3), (1, 16)),
-    ("gat", 64, (4, 4, 3), (1, 16)), ("gatv2", 64, (4, 4, 3), (1, 16)),
-    ("dot", 64, (4, 4, 3), (1, 16)), ("gat", 8, (16, 4, 3), (2, 64))])
+    ("gatv2", 64, (4, 4, 3), (1, 16)),
+    ("dot", 64, (4, 4, 3), (1, 16)), ("gatv2", 8, (16, 4, 3), (2, 64)),
+    ("gat", 64, (1, 16, 2), (1, 16)), ("gat", 8, (2, 64, 1), (2, 64))])
 def test_rows_below_256_channels_take_lanes_before_edges(form, C, fwd, src, monkeypatch):
     """Below rows of 256 channels the compiled kernels' forward schedule (the forward,
     the dst backward) holds lanes of at most 4 edges per step in its tile, one group for
     every bucket, ``(lanes, edges, end of the first group)``: 4 lanes at 128 channels
-    (the 2048 tile) and at 64 (the 1024 tile), 16 (the most) at 8. The src backward
-    keeps the tile's edges: one lane of 16 at 128 and 64, 2 lanes of 64 at 8. With those
-    tiles, run here in the interpreter, over rows of 0..23 edges and a split hub row,
-    the results equal the reference."""
+    (the 2048 tile) and at 64 (the 1024 tile), 16 (the most) at 8; GAT from given node
+    terms only from 128 channels (below, its first group one lane of 16 edges at 64,
+    2 lanes of 64 at 8). The src backward keeps the tile's edges: one lane of 16 at 128
+    and 64, 2 lanes of 64 at 8. With those tiles, run here in the interpreter, over rows
+    of 0..23 edges and a split hub row, the results equal the reference."""
     monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
     g = torch.Generator().manual_seed(0)
