@@ -7,10 +7,10 @@
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
 # mode), the GAT step's kernels on each side, and Cora's step with both compiled sides replayed
 # as CUDA graphs (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to
-# 820 s, so the last may be cut (the last H100 took 137 s for the self-tests, 167 s for the step, after a 35 s start; each
-# step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
-# pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 is a
-# the input-space form of GATConv and TransformerConv against the projected one, then a
+# 820 s (the last H100 ran them all in 572 s: the self-tests 138 s, the arxiv-like step 160 s,
+# Cora's 145 s; each step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
+# pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 times
+# the input-space form of GATConv and TransformerConv against the projected one, then runs a
 # diagnosis of compiled GAT with its terms formed in the kernels:
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
