@@ -65,6 +65,8 @@ _TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
 # classes, the dst backward 1.5-2.1x (NOTES, "The GAT step on an H100 after lanes
 # before edges"). The src backward keeps its tiles: the count did not predict it.
 _EDGES_WIDE = _EDGES_NARROW = 4
+# ... and GAT from given node terms below _WIDE: None, the tile's edges (_edges_first)
+_EDGES_NODE_TERMS: Optional[int] = None
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
 # Unpipelined, each step waits for its edges' indices, then for their gathered
@@ -304,12 +306,14 @@ def _edges_first(width: int, forward: bool, kind: Optional[int]) -> Optional[int
     output layer's rows of 64 channels) gave conv1's weight gradient 2.32e-4 off
     eager PyG's (tolerance 1e-4), where the other kinds' steps agreed; not explained
     without a GPU (benchmarks/NOTES.md, "The GAT step on an H100 after lanes before
-    edges"). At 128 channels its 4 lanes agreed. The interpreter: few wide programs."""
+    edges"). At 128 channels its 4 lanes agreed. The interpreter: few wide programs.
+    ``introspect.triton_tiles(edges_node_terms=4)`` sets them back, for a GPU run to
+    tell whether that schedule is what disagreed."""
     if not forward or width >= _WIDE_FWD or _interpreted():
         return None
     if width >= _WIDE:
         return _EDGES_WIDE
-    return None if kind == 0 else _EDGES_NARROW
+    return _EDGES_NODE_TERMS if kind == 0 else _EDGES_NARROW
 
 
 def _bucket_groups(width: int, forward: bool = False,

@@ -3,20 +3,22 @@
 # fit its 15 minutes of device time (one call at most 600 s). Part 2 is the one to run next: it
 # checks the kernels against the reference (every score kind, the input-space calls' values of
 # one head among them), times the fused call and each kernel in it at the library's schedule
-# (and the input-space calls at rows of 128 channels with the schedule before 4 lanes of 4 edges),
+# (and the output layer's call, one head of 40 classes),
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
 # mode), the GAT step's kernels on each side, and Cora's step with both compiled sides replayed
 # as CUDA graphs (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to
 # 820 s (the last H100 ran them all in 572 s: the self-tests 138 s, the arxiv-like step 160 s,
 # Cora's 145 s; each step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
 # pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 times
-# the input-space form of GATConv and TransformerConv against the projected one, then runs a
-# diagnosis of compiled GAT with its terms formed in the kernels:
+# compiled GAT with its output layer's last schedule (which disagreed), the input-space form of
+# GATConv and TransformerConv against the projected one, then a diagnosis of compiled GAT with
+# its terms formed in the kernels:
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
-#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 600
-#   (if time is left: device run: command "bash scripts/gpu_run.sh 1", carry [".planetoid"],
-#   timeout_s 570; or "bash scripts/gpu_run.sh 3", at most 500 s, timeout_s 510)
+#   device run: command "D=$OUT; OUT=/tmp/o timeout -s INT 575 bash scripts/gpu_run.sh 2;
+#   tar czf $D/gpu_run.tgz -C /tmp/o .; cp /tmp/o/log_2.txt $D/", carry [".planetoid"],
+#   timeout_s 600 (the device tool returns at most 8 files: part 2 writes 12)
+#   (if time is left: the same with part 1, at most 570 s, or part 3, at most 560 s)
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
 # (benchmarks/NOTES.md): the device machine's copy of the repository may carry other git metadata.
@@ -119,11 +121,10 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     gat_inputs_data dot_inputs \
     --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
-  # the input-space calls' rows are 128 wide, where the forward and the dst backward now take 4
-  # lanes of 4 edges per step: against one lane of 16, as before (an estimate chose it)
-  step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
-    --variant edges_wide=16 \
-    --rep 200 --profile --json "$OUT/triton_sweep_edges16_arxiv-like_$gpu.json"
+  # the output layer's call (one head, 40 classes: rows of 64 channels), each kernel's time
+  step 60 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
+    --kinds gat gat_projected gatv2 dot --variant default \
+    --rep 100 --profile --json "$OUT/triton_sweep_classes_arxiv-like_$gpu.json"
   step_arxiv
   # where GAT's step (the layer furthest from its target) spends its time, kernel by kernel,
   # against compiled PyG's (eager PyG runs too: the gradients' reference)
@@ -134,18 +135,23 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
+  # compiled GAT disagreed with PyG (conv1's weight gradient 2.32e-4 off) where its output
+  # layer (node terms, KIND 0, rows of 64 channels) ran 4 lanes of 4 edges: that schedule set
+  # back for one comparison (it exits 1 if a side disagrees): does it disagree again, eager too?
+  step 120 "$PY" -m gatlib.bench.compare --scope model --layer gat --graph arxiv-like \
+    --device cuda --backend triton --repeats 1 --no-memory --triton-tiles edges_node_terms=4 \
+    --json "$OUT/compare_arxiv-like_model_gat_node_terms_lanes_$gpu.json"
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
   # form against the projected one, forward and backward (what their rule decides on)
   step 90 "$PY" benchmarks/input_space.py --device cuda --backend triton --pass forward+backward \
     --repeats 3 --json "$OUT/input_space_arxiv-like_train_cuda_$gpu.json"
   # a diagnosis of compiled GAT with its attention terms formed in the kernels (KIND 3), which
   # compiled calls no longer run (gatlib._dispatch._PROJECTED_UNDER_COMPILE): each side's kernel
-  # times in one training step and the weight gradient against eager PyG, as shipped and with
-  # KIND 3 compiled (on the last H100: a gradient 2.3e-4 off, then an illegal memory access);
-  # then that on Cora under compute-sanitizer's memcheck, which names the kernel and address
-  # of a bad access (arxiv-like's eager PyG step runs out of memory under it)
-  step 150 "$PY" benchmarks/profile_step.py --layer gat \
-    --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
+  # times in one training step and the weight gradient against eager PyG with KIND 3 compiled
+  # (as shipped: part 2; on an earlier H100: a gradient 2.32e-4 off, the figure above, then an
+  # illegal memory access); then that on Cora under compute-sanitizer's memcheck, which names
+  # the kernel and address of a bad access (arxiv-like's eager PyG step runs out of memory
+  # under it)
   step 150 "$PY" benchmarks/profile_step.py --layer gat --projected-under-compile \
     --json "$OUT/profile_step_gat_arxiv-like_kind3_$gpu.json"
   step 200 compute-sanitizer --tool=memcheck --print-limit=20 "$PY" benchmarks/profile_step.py \

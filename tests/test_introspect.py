@@ -111,6 +111,10 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     # ... but GAT from given node terms (KIND 0) below 128 channels: the tile's edges
     assert [sched._group_consts(64, True, 0)[k] for k in ("R0", "E0", "B1")] == [1, 16, 2]
     assert [sched._group_consts(128, True, 0)[k] for k in ("R0", "E0", "B1")] == [4, 4, 3]
+    with introspect.triton_tiles(edges_node_terms=4) as values:  # (a GPU diagnosis)
+        assert values["edges_node_terms"] == 4
+        assert [sched._group_consts(64, True, 0)[k] for k in ("R0", "E0", "B1")] == [4, 4, 3]
+    assert sched._EDGES_NODE_TERMS is None
     assert [sched._group_consts(128, f)[k] for f in (True, False) for k in ("R0", "E0", "B1")] \
         == [4, 4, 3, 1, 16, 2]
     own_caps = caps()
@@ -129,7 +133,8 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
                                  edges_wide=16, edges_narrow=32) as values:
         assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
                           "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,
-                          "resident_fwd": 4, "edges_wide": 16, "edges_narrow": 32}
+                          "resident_fwd": 4, "edges_wide": 16, "edges_narrow": 32,
+                          "edges_node_terms": None}
         assert all(c["E0"] == (16 if w == 256 else 32 if f else 64)
                    for (w, f), c in consts().items())
         assert [sched._group_consts(128, True)[k] for k in ("R0", "E0")] == [2, 16]
@@ -148,7 +153,7 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     with pytest.raises(ValueError, match="resident must be in"):
         with introspect.triton_tiles(resident=0):
             pass
-    for name in ("edges_wide", "edges_narrow"):
+    for name in ("edges_wide", "edges_narrow", "edges_node_terms"):
         with pytest.raises(ValueError, match=f"{name} must be a power of two"):
             with introspect.triton_tiles(**{name: 6}):
                 pass

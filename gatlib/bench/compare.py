@@ -579,7 +579,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mem-budget-gb", type=float, default=None,
                         help="CPU: let each process grow by at most this many GB; more "
                              "counts as OOM (default: the free memory less 1 GB)")
-    parser.add_argument("--triton-tiles", default=None, metavar="TILE:PROGRAMS[:STAGES[:RESIDENT]]",
+    parser.add_argument("--triton-tiles", default=None,
+                        metavar="TILE:PROGRAMS[:STAGES[:RESIDENT]] or NAME=VALUE[,NAME=VALUE]",
                         help="CUDA, Triton kernels: time them at this schedule variant "
                              "(gatlib.introspect.triton_tiles; as benchmarks/triton_sweep.py's "
                              "--variant; default: the library's own)")
@@ -645,9 +646,22 @@ def _config(args: argparse.Namespace) -> Dict:
 
 
 def _triton_tiles(text: Optional[str]) -> Optional[Dict[str, int]]:
-    """``--triton-tiles``' keyword arguments of ``introspect.triton_tiles``."""
+    """``--triton-tiles``' keyword arguments of ``introspect.triton_tiles``:
+    ``TILE:PROGRAMS[:STAGES[:RESIDENT]]`` or ``NAME=VALUE[,NAME=VALUE]`` (its
+    arguments by name)."""
     if text is None:
         return None
+    if "=" in text:
+        import inspect
+
+        from gatlib import introspect
+
+        known = set(inspect.signature(introspect.triton_tiles).parameters)
+        named = dict(item.split("=", 1) for item in text.split(","))
+        if not set(named) <= known or not all(v.isdigit() for v in named.values()):
+            raise ValueError(f"--triton-tiles: NAME=VALUE with NAME in {sorted(known)} and an "
+                             f"integer VALUE; got {text!r}")
+        return {k: int(v) for k, v in named.items()}
     try:
         values = [int(v) for v in text.split(":")]
     except ValueError:
