@@ -135,9 +135,8 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     ``stages``, ``resident`` (the src backward's), ``resident_heavy`` (the dst
     backward's below 256 channels), ``resident_fwd`` (the forward's and the dst
     backward's at 256 and more), ``edges_wide``, ``edges_narrow``, ``edges_node_terms``.
-    A plan's schedule does not depend on
-    them; the kernels' constexprs and register caps do (new values compile new
-    specialisations)."""
+    A plan's schedule does not depend on them; the kernels' constexprs and register
+    caps do (new values compile new specialisations)."""
     from unittest import mock
 
     m = _triton_module("_triton_schedule")
