@@ -25,6 +25,7 @@ import torch
 
 from gatlib import GraphPlan, introspect
 from gatlib.bench import report
+from gatlib.bench.compare import triton_tiles_arguments
 from gatlib.bench.synthetic import PRESETS, power_law_edges
 
 KERNELS = ("_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel")
@@ -62,8 +63,7 @@ def graph(name: str) -> GraphPlan:
 def variant_tiles(variant: str):
     if variant == "default":
         return introspect.triton_tiles()
-    named = dict(item.split("=", 1) for item in variant.split(","))
-    return introspect.triton_tiles(**{k: int(v) for k, v in named.items()})
+    return introspect.triton_tiles(**triton_tiles_arguments(variant))
 
 
 def count(blocks, stages: int, sms: int) -> float:

@@ -608,7 +608,7 @@ def _config(args: argparse.Namespace) -> Dict:
         raise ValueError("--pass applies to --scope layer; --scope model times a training step")
     if args.classes < 1:
         raise ValueError(f"--classes must be >= 1; got {args.classes}")
-    tiles = _triton_tiles(args.triton_tiles)
+    tiles = triton_tiles_arguments(args.triton_tiles)
     if tiles and (args.device != "cuda" or args.backend not in ("triton", "auto")):
         raise ValueError("--triton-tiles sets the Triton kernels' schedule: it needs --device cuda "
                          f"and --backend triton or auto; got {args.device}, {args.backend}")
@@ -645,8 +645,9 @@ def _config(args: argparse.Namespace) -> Dict:
     }
 
 
-def _triton_tiles(text: Optional[str]) -> Optional[Dict[str, int]]:
-    """``--triton-tiles``' keyword arguments of ``introspect.triton_tiles``:
+def triton_tiles_arguments(text: Optional[str]) -> Optional[Dict[str, int]]:
+    """``--triton-tiles``' keyword arguments of ``introspect.triton_tiles`` (also
+    ``benchmarks/latency_count.py``'s ``--variant``):
     ``TILE:PROGRAMS[:STAGES[:RESIDENT]]`` or ``NAME=VALUE[,NAME=VALUE]`` (its
     arguments by name)."""
     if text is None:
