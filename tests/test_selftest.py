@@ -151,7 +151,9 @@ def test_a_comparison_that_fails_fails_the_selftest(tmp_path, monkeypatch, capsy
 @pytest.mark.parametrize("args, message", [(["--graphs", "cora,arxiv"], "unknown synthetic graph"),
                                            (["--repeats", "0"], "--repeats must be at least 1"),
                                            (["--kinds", "gat,gcn"], "--kinds takes"),
-                                           (["--kinds", ","], "--kinds takes")])
+                                           (["--kinds", ","], "--kinds takes"),
+                                           (["--triton-tiles", "edges_narrow=3"], "power of two"),
+                                           (["--triton-tiles", "lanes=4"], "--triton-tiles")])
 def test_bad_arguments_exit_2_before_any_check(args, message, monkeypatch, capsys):
     monkeypatch.setattr(selftest, "kernel_checks", None)  # not reached
     assert cli.main(["selftest", "--device", DEVICE, *args]) == 2
@@ -171,6 +173,24 @@ def test_kinds_limit_the_kernel_checks(tmp_path, monkeypatch):
     # the quick grid's two cases per kind and dtype, for the named kinds alone
     assert sorted(seen, key=str) == sorted(
         [(k, d) for k in ("dot", "gatv2") for d in selftest.DTYPES.values()] * 2, key=str)
+
+
+def test_triton_tiles_hold_for_every_check(tmp_path, monkeypatch):
+    """``--triton-tiles``: the kernel and GPU checks run at that schedule (and the PyG
+    comparison's child gets the flag), which is recorded and set back after."""
+    seen = []
+
+    def case(kind, dtype, edge, p, alpha, plan, device, seed=0):
+        seen.append(_triton_schedule._EDGES_NODE_TERMS)
+        return {"name": kind, "status": "ok"}
+    monkeypatch.setattr(selftest, "check_case", case)
+    monkeypatch.setattr(selftest, "gpu_checks", lambda device, kinds: [])
+    before = _triton_schedule._EDGES_NODE_TERMS
+    rc, rep = _selftest(tmp_path, "--graphs", "", "--kinds", "gat",
+                        "--triton-tiles", "edges_node_terms=4")
+    assert rc == 0 and seen and set(seen) == {4}
+    assert rep["config"]["triton_tiles"]["edges_node_terms"] == 4
+    assert _triton_schedule._EDGES_NODE_TERMS == before
 
 
 def test_cpu_without_the_interpreter_exits_2(monkeypatch, capsys):
@@ -221,3 +241,19 @@ def test_the_compiled_step_check_passes_and_can_fail():
 
     detail = selftest.compiled_step_check("GATConv", torch.device("cpu"), plan, compile_fn=off)
     assert detail is not None and "largest relative error against eager" in detail
+    where = detail.rsplit("(", 1)[1].rstrip(")")  # the quantity: the loss or a parameter
+    assert where == "loss" or where.startswith(("conv1.", "conv2.")), detail
+
+
+@pytest.mark.parametrize("kind", ["gat", "gatv2"])
+def test_the_output_layer_check_passes_and_can_fail(kind, monkeypatch):
+    """The GPU checks' output-layer call (one head of 40 channels, run here on the
+    interpreter) computes the reference on the check graph, whose hub rows are split;
+    with the gradient pieces of split rows dropped it fails, at the hub (node 0, which
+    receives 300 edges and sends 300)."""
+    pytest.importorskip("triton")
+    plan, _ = selftest.check_graph(selftest.NUM_NODES, 4 * (selftest.NUM_NODES - 21), 0, "cpu")
+    assert selftest.output_layer_check(kind, torch.device("cpu"), plan) is None
+    _skip_gradient_merge(monkeypatch)
+    detail = selftest.output_layer_check(kind, torch.device("cpu"), plan)
+    assert detail is not None and "grad " in detail and "(row 0)" in detail, detail

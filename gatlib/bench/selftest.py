@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import importlib.util
 import json
 import math
@@ -61,6 +62,7 @@ import torch
 from torch import Tensor
 
 from . import floor, synthetic
+from .compare import triton_tiles_arguments
 from .report import command_line, environment, format_table, write_json
 
 SCHEMA = "gatlib.selftest/1"
@@ -124,13 +126,15 @@ def kernel_graph(seed: int = 0) -> Tensor:
     return torch.cat([ei, ei[:, :20]], dim=1)
 
 
-def _inputs(kind: str, edge: bool, E: int, device, seed: int) -> Dict[str, Tensor]:
+def _inputs(kind: str, edge: bool, E: int, device, seed: int, heads: int = HEADS,
+            channels: int = CHANNELS) -> Dict[str, Tensor]:
     """float64 inputs by name: ``value``, optional ``value_edge``, the score's
     ``src``, ``dst``, optional ``edge`` and ``att`` (:meth:`EdgeScore.tensors`) —
     for ``gat_projected`` ``att_src`` and ``att_dst``, its ``h`` being ``value`` —
-    and the output ``bias`` of the GAT kinds (:data:`BIASED`)."""
+    and the output ``bias`` of the GAT kinds (:data:`BIASED`), for :data:`NUM_NODES`
+    nodes and ``heads`` heads of ``channels`` channels."""
     g = torch.Generator().manual_seed(seed)
-    N, H, C = NUM_NODES, HEADS, CHANNELS
+    N, H, C = NUM_NODES, heads, channels
 
     def r(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
@@ -200,6 +204,13 @@ def _max_abs(a: Tensor, b: Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
+def _worst_row(a: Tensor, b: Tensor) -> int:
+    """Index along the first dimension (a node, or an edge) of the largest difference:
+    which row a failed case went wrong in (the check graphs' hub is node 0)."""
+    d = (a.double() - b.double()).abs().nan_to_num(math.inf)
+    return int(d.reshape(d.size(0), -1).amax(1).argmax()) if d.numel() else -1
+
+
 def _num(x: float):
     return x if math.isfinite(x) else str(x)  # JSON has no inf/nan
 
@@ -230,17 +241,19 @@ def check_case(kind: str, dtype: torch.dtype, edge: bool, p: float, alpha: bool,
     return rec
 
 
-def _case_inputs(kind, dtype, edge, plan, device, seed):
+def _case_inputs(kind, dtype, edge, plan, device, seed, heads=HEADS, channels=CHANNELS):
     E = plan.num_edges
-    rounded = {k: v.to(dtype) for k, v in _inputs(kind, edge, E, device, seed).items()}
+    rounded = {k: v.to(dtype) for k, v in _inputs(kind, edge, E, device, seed, heads,
+                                                   channels).items()}
     g = torch.Generator().manual_seed(seed + 1)
-    w = {"out": torch.randn(NUM_NODES, HEADS * CHANNELS, generator=g, dtype=torch.float64),
-         "alpha": torch.randn(E, HEADS, generator=g, dtype=torch.float64)}
+    w = {"out": torch.randn(NUM_NODES, heads * channels, generator=g, dtype=torch.float64),
+         "alpha": torch.randn(E, heads, generator=g, dtype=torch.float64)}
     return rounded, {k: v.to(device, dtype) for k, v in w.items()}  # representable in dtype
 
 
-def _agreement_check(kind, dtype, edge, alpha, plan, device, seed) -> Dict:
-    inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed)
+def _agreement_check(kind, dtype, edge, alpha, plan, device, seed, heads=HEADS,
+                     channels=CHANNELS) -> Dict:
+    inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed, heads, channels)
     log, got = _run("triton", kind, inputs, plan, weights, alpha, 0.0)
     exact = _run("torch", kind, {k: v.double() for k, v in inputs.items()}, plan, weights, alpha,
                  0.0)[1]
@@ -260,7 +273,8 @@ def _agreement_check(kind, dtype, edge, alpha, plan, device, seed) -> Dict:
             worst = (ratio, q, err, bound)
     _, q, err, bound = worst
     detail = _ran_triton(log) or (None if err <= bound else
-                                  f"{q}: max abs error {err:.3g} > bound {bound:.3g}")
+                                  f"{q}: max abs error {err:.3g} > bound {bound:.3g} "
+                                  f"(row {_worst_row(got[q], exact[q])})")
     return {"status": "FAIL" if detail else "ok", "quantity": q, "error": _num(err),
             "bound": bound, "kernels": log, **({"detail": detail} if detail else {})}
 
@@ -416,17 +430,32 @@ def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None)
     floor = STEP_FLOOR * max(r.norm().item() for r in ref[1:])
     torch._dynamo.reset()
     compiled = (compile_fn or torch.compile)(model)
-    worst = 0.0
+    names = ["loss"] + [n for n, _ in model.named_parameters()]
+    worst, where = 0.0, None
     with gatlib.record_kernels() as log:
         for _ in range(3):
             got = step(compiled)
-            worst = max([worst] + [((g - r).norm() / max(r.norm().item(), floor, 1e-30)).item()
-                                   for g, r in zip(got, ref, strict=True)])
+            for name, g, r in zip(names, got, ref, strict=True):
+                err = ((g - r).norm() / max(r.norm().item(), floor, 1e-30)).item()
+                if not err <= worst:  # (a NaN is the worst)
+                    worst, where = err, name
     if "triton" not in log or "triton.backward" not in log:
         return f"the compiled step did not run the Triton kernels (ran {sorted(set(log))})"
     if not worst <= STEP_TOL:
-        return f"largest relative error against eager {worst:.2e} > {STEP_TOL:.0e}"
+        return f"largest relative error against eager {worst:.2e} > {STEP_TOL:.0e} ({where})"
     return None
+
+
+def output_layer_check(kind: str, device: torch.device, plan) -> Optional[str]:
+    """``None`` where the Triton kernels' call of score ``kind`` at an output layer's shape
+    (one head of :data:`STEP_CLASSES` channels, float32, no edge features) computes the
+    float64 reference, forward and every input's gradient, on ``plan`` (the GPU checks'
+    graph: node 0's 300 in-edges and 300 out-edges are split into pieces); else what
+    differs. The kernel checks' channels are narrower: this shape takes other tiles,
+    the ones of the compiled step's output layer (:func:`compiled_step_check`)."""
+    res = _agreement_check(kind, torch.float32, False, False, plan, device, 0, heads=1,
+                           channels=STEP_CLASSES)
+    return res.get("detail")
 
 
 def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]:
@@ -438,6 +467,8 @@ def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]
       no new kernel (Triton's per-device kernel caches do not grow);
     * *CUDA graphs*: a forward with dropout captured in a ``torch.cuda.CUDAGraph``
       draws a new mask on every replay (the seed is drawn on the device);
+    * *output layers*: each of ``kinds`` at one head of :data:`STEP_CLASSES` channels
+      computes the reference on a graph with split rows (:func:`output_layer_check`);
     * *compiled steps*: ``torch.compile`` of a 2-layer model computes the eager
       model's loss and gradients (:func:`compiled_step_check`), for the layer of
       each of ``kinds`` in :data:`STEP_LAYERS`.
@@ -506,6 +537,9 @@ def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]
     check("no recompile for a new graph", no_recompile)
     check("dropout in a captured CUDA graph draws a new mask per replay", cuda_graph)
     for kind in kinds:
+        check(f"{kind}: an output layer's call (1 head of {STEP_CLASSES}) computes the reference",
+              lambda kind=kind: output_layer_check(kind, device, plan))
+    for kind in kinds:
         if kind in STEP_LAYERS:
             check(f"a compiled {STEP_LAYERS[kind]} training step computes the eager step",
                   lambda layer=STEP_LAYERS[kind]: compiled_step_check(layer, device, plan))
@@ -527,7 +561,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
            "--block-seconds", str(args.block_seconds), "--json", str(out),
            "--memory" if args.memory else "--no-memory", "--no-compile"]
     for flag, value in (("--data-dir", args.data_dir), ("--heads", args.heads),
-                        ("--channels", args.channels)):
+                        ("--channels", args.channels), ("--triton-tiles", args.triton_tiles)):
         if value is not None:
             cmd += [flag, str(value)]
     # The child's progress goes to our stderr as it comes; its last lines are kept.
@@ -642,6 +676,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help="comma-separated score kinds the kernel checks cover "
                              "(default: %(default)s)")
+    parser.add_argument("--triton-tiles", default=None, metavar="SPEC",
+                        help="run every check at another schedule of the row kernels, as "
+                             "gatlib compare's --triton-tiles (TILE:PROGRAMS[:STAGES[:RESIDENT]] "
+                             "or NAME=VALUE[,NAME=VALUE] of gatlib.introspect.triton_tiles): "
+                             "whether a schedule's kernels compute the reference")
     parser.add_argument("--json", default=None, metavar="PATH", dest="json_path",
                         help="write everything here (after every step)")
     parser.add_argument("--table", default=None, metavar="PATH",
@@ -693,6 +732,12 @@ def run(args: argparse.Namespace) -> int:
         for graph in graphs:  # a typo fails now, not after the kernel checks
             if graph != "cora":
                 synthetic.parse_spec(graph)
+        tiles = triton_tiles_arguments(args.triton_tiles)
+        if tiles:  # (its values are checked on entry)
+            from gatlib import introspect
+
+            with introspect.triton_tiles(**tiles):
+                pass
         _preflight(device)
     except (CannotRun, ValueError) as exc:
         print(f"gatlib selftest: error: {exc}", file=sys.stderr)
@@ -703,7 +748,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {"device": args.device, "graphs": graphs, "repeats": args.repeats,
                    "block_seconds": args.block_seconds, "memory": args.memory,
                    "heads": args.heads, "channels": args.channels, "quick": args.quick,
-                   "kinds": kinds},
+                   "kinds": kinds, "triton_tiles": tiles},
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
         "environment": environment(device),
         "kernel_checks": None, "comparisons": [], "status": None,
@@ -716,6 +761,15 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    with contextlib.ExitStack() as stack:
+        if tiles:
+            result["config"]["triton_tiles"] = stack.enter_context(
+                introspect.triton_tiles(**tiles))  # what is in force, defaults included
+            log(f"[selftest] Triton schedule: {result['config']['triton_tiles']}")
+        return _checks(args, device, cuda, kinds, graphs, result, save, log)
+
+
+def _checks(args, device, cuda, kinds, graphs, result, save, log) -> int:
     t0 = time.perf_counter()
     result["kernel_checks"] = kernel_checks(device, args.quick, log, kinds)
     result["kernel_checks"]["seconds"] = time.perf_counter() - t0
