@@ -63,6 +63,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.jit import JITFunction
 
 from . import _record
 from . import _triton_schedule as TS
@@ -71,9 +72,8 @@ from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, refer
 from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
-from ._triton_schedule import (_att_partials, _interpreted, _launch, _merge, _Plan, _plan,
-                               _Schedule, _schedule_sizes, _slot_sums, _tile, _tl_acc, _warps,
-                               wrap_triton)
+from ._triton_schedule import (_att_partials, _launch, _merge, _Plan, _plan,
+                               _Schedule, _schedule_sizes, _slot_sums, _tile, _tl_acc, _warps)
 
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024
@@ -222,17 +222,20 @@ def _params_tensor(scale: float, slope: float, keep: float, dtype: torch.dtype,
 
 
 def _operator(name: str, fake):
-    """Define ``gatlib::<name>``: a ``triton_op`` (its launches go through
-    ``wrap_triton``, so ``torch.compile`` sees the kernels and its fake
-    implementation is the function itself), or, under Triton's interpreter, whose
-    kernels read data and which ``wrap_triton`` leaves unwrapped, a ``custom_op``
-    with the shapes-only ``fake``."""
+    """Define ``gatlib::<name>``: a ``custom_op`` with the shapes-only ``fake``, which
+    ``torch.compile``'s graphs call as one opaque operator, so that a compiled call
+    launches the kernels an eager call launches: the same specialisations, warps and
+    register caps (:func:`gatlib._triton_schedule._max_registers`), which the compile
+    budget checks (tests/test_triton_compile.py). As ``triton_op``s, whose kernels
+    inductor compiles itself, compiled calls ran other binaries: inductor (torch
+    2.11-2.13) passes no launch's ``maxnreg`` to the compiler, compiles with
+    ``debug=True`` and fixes integer arguments of value 1 as constants (ptxas, sm_90:
+    the dst backward at 256 channels took 80 registers where its cap is 64; NOTES,
+    "Compiled calls launch the eager kernels")."""
     def define(fn):
-        if _interpreted():
-            op = torch.library.custom_op(f"gatlib::{name}", fn, mutates_args=())
-            op.register_fake(fake)
-            return op
-        return torch.library.triton_op(f"gatlib::{name}", fn, mutates_args=())
+        op = torch.library.custom_op(f"gatlib::{name}", fn, mutates_args=())
+        op.register_fake(fake)
+        return op
     return define
 
 
@@ -470,7 +473,7 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
             if E:
                 # independent (edge, head) lanes: as many as fill the tile
                 block_k = min(1024, max(1, _tile()[0] // consts["BLOCK_CK"]))
-                wrap_triton(_alpha_kernel)[(triton.cdiv(E * H, block_k),)](
+                _alpha_kernel[(triton.cdiv(E * H, block_k),)](
                     lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
                     KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
@@ -749,6 +752,16 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     return out, (alpha if need_alpha else None)
 
 
+def _wrap_triton(kernel):
+    """``torch.library.wrap_triton(kernel)``, for a launch outside the operators (the
+    dropout mask of a double backward, :func:`_reference_backward`, which a compiled
+    call traces); under Triton's interpreter, whose kernels torch before 2.13 refuses
+    to wrap, the kernel itself."""
+    if not isinstance(kernel, JITFunction):
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
 def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
     E = csr_eid.numel()
     # empty, not zeros: the kernel writes every (edge, head) (csr_eid is a permutation),
@@ -756,7 +769,7 @@ def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
     keep = torch.empty(E, heads, dtype=torch.int8, device=csr_eid.device)
     if E:
         with _device(keep):
-            wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](csr_eid, E, keep, seed, float(p),
+            _wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](csr_eid, E, keep, seed, float(p),
                                                                        heads, BLOCK_K=1024)
     return keep.view(torch.bool)
 

@@ -22,15 +22,14 @@ _PER_CALL = ("E", "H", "CK", "CV")
 # lane l is item l // H, head l % H — so the heads of a row sit side by side
 # and their loads of a source's [H, C] row are contiguous.
 # ---------------------------------------------------------------------------
-# The schedule's arrays are loaded by each kernel's own body, not by a helper:
-# torch.compile's analysis of what a Triton kernel writes (triton_kernel_wrap)
-# follows a store's address back through the calls it came from and takes every
-# pointer a helper was given as written. The lanes' rows and slots, loaded by a
-# helper, made every schedule array "written" by every row kernel: the
-# functionalised kernels then threaded them from each launch to the next,
-# backward included, and a plan's cached schedule became a forward output that
-# depended on the backward (AOT autograd's partitioner refused it:
-# tests/test_triton_compile.py). The helpers below take loaded values only.
+# The schedule's arrays are loaded by each kernel's own body, not by a helper: should
+# torch.compile ever trace the kernels (torch.library.wrap_triton; the operators are
+# opaque to it now, _triton._operator), its analysis of what a kernel writes follows a
+# store's address back through the calls it came from and takes every pointer a helper
+# was given as written. The lanes' rows and slots, loaded by a helper, made every
+# schedule array "written" by every row kernel, and AOT autograd's partitioner refused
+# the compiled step (benchmarks/NOTES.md, "The H100 again"). The helpers below take
+# loaded values only.
 @triton.jit
 def _block_count(lo, hi, H, BLOCK_R: tl.constexpr):
     """``(item count, blocks of BLOCK_R lanes)`` of the items ``lo : hi`` (the

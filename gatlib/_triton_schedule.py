@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import wrap_triton as _torch_wrap_triton
-from triton.runtime.jit import JITFunction
 
 from ._layout import Layout, index_dtype
 from ._plan import GraphPlan
@@ -121,16 +119,6 @@ class _Schedule:
     @property
     def max_split(self) -> int:
         return self.split_row.numel()
-
-
-def wrap_triton(kernel):
-    """``torch.library.wrap_triton(kernel)`` (inductor sees the launches of an
-    operator made of them); under Triton's interpreter before torch 2.13, which
-    refuses to wrap the interpreter's kernels, the kernel itself, launched as a
-    plain call (the interpreted operators are opaque to the compiler anyway)."""
-    if not isinstance(kernel, JITFunction):
-        return kernel
-    return _torch_wrap_triton(kernel)
 
 
 def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:
@@ -398,7 +386,7 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     """
     warps = _warps(width, consts["ACC"])
     kind = consts.get("KIND")
-    wrap_triton(kernel)[(_programs(items.bounds.device, H),)](
+    kernel[(_programs(items.bounds.device, H),)](
         items.row, items.start, items.length, items.slot, items.bounds, *args,
         num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind),
         STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind), kind),
@@ -429,7 +417,7 @@ def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Te
     lanes = max(1, min(_tile()[1], _tile()[0] // block_c))
     lanes = 1 << (lanes.bit_length() - 1)
     softmax = lse is not None
-    wrap_triton(_merge_kernel)[(_programs(out.device, H),)](
+    _merge_kernel[(_programs(out.device, H),)](
         items.bounds, items.split_row, items.split_first, items.split_count, part,
         part_lse if softmax else part, out, lse if softmax else out,
         bias if bias is not None else out, out_b if out_b is not None else out, H, C,

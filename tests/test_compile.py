@@ -65,8 +65,8 @@ def test_fullgraph_training_step_runs_the_fused_operators(layer, as_plan, backen
     ran in the compiled step (the reference, compiled into the graph instead, logs
     nothing); the loss, outputs, attention weights and gradients are the eager
     step's, dropout masks included (inductor draws them with torch's generator).
-    The Triton operators run in Triton's interpreter here, as opaque operators
-    (on a GPU they are ``triton_op``s whose kernels inductor sees)."""
+    The Triton operators run in Triton's interpreter here, opaque to the compiler as
+    on a GPU."""
     if backend == "triton":
         pytest.importorskip("triton")
     torch.manual_seed(0)

@@ -255,23 +255,22 @@ def record_tiles(monkeypatch):
     """A dict that gets, for each row kernel the Triton path launches from now on, the
     constexprs of its tile and schedule as launched (``R0``, ``E0``, ``B1``, ``num_warps``,
     ...; the last launch's)."""
-    from gatlib import _triton_schedule
+    from gatlib import _triton_kernels
 
     tiles = {}
-    wrap = _triton_schedule.wrap_triton
+    cls = type(_triton_kernels._fwd_kernel)  # JITFunction, or the interpreter's
+    getitem = cls.__getitem__
 
-    class Launcher:
-        def __init__(self, kernel):
-            self.kernel = kernel
+    def bind(kernel, grid):
+        launch = getitem(kernel, grid)
 
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                if "R0" in kw:
-                    tiles[self.kernel] = kw
-                return wrap(self.kernel)[grid](*args, **kw)
-            return launch
+        def recorded(*args, **kw):
+            if "R0" in kw:
+                tiles[kernel] = kw
+            return launch(*args, **kw)
+        return recorded
 
-    monkeypatch.setattr(_triton_schedule, "wrap_triton", Launcher)
+    monkeypatch.setattr(cls, "__getitem__", bind)
     return tiles
 
 
