@@ -769,8 +769,8 @@ def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
     keep = torch.empty(E, heads, dtype=torch.int8, device=csr_eid.device)
     if E:
         with _device(keep):
-            _wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](csr_eid, E, keep, seed, float(p),
-                                                                       heads, BLOCK_K=1024)
+            _wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](
+                csr_eid, E, keep, seed, float(p), heads, BLOCK_K=1024)
     return keep.view(torch.bool)
 
 
