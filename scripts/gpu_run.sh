@@ -9,7 +9,8 @@
 # as CUDA graphs (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to
 # 820 s (the last H100 ran them all in 572 s: the self-tests 138 s, the arxiv-like step 160 s,
 # Cora's 145 s; each step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
-# pipelining stages, programs per SM; each kernel's time at each variant: 369 s), part 3 checks
+# pipelining stages, programs per SM; each kernel's time at each variant: 369 s before the output
+# layer's occupancy sweep, at most 120 s more), part 3 checks
 # GAT with its output layer's last schedule (which disagreed compiled), eager and compiled, times
 # compiled GAT with its terms formed in the kernels, and the input-space form of GATConv and
 # TransformerConv against the projected one (510 s):
@@ -103,6 +104,12 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
   step 170 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
     --variant 1024:4:2:4 --variant 1024:4:2:3 --variant 1024:4:2:2 --variant 2048:4:2:3 \
     --variant 2048:4:2:2 --rep 200 --profile --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
+  # an output layer's call (one head of 40 classes: rows of 64 channels of 4 warps) at more
+  # programs per SM: registers for 4 (cap 128) at the 1024 tile, for 5 (cap 102) at the 512 tile,
+  # which ptxas fits without spilling (sm_90), against the library's (cap 255: 3 fit by registers)
+  step 120 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
+    --kinds gat gat_projected gatv2 dot --variant default --variant resident=4 \
+    --variant 512:5:2:5 --rep 100 --profile --json "$OUT/triton_sweep_classes_occupancy_$gpu.json"
   step_arxiv
   if [[ $PRINT == 0 ]]; then  # the variant with the least forward+backward time over the kinds
     best=$($PY -c "import json, sys, collections; t = collections.Counter()
