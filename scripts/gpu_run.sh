@@ -105,8 +105,9 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
     --variant 1024:4:2:4 --variant 1024:4:2:3 --variant 1024:4:2:2 --variant 2048:4:2:3 \
     --variant 2048:4:2:2 --rep 200 --profile --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
   # an output layer's call (one head of 40 classes: rows of 64 channels of 4 warps) at more
-  # programs per SM: registers for 4 (cap 128) at the 1024 tile, for 5 (cap 102) at the 512 tile,
-  # which ptxas fits without spilling (sm_90), against the library's (cap 255: 3-4 fit by registers)
+  # programs per SM: registers for 4 (cap 128; GATv2's backward spills 28-44 bytes there) at the
+  # 1024 tile, for 5 (cap 102) at the 512 tile, against the library's (cap 255: 3-4 fit by
+  # registers; ptxas, sm_90)
   step 120 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
     --kinds gat gat_projected gatv2 dot --variant default --variant resident=4 \
     --variant 512:5:2:5 --rep 100 --profile --json "$OUT/triton_sweep_classes_occupancy_$gpu.json"
