@@ -245,7 +245,7 @@ def test_the_compiled_step_check_passes_and_can_fail():
     assert where == "loss" or where.startswith(("conv1.", "conv2.")), detail
 
 
-@pytest.mark.parametrize("kind", ["gat", "gatv2"])
+@pytest.mark.parametrize("kind", selftest.KINDS)
 def test_the_output_layer_check_passes_and_can_fail(kind, monkeypatch):
     """The GPU checks' output-layer call (one head of 40 channels, run here on the
     interpreter) computes the reference on the check graph, whose hub rows are split;

@@ -252,12 +252,15 @@ def _case_inputs(kind, dtype, edge, plan, device, seed, heads=HEADS, channels=CH
 
 
 def _agreement_check(kind, dtype, edge, alpha, plan, device, seed, heads=HEADS,
-                     channels=CHANNELS) -> Dict:
+                     channels=CHANNELS, relative_to_reference=False) -> Dict:
+    """One case against the float64 reference (module docstring); ``relative_to_reference``:
+    the low-precision rule (a multiple of the reference's own error in ``dtype``) in
+    float32 too."""
     inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed, heads, channels)
     log, got = _run("triton", kind, inputs, plan, weights, alpha, 0.0)
     exact = _run("torch", kind, {k: v.double() for k, v in inputs.items()}, plan, weights, alpha,
                  0.0)[1]
-    low = dtype in (torch.float16, torch.bfloat16)
+    low = dtype in (torch.float16, torch.bfloat16) or relative_to_reference
     ref = _run("torch", kind, inputs, plan, weights, alpha, 0.0)[1] if low else None
     worst = None  # (error / bound, quantity, error, bound)
     for q, e in exact.items():
@@ -452,9 +455,13 @@ def output_layer_check(kind: str, device: torch.device, plan) -> Optional[str]:
     float64 reference, forward and every input's gradient, on ``plan`` (the GPU checks'
     graph: node 0's 300 in-edges and 300 out-edges are split into pieces); else what
     differs. The kernel checks' channels are narrower: this shape takes other tiles,
-    the ones of the compiled step's output layer (:func:`compiled_step_check`)."""
+    the ones of the compiled step's output layer (:func:`compiled_step_check`). The bound
+    is a multiple of the float32 reference's own error: at this shape GAT's attention
+    vectors' gradients sum over the hub's 300 rows, and PyTorch's float32 reference is off
+    by more than the kernel checks' 1e-5 of the largest value there (1.8e-5 in the
+    interpreter; the kernels in float64, 5e-14)."""
     res = _agreement_check(kind, torch.float32, False, False, plan, device, 0, heads=1,
-                           channels=STEP_CLASSES)
+                           channels=STEP_CLASSES, relative_to_reference=True)
     return res.get("detail")
 
 
