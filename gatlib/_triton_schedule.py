@@ -61,10 +61,20 @@ _TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
 # lanes of 4 edges at 0.47x the one lane's at 128 and at 64 channels. On an H100 the
 # forward ran 2.5x faster so at 128 channels and 1.7-2.6x at an output layer's 40
 # classes, the dst backward 1.5-2.1x (NOTES, "The GAT step on an H100 after lanes
-# before edges"). The src backward keeps its tiles: the count did not predict it.
+# before edges").
 _EDGES_WIDE = _EDGES_NARROW = 4
 # ... and GAT from given node terms below _WIDE: None, the tile's edges (_edges_first)
 _EDGES_NODE_TERMS: Optional[int] = None
+# The src backward's schedule (and the dst backward's of GAT from projected rows, whose
+# parameters' partials share its rows) below _WIDE_FWD: at most _EDGES_SRC edges per
+# step where its rows are at least _EDGES_SRC_FROM channels wide. Its blocks are the
+# same chains of dependent loads as the forward's (items, indices, gathered rows), and
+# the count put 4 lanes of 4 edges at 0.47x one lane of 16 at 64 and at 128 channels,
+# as for the forward. Narrower rows (GAT's scalar terms of a first layer: 16 lanes of
+# up to 64 edges) already hold many lanes. Where the count failed for this kernel was
+# programs per SM at 256 channels, not lanes (NOTES, "Lanes before edges at rows of 128
+# channels"; "Lanes in the src backward").
+_EDGES_SRC, _EDGES_SRC_FROM = 4, 8
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
 # Unpipelined, each step waits for its edges' indices, then for their gathered
@@ -287,21 +297,26 @@ def _programs(device: torch.device, H: int) -> int:
 
 
 def _edges_first(width: int, forward: bool, kind: Optional[int]) -> Optional[int]:
-    """The most edges per step of a kernel of the ``forward``'s schedule below
-    :data:`_WIDE_FWD` channels (the rest of the tile is lanes), or ``None``: as many
-    as the tile holds. GAT from given node terms (``kind`` 0) keeps that below
-    :data:`_WIDE`: with 4 lanes there, its compiled 2-layer step on an H100 (the
-    output layer's rows of 64 channels) gave conv1's weight gradient 2.32e-4 off
-    eager PyG's (tolerance 1e-4), where the other kinds' steps agreed; not explained
-    without a GPU (benchmarks/NOTES.md, "The GAT step on an H100 after lanes before
-    edges"). At 128 channels its 4 lanes agreed. The interpreter: few wide programs.
+    """The most edges per step of a kernel below :data:`_WIDE_FWD` channels (the rest
+    of the tile is lanes), or ``None``: as many as the tile holds. Of the ``forward``'s
+    schedule :data:`_EDGES_WIDE` from :data:`_WIDE` channels, :data:`_EDGES_NARROW`
+    below; of the src backward's :data:`_EDGES_SRC` from :data:`_EDGES_SRC_FROM`.
+
+    GAT from given node terms (``kind`` 0) keeps the tile's edges below :data:`_WIDE`
+    in every kernel: with 4 lanes in its forward and dst backward there, its compiled
+    2-layer step on an H100 (the output layer's rows of 64 channels) gave conv1's
+    weight gradient 2.32e-4 off eager PyG's (tolerance 1e-4), where the other kinds'
+    steps agreed; not explained without a GPU (benchmarks/NOTES.md, "The GAT step on
+    an H100 after lanes before edges"). At 128 channels its 4 lanes agreed.
     ``introspect.triton_tiles(edges_node_terms=4)`` sets them back, for a GPU run to
-    tell whether that schedule is what disagreed."""
-    if not forward or width >= _WIDE_FWD or _interpreted():
+    tell whether that schedule is what disagreed. The interpreter: few wide programs."""
+    if width >= _WIDE_FWD or _interpreted():
         return None
-    if width >= _WIDE:
-        return _EDGES_WIDE
-    return _EDGES_NODE_TERMS if kind == 0 else _EDGES_NARROW
+    if kind == 0 and width < _WIDE:
+        return _EDGES_NODE_TERMS
+    if not forward:
+        return _EDGES_SRC if width >= _EDGES_SRC_FROM else None
+    return _EDGES_WIDE if width >= _WIDE else _EDGES_NARROW
 
 
 def _bucket_groups(width: int, forward: bool = False,

@@ -118,7 +118,8 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
                  stages: Optional[int] = None, resident: Optional[int] = None,
                  edges_wide: Optional[int] = None,
                  edges_narrow: Optional[int] = None,
-                 edges_node_terms: Optional[int] = None) -> Iterator[Dict[str, Optional[int]]]:
+                 edges_node_terms: Optional[int] = None,
+                 edges_src: Optional[int] = None) -> Iterator[Dict[str, Optional[int]]]:
     """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
     tile a program holds per step, at every width; the library's own is larger at
     wide rows), programs per SM, the software-pipelining stages of their edge
@@ -127,14 +128,16 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     and the dst backward's tiles at rows of 128 up to 256 channels (``edges_wide``: the
     rest of the tile is lanes), below 128 (``edges_narrow``), and below 128 for GAT
     from given node terms (``edges_node_terms``; the library's is ``None``, the
-    tile's edges) set to these (``None``: as they are), for schedule sweeps
+    tile's edges), and of the src backward's tile from 8 up to 256 channels
+    (``edges_src``) set to these (``None``: as they are), for schedule sweeps
     (``benchmarks/triton_sweep.py``). Yields the values in force:
     ``tile``, ``tile_wide`` (the src backward's at rows of ``wide`` channels or more,
     and the others' below 256), ``tile_wide_fwd`` (the forward's and the dst
     backward's at rows of 256 channels or more), ``wide``, ``programs_per_sm``,
     ``stages``, ``resident`` (the src backward's), ``resident_heavy`` (the dst
     backward's below 256 channels), ``resident_fwd`` (the forward's and the dst
-    backward's at 256 and more), ``edges_wide``, ``edges_narrow``, ``edges_node_terms``.
+    backward's at 256 and more), ``edges_wide``, ``edges_narrow``, ``edges_node_terms``,
+    ``edges_src``.
     A plan's schedule does not depend on them; the kernels' constexprs and register
     caps do (new values compile new specialisations)."""
     from unittest import mock
@@ -154,7 +157,7 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
             raise ValueError(f"triton_tiles: resident must be in [1, 8], got {resident}")
         patches.update(_RESIDENT=resident, _RESIDENT_HEAVY=resident, _RESIDENT_FWD=resident)
     for name, edges in (("edges_wide", edges_wide), ("edges_narrow", edges_narrow),
-                        ("edges_node_terms", edges_node_terms)):
+                        ("edges_node_terms", edges_node_terms), ("edges_src", edges_src)):
         if edges is not None:
             if edges < 1 or edges & (edges - 1):
                 raise ValueError(f"triton_tiles: {name} must be a power of two, got {edges}")
@@ -164,7 +167,8 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
                "wide": m._WIDE, "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES,
                "resident": m._RESIDENT, "resident_heavy": m._RESIDENT_HEAVY,
                "resident_fwd": m._RESIDENT_FWD, "edges_wide": m._EDGES_WIDE,
-               "edges_narrow": m._EDGES_NARROW, "edges_node_terms": m._EDGES_NODE_TERMS}
+               "edges_narrow": m._EDGES_NARROW, "edges_node_terms": m._EDGES_NODE_TERMS,
+               "edges_src": m._EDGES_SRC}
 
 
 def check_triton_interpreter() -> None:

@@ -104,19 +104,27 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     # 2048 elements per step for the backward at wide rows, 1024 for the forward at
     # rows of 256 channels and at narrow rows
     assert own[256, False]["E0"] == 8 and own[256, True]["E0"] == 4
-    # below 256 channels the forward's schedule has 4 lanes of 4 edges, the src backward
-    # one lane of 16 (1024 elements both at 64 channels, 2048 at 128)
+    # below 256 channels the forward's schedule and the src backward's have 4 lanes of 4
+    # edges (1024 elements at 64 channels, 2048 at 128)
     assert [own[64, f][k] for f in (True, False) for k in ("R0", "E0", "B1")] \
-        == [4, 4, 3, 1, 16, 2]
+        == [4, 4, 3, 4, 4, 3]
     # ... but GAT from given node terms (KIND 0) below 128 channels: the tile's edges
-    assert [sched._group_consts(64, True, 0)[k] for k in ("R0", "E0", "B1")] == [1, 16, 2]
-    assert [sched._group_consts(128, True, 0)[k] for k in ("R0", "E0", "B1")] == [4, 4, 3]
+    for f in (True, False):
+        assert [sched._group_consts(64, f, 0)[k] for k in ("R0", "E0", "B1")] == [1, 16, 2]
+        assert [sched._group_consts(128, f, 0)[k] for k in ("R0", "E0", "B1")] == [4, 4, 3]
     with introspect.triton_tiles(edges_node_terms=4) as values:  # (a GPU diagnosis)
         assert values["edges_node_terms"] == 4
         assert [sched._group_consts(64, True, 0)[k] for k in ("R0", "E0", "B1")] == [4, 4, 3]
     assert sched._EDGES_NODE_TERMS is None
     assert [sched._group_consts(128, f)[k] for f in (True, False) for k in ("R0", "E0", "B1")] \
-        == [4, 4, 3, 1, 16, 2]
+        == [4, 4, 3, 4, 4, 3]
+    # the src backward's tile of scalars (and of rows narrower than 8 channels) keeps the
+    # tile's edges: 16 lanes of up to 64 edges; with edges_src=16, one lane of 16 at 64
+    assert [sched._group_consts(1, False)[k] for k in ("R0", "E0", "B1")] == [16, 64, 1]
+    with introspect.triton_tiles(edges_src=16) as values:
+        assert values["edges_src"] == 16
+        assert [sched._group_consts(64, False)[k] for k in ("R0", "E0", "B1")] == [1, 16, 2]
+    assert sched._EDGES_SRC == 4
     own_caps = caps()
     # two programs per SM, one dst backward; four forward and dst backward programs at
     # 256 channels
@@ -134,8 +142,8 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
         assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
                           "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,
                           "resident_fwd": 4, "edges_wide": 16, "edges_narrow": 32,
-                          "edges_node_terms": None}
-        assert all(c["E0"] == (16 if w == 256 else 32 if f else 64)
+                          "edges_node_terms": None, "edges_src": 4}
+        assert all(c["E0"] == (16 if w == 256 else 32 if f else 4)
                    for (w, f), c in consts().items())
         assert [sched._group_consts(128, True)[k] for k in ("R0", "E0")] == [2, 16]
         assert sched._PROGRAMS_PER_SM == 8 and sched._STAGES == 1
@@ -153,7 +161,7 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     with pytest.raises(ValueError, match="resident must be in"):
         with introspect.triton_tiles(resident=0):
             pass
-    for name in ("edges_wide", "edges_narrow", "edges_node_terms"):
+    for name in ("edges_wide", "edges_narrow", "edges_node_terms", "edges_src"):
         with pytest.raises(ValueError, match=f"{name} must be a power of two"):
             with introspect.triton_tiles(**{name: 6}):
                 pass
@@ -188,7 +196,8 @@ def test_triton_blocks_are_the_launch_blocks_of_lanes(monkeypatch):
     """``triton_blocks``: the blocks of (item, head) lanes a row kernel's launch runs, heads
     side by side, with the edge-loop trips of each block (its longest item over the edge
     tile), at the compiled kernels' tiles: rows of 10, 6 and 2 edges at 128 channels, 3 heads,
-    in the forward's 4 lanes of 4 edges and the src backward's one lane of 16."""
+    in the forward's 4 lanes of 4 edges and the src backward's, and the src backward's one
+    lane of 16 under ``edges_src=16`` (the schedule before)."""
     sched = importlib.import_module("gatlib._triton_schedule")
     monkeypatch.setattr(sched, "_interpreted", lambda: False)
     dst = torch.repeat_interleave(torch.arange(3), torch.tensor([10, 6, 2]))
@@ -196,8 +205,12 @@ def test_triton_blocks_are_the_launch_blocks_of_lanes(monkeypatch):
     (fwd,) = introspect.triton_blocks(plan, 3, 128, "_fwd_kernel", kind=1)
     # lanes 10,10,10,6 | 6,6,2,2 | 2 (the items longest first, each 3 heads)
     assert (fwd["lanes"], fwd["edges"]) == (4, 4) and fwd["steps"].tolist() == [3, 2, 1]
-    src = introspect.triton_blocks(plan, 3, 128, "_bwd_src_kernel", kind=1)
-    # over sources: node 0 sends all 18 edges (one item, 3 lanes); nodes 1, 2 send none
+    (src,) = introspect.triton_blocks(plan, 3, 128, "_bwd_src_kernel", kind=1)
+    # over sources: node 0 sends all 18 edges (one item, 3 lanes); nodes 1, 2 send none:
+    # lanes 18,18,18,0 | 0,0,0,0 | 0
+    assert (src["lanes"], src["edges"]) == (4, 4) and src["steps"].tolist() == [5, 0, 0]
+    with introspect.triton_tiles(edges_src=16):
+        src = introspect.triton_blocks(plan, 3, 128, "_bwd_src_kernel", kind=1)
     assert [(g["lanes"], g["edges"]) for g in src] == [(1, 16), (4, 4)]
     assert src[0]["steps"].tolist() == [2, 2, 2] and src[1]["steps"].tolist() == [0, 0]
     assert fwd["resident"] == 2 and src[0]["resident"] == 2

@@ -460,37 +460,46 @@ def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
 
 
 @pytest.mark.parametrize("form,C,fwd,src", [
-    ("gat", 128, (4, 4, 3), (1, 16)), ("gatv2", 128, (4, 4, 3), (1, 16)),
-    ("dot", 128, (4, 4, 3), (1, 16)), ("gat_one_head", 128, (4, 4, 3), (1, 16)),
-    ("gatv2", 64, (4, 4, 3), (1, 16)),
-    ("dot", 64, (4, 4, 3), (1, 16)), ("gatv2", 8, (16, 4, 3), (2, 64)),
-    ("gat", 64, (1, 16, 2), (1, 16)), ("gat", 8, (2, 64, 1), (2, 64))])
+    ("gat", 128, (4, 4, 3), (4, 4)), ("gatv2", 128, (4, 4, 3), (4, 4)),
+    ("dot", 128, (4, 4, 3), (4, 4)), ("gat_one_head", 128, (4, 4, 3), (4, 4)),
+    ("gatv2", 64, (4, 4, 3), (4, 4)),
+    ("dot", 64, (4, 4, 3), (4, 4)), ("gatv2", 8, (16, 4, 3), (16, 4)),
+    ("gat", 64, (1, 16, 2), (1, 16)), ("gat", 8, (2, 64, 1), (2, 64)),
+    ("gat_projected", 64, (4, 4, 3), (4, 4)), ("gat_projected", 128, (4, 4, 3), (4, 4))])
 def test_rows_below_256_channels_take_lanes_before_edges(form, C, fwd, src, monkeypatch):
-    """Below rows of 256 channels the compiled kernels' forward schedule (the forward,
-    the dst backward) holds lanes of at most 4 edges per step in its tile, one group for
-    every bucket, ``(lanes, edges, end of the first group)``: 4 lanes at 128 channels
-    (the 2048 tile) and at 64 (the 1024 tile), 16 (the most) at 8; GAT from given node
-    terms only from 128 channels (below, its first group one lane of 16 edges at 64,
-    2 lanes of 64 at 8). The src backward keeps the tile's edges: one lane of 16 at 128
-    and 64, 2 lanes of 64 at 8. With those tiles, run here in the interpreter, over rows
-    of 0..23 edges and a split hub row, the results equal the reference."""
+    """Below rows of 256 channels the compiled kernels hold lanes of at most 4 edges per
+    step in their tile, one group for every bucket, ``(lanes, edges, end of the first
+    group)``: 4 lanes at 128 channels (the 2048 tile) and at 64 (the 1024 tile), 16 (the
+    most) at 8 — the forward and the dst backward, and the src backward from rows of 8
+    channels (with it the dst backward of GAT from projected rows, whose parameters'
+    partials share its lanes); GAT from given node terms only from 128 channels (below,
+    its first group one lane of 16 edges at 64, 2 lanes of 64 at 8, in every kernel).
+    With those tiles, run here in the interpreter, over rows of 0..23 edges in and out
+    and a split hub row each way, the results equal the reference."""
     monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
     g = torch.Generator().manual_seed(0)
     deg = torch.cat([torch.arange(24), torch.tensor([40])])  # the last row is split
     n = deg.numel()
     dst = torch.repeat_interleave(torch.arange(n), deg)
-    ei = torch.stack([torch.randint(0, n, (dst.numel(),), generator=g), dst]).to(DEVICE)
+    sources = torch.repeat_interleave(torch.arange(n), deg)[torch.randperm(dst.numel(),
+                                                                            generator=g)]
+    ei = torch.stack([sources, dst]).to(DEVICE)  # every row's out-degree is its in-degree
     H = 3
     if form == "gat_one_head":
         score, value = _one_head_call("gat", n, n, H, C, torch.float64)
+    elif form == "gat_projected":
+        h, a_s, a_d, e = _projected(n, ei.size(1), H, C, True, 1)
+        score, value = EdgeScore.gat_projected(h, a_s, a_d, e), h
     else:
         score = make_score(form, n, n, ei.size(1), H, C, seed=1, device=DEVICE)
         value = torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
     launched = record_tiles(monkeypatch)
     compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
     tiles = {k: (c["R0"], c["E0"], c["B1"]) for k, c in launched.items()}
-    assert tiles[_triton._fwd_kernel] == tiles[_triton._bwd_dst_kernel] == fwd, tiles
+    assert tiles[_triton._fwd_kernel] == fwd, tiles
+    dst_tiles = src if form == "gat_projected" else fwd[:2]
+    assert tiles[_triton._bwd_dst_kernel][:2] == dst_tiles, tiles
     assert tiles[_triton._bwd_src_kernel][:2] == src, tiles
 
 
@@ -498,8 +507,8 @@ def test_rows_below_256_channels_take_lanes_before_edges(form, C, fwd, src, monk
 def test_src_backward_of_scalar_terms_takes_narrow_lanes(value_grad, monkeypatch):
     """GAT's src backward gathers one scalar per edge when the value needs no gradient (a
     first layer in input space: its inputs are data): its tile is then the narrow rows'
-    (16 lanes, up to 64 edges per step at the GPU's tiles), not one lane of 16 edges of
-    the values' 128-wide rows; with the value's gradient, the rows' tile. The gradients
+    (16 lanes, up to 64 edges per step at the GPU's tiles), not the values' 128-wide
+    rows; with the value's gradient, the rows' tile (4 lanes of 4 edges). The gradients
     equal the reference's either way (split hub row included)."""
     monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
@@ -513,7 +522,7 @@ def test_src_backward_of_scalar_terms_takes_narrow_lanes(value_grad, monkeypatch
     launched = record_tiles(monkeypatch)
     compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
     c = launched[_triton._bwd_src_kernel]
-    want = (1, 16) if value_grad else (16, 64)  # (lanes, edges) of the first group
+    want = (4, 4) if value_grad else (16, 64)  # (lanes, edges) of the first group
     assert (c["R0"], c["E0"]) == want, c
 
 
