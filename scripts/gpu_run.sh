@@ -3,17 +3,19 @@
 # fit its 15 minutes of device time (one call at most 600 s). Part 2 is the one to run next: it
 # checks the kernels against the reference (every score kind, the input-space calls' values of
 # one head among them), times the fused call and each kernel in it at the library's schedule
-# (and the output layer's call, one head of 40 classes),
-# the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
-# mode), the GAT step's kernels on each side, and Cora's step with both compiled sides replayed
-# as CUDA graphs (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to
-# 820 s (the last H100 ran them all in 572 s: the self-tests 138 s, the arxiv-like step 160 s,
-# Cora's 145 s; each step logs its seconds). Part 1 sweeps the row kernels' schedule (edge tile,
-# pipelining stages, programs per SM; each kernel's time at each variant: 369 s before the output
-# layer's occupancy sweep, at most 120 s more), part 3 checks
-# GAT with its output layer's last schedule (which disagreed compiled), eager and compiled, times
-# compiled GAT with its terms formed in the kernels, and the input-space form of GATConv and
-# TransformerConv against the projected one (510 s):
+# and with the src backward's schedule before its lanes (edges_src=16; and the output layer's
+# call, one head of 40 classes, both ways), the 2-layer training step against PyG (arxiv-like,
+# eager and under torch.compile's default mode), and Cora's step with both compiled sides
+# replayed as CUDA graphs (mode="reduce-overhead", launch-bound), in that order; its steps'
+# limits sum to 760 s (the last H100 ran the self-tests in 138 s, the default sweep in 41, the
+# arxiv-like step in 160 and Cora's in 145; each step logs its seconds). Part 1 sweeps the row
+# kernels' schedule (edge tile, pipelining stages, programs per SM; each kernel's time at each
+# variant: 369 s before the output layer's occupancy sweep, at most 120 s more). Part 3 times
+# each layer's forward and forward+backward against the bandwidth floor and the GAT step's
+# kernels on each side, checks GAT with its output layer's last schedule (which disagreed
+# compiled), eager and compiled, times compiled GAT with its terms formed in the kernels, and
+# the input-space form of GATConv and TransformerConv against the projected one (its steps'
+# limits sum to 720 s, in the order they matter: the call's 560 s cuts the last):
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "D=$OUT; OUT=/tmp/o timeout -s INT 575 bash scripts/gpu_run.sh 2;
@@ -129,20 +131,33 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     gat_inputs_data dot_inputs \
     --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
-  # the output layer's call (one head, 40 classes: rows of 64 channels), each kernel's time
-  step 60 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
-    --kinds gat gat_projected gatv2 dot --variant default \
+  # the input-space calls whose src backward gathers rows of 128 channels, at its schedule
+  # before 4 lanes of 4 edges (one lane of 16 edges per step): against the default above
+  step 50 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs dot_inputs \
+    --variant edges_src=16 \
+    --rep 200 --profile --json "$OUT/triton_sweep_edges_src16_arxiv-like_$gpu.json"
+  # the output layer's call (one head, 40 classes: rows of 64 channels), each kernel's time,
+  # at the library's schedule and the src backward's before (and GAT from projected rows' dst
+  # backward's, which shares it; GAT from node terms keeps the tile's edges both ways)
+  step 70 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
+    --kinds gat gat_projected gatv2 dot --variant default --variant edges_src=16 \
     --rep 100 --profile --json "$OUT/triton_sweep_classes_arxiv-like_$gpu.json"
   step_arxiv
-  # where GAT's step (the layer furthest from its target) spends its time, kernel by kernel,
-  # against compiled PyG's (eager PyG runs too: the gradients' reference)
-  step 120 "$PY" benchmarks/profile_step.py --layer gat --impls pyg_compiled gatlib \
-    gatlib_compiled --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
+  # each layer's forward and forward+backward (arxiv-like, H = 3, C = 256) against the
+  # bandwidth floor, next to PyG eager and compiled: the issue's target of the forward within
+  # 2x the "hi" floor (the README's table)
+  step 150 "$PY" -m gatlib.bench.compare --scope layer --layer all --graph arxiv-like \
+    --device cuda --backend triton --pass both --repeats 3 --no-memory \
+    --json "$OUT/compare_arxiv-like_layer_cuda_$gpu.json"
+  # where GAT's step (the layer furthest from its target) spends its time, kernel by kernel,
+  # against compiled PyG's (eager PyG runs too: the gradients' reference)
+  step 60 "$PY" benchmarks/profile_step.py --layer gat --impls pyg_compiled gatlib \
+    gatlib_compiled --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
   # compiled GAT disagreed with PyG (conv1's weight gradient 2.32e-4 off: the size of losing its
   # output layer's hub rows' destination-term gradient, benchmarks/cut_terms.py) where its output
   # layer (node terms, KIND 0, rows of 64 channels) ran 4 lanes of 4 edges and inductor compiled
