@@ -32,9 +32,10 @@ block of similar-degree rows wastes few lanes and a program's loop runs as
 long as its longest item. The schedule is device tensors sized by the graph's
 node and edge counts alone, computed once per graph and kept on its
 :class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`); each launch
-has a fixed number of programs (:func:`_programs`) that loop over their
-blocks of lanes and read their bucket's bounds on the device, so no launch
-depends on a value read back to the host. The edge loops are software-pipelined
+has a fixed number of programs (:func:`_programs`: as many as its compiled
+binary fits on the SMs at once) that loop over their blocks of lanes and read
+their bucket's bounds on the device, so no launch depends on a value read back
+to the host. The edge loops are software-pipelined
 (``_STAGES``): the next steps' index loads and gathers are issued as asynchronous
 copies into shared memory while a step computes.
 
@@ -72,7 +73,7 @@ from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, refer
 from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
-from ._triton_schedule import (_att_partials, _launch, _merge, _Plan, _plan,
+from ._triton_schedule import (_att_partials, _launch, _merge, _Plan, _plan, _slots,
                                _Schedule, _schedule_sizes, _slot_sums, _tile, _tl_acc, _warps)
 
 # Wider channel dimensions fall back to the reference.
@@ -537,6 +538,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     # and bias's, the src kernel KIND 3's two vectors'; where both write, their
     # schedules have the same lanes (_fwd_schedule), so every row is written.
     names, one_width = _partial_sums(meta.kind, need, ins)
+    slots = _slots(dev, H)
     rows = {_att_partials(width, H, dev, _bwd_src_kernel if n.startswith("att_")
                           else _bwd_dst_kernel, meta.kind) for n in names}
     assert len(rows) <= 1, rows  # (each row written: no zeros to fill)
@@ -555,7 +557,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                 g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
                 _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
                 _or(part_dst, dummy), _or(seed, dummy), meta.p, H, CK, CV,
-                part_att=_or(part_att, dummy), part_bias=_or(part_bias, dummy),
+                part_att=_or(part_att, dummy), part_bias=_or(part_bias, dummy), P_SLOTS=slots,
                 DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                 NEED_EDGE=need_edge, NEED_DST=d_dst is not None, NEED_ATT=part_att is not None,
                 NEED_BIAS=part_bias is not None, SLOTS=_slot_sums(width), **consts)
@@ -596,7 +598,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                     _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
                     _or(part_src, dummy), _or(d_dst, dummy),
                     _or(parts.get("att_src"), dummy), _or(parts.get("att_dst"), dummy),
-                    H, CK, CV,
+                    slots, H, CK, CV,
                     KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
                     NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT="att_src" in parts,
                     SLOTS=_slot_sums(src_width),

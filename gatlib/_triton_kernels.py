@@ -14,7 +14,7 @@ import triton.language as tl
 # Integer kernel arguments that change from graph to graph (item ranges, sizes).
 # Triton specialises integer arguments on their value (== 1, divisible by 16)
 # by default, which would compile a new kernel for many a new mini-batch.
-_PER_CALL = ("E", "H", "CK", "CV")
+_PER_CALL = ("E", "H", "CK", "CV", "P_SLOTS")
 
 
 # ---------------------------------------------------------------------------
@@ -55,6 +55,26 @@ def _lane_slots(valid, slot, length):
     final = valid & (slot < 0)
     piece = valid & (slot >= 0)
     return final, piece, tl.where(piece, slot, 0), tl.max(length, 0)
+
+
+@triton.jit
+def _store_partials(part, acc, W, P_SLOTS, R_BEFORE: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_W: tl.constexpr, ACC: tl.constexpr):
+    """Store this program's per-lane partials ``acc`` ``[BLOCK_R, BLOCK_W]`` of a parameter's
+    gradient into its rows of ``part`` (``[P_SLOTS * lanes, W]``, the caller sums every
+    row): a launch's group of buckets has ``P_SLOTS * BLOCK_R`` rows, the groups one after
+    another (``R_BEFORE`` lanes per program before this one). A launch runs at most
+    ``P_SLOTS`` programs (as many as fit the SMs: _triton_schedule._launch), so a program
+    also zeroes the rows of the programs ``pid + k * programs < P_SLOTS`` it stands for:
+    every row is written, whatever the launch's grid, and the buffer's size is not."""
+    w = tl.arange(0, BLOCK_W)[None, :]
+    zero = tl.zeros([BLOCK_R], tl.int64)  # (row arithmetic in int64: rows * W of wide rows)
+    base = tl.arange(0, BLOCK_R) + (zero + P_SLOTS) * R_BEFORE
+    pid = tl.program_id(0)
+    tl.store(part + (base + (zero + pid) * BLOCK_R)[:, None] * W + w, acc, mask=w < W)
+    zeros = tl.zeros([BLOCK_R, BLOCK_W], ACC)
+    for v in range(pid + tl.num_programs(0), P_SLOTS, tl.num_programs(0)):
+        tl.store(part + (base + (zero + v) * BLOCK_R)[:, None] * W + w, zeros, mask=w < W)
 
 
 @triton.jit
@@ -381,7 +401,7 @@ def _bwd_dst_items(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
-    seed, p_drop, H, CK, CV, part_att, part_bias,
+    seed, p_drop, H, CK, CV, part_att, part_bias, P_SLOTS,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
     DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
@@ -543,24 +563,17 @@ def _bwd_dst_items(
                 km = ckm[None, :]
                 tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
                 tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
-    if NEED_ATT:  # one partial per lane of each program, summed by the caller; the
-        # groups of buckets one after another (R_BEFORE lanes per program before this one)
-        ck = tl.arange(0, BLOCK_CK)
-        slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
-            + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        tl.store(part_att + slot[:, None] * CK + ck[None, :], att_acc, mask=(ck < CK)[None, :])
+    if NEED_ATT:  # one partial per lane of each program, summed by the caller
+        _store_partials(part_att, att_acc, CK, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CK, ACC)
     if NEED_BIAS:  # (as att's)
-        cv = tl.arange(0, BLOCK_CV)
-        slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
-            + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        tl.store(part_bias + slot[:, None] * CV + cv[None, :], bias_acc, mask=(cv < CV)[None, :])
+        _store_partials(part_bias, bias_acc, CV, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CV, ACC)
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_dst_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
-    seed, p_drop, H, CK, CV, part_att, part_bias,
+    seed, p_drop, H, CK, CV, part_att, part_bias, P_SLOTS,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
     DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
@@ -576,21 +589,21 @@ def _bwd_dst_kernel(
     _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
         s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
         delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-        H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
+        H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
         SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
         0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-            H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
+            H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
             B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-            H, CK, CV, part_att, part_bias, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
+            H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
             B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
@@ -601,7 +614,7 @@ def _bwd_src_items(
     item_row, item_start, item_len, item_slot, bounds,
     csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    H, CK, CV,
+    P_SLOTS, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
     SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
     ACC: tl.constexpr,
@@ -753,14 +766,9 @@ def _bwd_src_items(
                 km = ckm[None, :]
                 tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
                 tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
-    if NEED_ATT:  # one partial per lane of each program and vector, summed by the caller;
-        # the groups of buckets one after another (R_BEFORE lanes per program before)
-        slot = tl.num_programs(0).to(tl.int64) * R_BEFORE \
-            + tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ck = tl.arange(0, BLOCK_CK)
-        poff = slot[:, None] * CK + ck[None, :]
-        tl.store(part_att + poff, att_s_acc, mask=(ck < CK)[None, :])
-        tl.store(part_att_d + poff, att_d_acc, mask=(ck < CK)[None, :])
+    if NEED_ATT:  # one partial per lane of each program and vector, summed by the caller
+        _store_partials(part_att, att_s_acc, CK, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CK, ACC)
+        _store_partials(part_att_d, att_d_acc, CK, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CK, ACC)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -768,7 +776,7 @@ def _bwd_src_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    H, CK, CV,
+    P_SLOTS, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
     SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
     ACC: tl.constexpr,
@@ -781,17 +789,17 @@ def _bwd_src_kernel(
     # (the groups of buckets as in _fwd_kernel)
     _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
         csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
-        d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
+        d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
         NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, 0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
     if B2 > B1:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
+            part_value, d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE,
             NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV,
             FULL_CK, FULL_CV)
     if B3 > B2:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, d_dst, part_att, part_att_d, H, CK, CV, KIND, HAS_EDGE,
+            part_value, d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE,
             NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK,
             BLOCK_CV, FULL_CK, FULL_CV)

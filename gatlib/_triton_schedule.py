@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import triton
@@ -89,11 +89,20 @@ _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
 # (_stages). (benchmarks/NOTES.md, "Pipelined edge loops";
 # tests/test_triton_compile.py holds the copies and the budget.)
 _STAGES = 2
-# Programs per launch (the kernels loop over their blocks of lanes, _programs):
-# on an H100 (C = 256) 16 per SM ran as fast as 4 at the 2048 and 4096 tiles (the
-# tile sets the gathers in flight: NOTES, "The H100 again"); the CPU interpreter
-# runs programs one after another, so a few wide ones.
-_PROGRAMS_PER_SM, _PROGRAMS_INTERPRETER = 4, 2
+# Programs per launch of a row kernel (they loop over their blocks of lanes, _programs):
+# as many per SM as its compiled binary fits there at once (_fit: its registers, shared
+# memory and warps), at most _MAX_PROGRAMS_PER_SM, so that the grid is one wave. Before,
+# 4 per SM whatever fitted: a program that did not fit started when another had run
+# all its blocks. At the output layer's rows of 40 channels nearly every kernel takes
+# 121-163 registers of 4 warps, 3 programs per SM (ptxas, sm_90), so its 4th program
+# per SM ran alone after the other three: about 2x one program's time where one wave of
+# 3 takes 1.33x, if chains of loads, not the SM's throughput, bind it (benchmarks/
+# NOTES.md, "Lanes in the src backward; a grid of one wave"). 4 is the most any H100
+# run kept resident: more per SM where a binary fits them are untimed (a sweep sets
+# _PROGRAMS_PER_SM, None: the binary's fit). The merge kernel keeps _PROGRAMS_MERGE per
+# SM; the CPU interpreter runs programs one after another, so a few wide ones.
+_PROGRAMS_PER_SM: Optional[int] = None
+_MAX_PROGRAMS_PER_SM, _PROGRAMS_MERGE, _PROGRAMS_INTERPRETER = 4, 4, 2
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
 
@@ -233,8 +242,8 @@ def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
 
-# Programs of a row kernel that its register cap lets share an SM (_max_registers):
-# two, half the _PROGRAMS_PER_SM a launch runs; the dst backward, which holds the
+# Programs of a row kernel that its register cap lets share an SM (_max_registers), at
+# the least (a launch runs as many as its binary fits, _per_sm): two; the dst backward, which holds the
 # scorer's tiles and the gradients' at once, one (uncapped: at 8 warps with edge
 # features, dropout and returned weights it spilled 16-32 bytes on sm_80 under 128).
 # Fewer resident programs are fewer independent work items in flight per SM: at
@@ -283,17 +292,88 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs(device: torch.device, H: int) -> int:
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _programs(device: torch.device, H: int, per_sm: int) -> int:
     """Programs per launch: the kernels loop over their blocks of lanes (a block
-    ``b`` is run by program ``b mod programs``), so the grid is a constant of the
-    device and no launch depends on the graph's degrees. A multiple of ``H``, so
-    that each lane of a program keeps one head (GATv2's ``att`` partials)."""
+    ``b`` is run by program ``b mod programs``), so the grid is fixed by the device
+    and the binary, and no launch depends on the graph's degrees. ``per_sm`` per SM,
+    rounded down to a multiple of ``H`` (at least ``H``), so that each lane of a
+    program keeps one head (GATv2's ``att`` partials) and no program is left over
+    for a second wave."""
     if device.type == "cuda":
-        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        n *= _PROGRAMS_PER_SM
+        n = _sm_count(_device_index(device)) * per_sm
     else:  # the interpreter runs programs one after another
         n = _PROGRAMS_INTERPRETER
-    return H * -(-n // H)
+    return H * max(1, n // H)
+
+
+def _slots(device: torch.device, H: int) -> int:
+    """Programs whose per-lane partials a backward launch's buffers hold (the most a
+    row kernel's launch runs: :func:`_programs` at :data:`_MAX_PROGRAMS_PER_SM`, or at
+    the fixed :data:`_PROGRAMS_PER_SM`); a launch of fewer programs zeroes the rows of
+    the others (``_store_partials``), so the buffers' size does not depend on what a
+    binary fits."""
+    return _programs(device, H, max(_MAX_PROGRAMS_PER_SM, _PROGRAMS_PER_SM or 0))
+
+
+def _fit(n_regs: int, warps: int, shared: int, max_regs: int, max_shared: int,
+         max_threads: int) -> int:
+    """Programs of a compiled kernel that an SM holds at once: registers (allocated
+    per warp in units of 256 on sm_80 and sm_90), shared memory (1 KB of it reserved
+    per program) and threads, at most :data:`_MAX_PROGRAMS_PER_SM`; at least one."""
+    per_warp = -(-n_regs * 32 // 256) * 256
+    fit = min(max_regs // max(1, per_warp * warps), max_threads // (32 * warps),
+              max_shared // (shared + 1024) if shared else _MAX_PROGRAMS_PER_SM)
+    return max(1, min(fit, _MAX_PROGRAMS_PER_SM))
+
+
+# (kernel, device, launch options and constexprs, each argument's dtype and 16-byte
+# alignment — what Triton specialises a binary on) -> programs per SM. Compiling the
+# binary to read its registers costs a launch's host time: read once per binary.
+_FITS: Dict[tuple, int] = {}
+
+
+def _specialised(arg):
+    """What Triton specialises a binary on in a positional ``arg``: a tensor's dtype and
+    16-byte alignment; not the kernels' integers and floats (``_PER_CALL``)."""
+    if isinstance(arg, Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return type(arg)
+    return repr(arg)
+
+
+def _per_sm(kernel, device: torch.device, args, options: dict) -> int:
+    """Programs per SM of a CUDA launch of ``kernel`` with ``args`` and ``options``:
+    :data:`_PROGRAMS_PER_SM` where a sweep fixes it, else what its compiled binary
+    fits on an SM (:func:`_fit`; compiled here, before the launch, as Triton's
+    fused-softmax tutorial does)."""
+    if _PROGRAMS_PER_SM is not None:
+        return _PROGRAMS_PER_SM
+    index = _device_index(device)
+    key = (kernel, index,
+           tuple(sorted((k, _specialised(v) if isinstance(v, Tensor) else repr(v))
+                        for k, v in options.items())),
+           tuple(_specialised(a) for a in args))
+    fit = _FITS.get(key)
+    if fit is None:
+        from triton.runtime import driver
+
+        binary = kernel.warmup(*args, grid=(1,), **options)
+        if binary is None:  # a jit_cache_hook skipped the compile: nor will it launch
+            return _MAX_PROGRAMS_PER_SM
+        if hasattr(binary, "result"):  # (compiled under Triton's async compile mode)
+            binary = binary.result()
+        binary._init_handles()  # (loads it: registers are known from here)
+        props = driver.active.utils.get_device_properties(index)
+        fit = _fit(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared,
+                   props["max_num_regs"], props["max_shared_mem"],
+                   torch.cuda.get_device_properties(index).max_threads_per_multi_processor)
+        _FITS[key] = fit
+    return fit
 
 
 def _edges_first(width: int, forward: bool, kind: Optional[int]) -> Optional[int]:
@@ -391,30 +471,35 @@ def _heavy(consts: dict, kernel=None) -> bool:
 
 def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> None:
     """Launch ``kernel`` over the length buckets of ``items`` (longest first): one
-    launch of :func:`_programs` programs, which run the groups of buckets of
-    :func:`_bucket_groups` one after another, each with its own edge tile (the
-    kernel reads where its items start and end from ``bounds`` on the device).
+    launch of :func:`_programs` programs (as many per SM as its binary fits there,
+    :func:`_per_sm`), which run the groups of buckets of :func:`_bucket_groups` one
+    after another, each with its own edge tile (the kernel reads where its items
+    start and end from ``bounds`` on the device).
 
-    The kernel's leading arguments are the item arrays and ``bounds``. GATv2's
-    ``att`` gradient (``part_att``) takes one ``[CK]`` partial per lane of each
-    program, the groups' one after another (:func:`_att_partials`).
+    The kernel's leading arguments are the item arrays and ``bounds``. The backward
+    kernels' parameter gradients (``part_att``, ``part_bias``) take one partial per
+    lane of each of ``P_SLOTS`` programs, the groups' one after another
+    (:func:`_att_partials`, :func:`_slots`).
     """
     warps = _warps(width, consts["ACC"])
     kind = consts.get("KIND")
-    kernel[(_programs(items.bounds.device, H),)](
-        items.row, items.start, items.length, items.slot, items.bounds, *args,
-        num_warps=warps, maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind),
-        STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind), kind),
-        **consts)
+    options = dict(num_warps=warps,
+                   maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind),
+                   STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind), kind),
+                   **consts)
+    args = (items.row, items.start, items.length, items.slot, items.bounds, *args)
+    device = items.bounds.device
+    per_sm = _per_sm(kernel, device, args, options) if device.type == "cuda" else 0
+    kernel[(_programs(device, H, per_sm),)](*args, **options)
 
 
 def _att_partials(width: int, H: int, device: torch.device, kernel,
                   kind: Optional[int] = None) -> int:
     """Rows of the ``part_att`` buffer that :func:`_launch` of the backward ``kernel``
-    fills for a call of score ``kind``: one per lane of each program, over its groups
-    of buckets."""
+    fills for a call of score ``kind``: one per lane of each of :func:`_slots`
+    programs, over its groups of buckets."""
     forward = _fwd_schedule(kernel, kind)
-    return sum(_programs(device, H) * _rows_per_program(block_e, width, forward)
+    return sum(_slots(device, H) * _rows_per_program(block_e, width, forward)
                for _, _, block_e in _bucket_groups(width, forward, kind))
 
 
@@ -432,7 +517,7 @@ def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Te
     lanes = max(1, min(_tile()[1], _tile()[0] // block_c))
     lanes = 1 << (lanes.bit_length() - 1)
     softmax = lse is not None
-    _merge_kernel[(_programs(out.device, H),)](
+    _merge_kernel[(_programs(out.device, H, _PROGRAMS_MERGE),)](
         items.bounds, items.split_row, items.split_first, items.split_count, part,
         part_lse if softmax else part, out, lse if softmax else out,
         bias if bias is not None else out, out_b if out_b is not None else out, H, C,

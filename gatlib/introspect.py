@@ -122,7 +122,8 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
                  edges_src: Optional[int] = None) -> Iterator[Dict[str, Optional[int]]]:
     """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
     tile a program holds per step, at every width; the library's own is larger at
-    wide rows), programs per SM, the software-pipelining stages of their edge
+    wide rows), programs per SM (the library's ``None``: as many as a launch's binary
+    fits there, at most 4), the software-pipelining stages of their edge
     loops (1: not pipelined) and the programs their register cap lets share an SM
     (``resident``, every row kernel alike) and the most edges per step of the forward's
     and the dst backward's tiles at rows of 128 up to 256 channels (``edges_wide``: the

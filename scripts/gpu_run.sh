@@ -4,11 +4,12 @@
 # checks the kernels against the reference (every score kind, the input-space calls' values of
 # one head among them), times the fused call and each kernel in it at the library's schedule
 # and with the src backward's schedule before its lanes (edges_src=16; and the output layer's
-# call, one head of 40 classes, both ways), the 2-layer training step against PyG (arxiv-like,
-# eager and under torch.compile's default mode), and Cora's step with both compiled sides
-# replayed as CUDA graphs (mode="reduce-overhead", launch-bound), in that order; its steps'
-# limits sum to 760 s (the last H100 ran the self-tests in 138 s, the default sweep in 41, the
-# arxiv-like step in 160 and Cora's in 145; each step logs its seconds). Part 1 sweeps the row
+# call, one head of 40 classes, both ways and with the grid before one wave, programs_per_sm=4),
+# the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
+# mode), and Cora's step with both compiled sides replayed as CUDA graphs
+# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 780 s (the
+# last H100 ran the self-tests in 138 s, the default sweep in 41, the arxiv-like step in 160 and
+# Cora's in 145; each step logs its seconds). Part 1 sweeps the row
 # kernels' schedule (edge tile, pipelining stages, programs per SM; each kernel's time at each
 # variant: 369 s before the output layer's occupancy sweep, at most 120 s more). Part 3 times
 # each layer's forward and forward+backward against the bandwidth floor and the GAT step's
@@ -109,7 +110,7 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
   # an output layer's call (one head of 40 classes: rows of 64 channels of 4 warps) at more
   # programs per SM: registers for 4 (cap 128; GATv2's backward spills 28-44 bytes there) at the
   # 1024 tile, for 5 (cap 102) at the 512 tile, against the library's (cap 255: 3-4 fit by
-  # registers; ptxas, sm_90)
+  # registers, ptxas, sm_90, and it launches as many as fit)
   step 120 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
     --kinds gat gat_projected gatv2 dot --variant default --variant resident=4 \
     --variant 512:5:2:5 --rep 100 --profile --json "$OUT/triton_sweep_classes_occupancy_$gpu.json"
@@ -137,10 +138,12 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     --variant edges_src=16 \
     --rep 200 --profile --json "$OUT/triton_sweep_edges_src16_arxiv-like_$gpu.json"
   # the output layer's call (one head, 40 classes: rows of 64 channels), each kernel's time,
-  # at the library's schedule and the src backward's before (and GAT from projected rows' dst
-  # backward's, which shares it; GAT from node terms keeps the tile's edges both ways)
-  step 70 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
+  # at the library's schedule, the src backward's before (and GAT from projected rows' dst
+  # backward's, which shares it; GAT from node terms keeps the tile's edges both ways), and
+  # the grid before one wave (4 programs per SM where its kernels fit 3: a second wave)
+  step 90 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
     --kinds gat gat_projected gatv2 dot --variant default --variant edges_src=16 \
+    --variant programs_per_sm=4 \
     --rep 100 --profile --json "$OUT/triton_sweep_classes_arxiv-like_$gpu.json"
   step_arxiv
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \

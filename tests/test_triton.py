@@ -526,6 +526,104 @@ def test_src_backward_of_scalar_terms_takes_narrow_lanes(value_grad, monkeypatch
     assert (c["R0"], c["E0"]) == want, c
 
 
+@pytest.mark.parametrize("kind", ["gatv2", "gat_projected"])
+def test_partials_of_a_launch_of_fewer_programs_than_slots(kind, monkeypatch):
+    """A launch runs as many programs as its binary fits on the SMs, while the backward's
+    buffers of per-lane parameter partials hold rows for a fixed number of programs (its
+    slots, ``_slots``): each program zeroes the rows of the programs the launch does not
+    run. With 3 programs' rows per head where the interpreter runs one per head, every
+    gradient (``att``'s, KIND 3's two vectors', the output bias's) equals the reference's,
+    and every allocation of the call is poisoned with NaN first, so an unwritten row would
+    show."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def slots(device, H):
+        assert _triton_schedule._programs(device, H, 0) == H  # (the interpreter's: 2 -> H)
+        return 3 * H
+
+    monkeypatch.setattr(_triton, "_slots", slots)
+    monkeypatch.setattr(_triton_schedule, "_slots", slots)
+    ei, n, _ = graph_case("hub", DEVICE)
+    H, C = 3, 4
+    score, value = _bias_score(kind, ei, n, H, C)
+    bias = torch.randn(H * C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    res = {}
+    for backend in ("triton", "torch"):
+        out, _ = _attend(score, value, ei, n, backend, bias)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
+                        dtype=torch.float64).to(out)
+        ins = list(dict.fromkeys([value, bias, *leaves(score)]))
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", poisoned)
+            res[backend] = torch.autograd.grad((out * w).sum(), ins)
+    for a, b in zip(res["triton"], res["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_programs_per_sm_fit_the_binary():
+    """An SM holds as many programs of a binary as its registers (256 per warp at a
+    time), shared memory (1 KB reserved per program) and threads allow, at most
+    _MAX_PROGRAMS_PER_SM (4): H100 figures (64K registers, 227 KB, 2048 threads) for the
+    output layer's kernels (ptxas, sm_90: 163, 139 and 121 registers of 4 warps) and wide
+    rows' (64 and 122 of 8 warps); the grid is that many per SM, rounded down to the
+    heads."""
+    fit = functools.partial(_triton_schedule._fit, max_regs=65536, max_shared=232448,
+                            max_threads=2048)
+    assert [fit(r, 4, 6400) for r in (163, 139, 121)] == [3, 3, 4]
+    assert fit(64, 8, 9376) == 4 and fit(122, 8, 4096) == 2 and fit(255, 8, 0) == 1
+    assert fit(40, 4, 0) == 4 == _triton_schedule._MAX_PROGRAMS_PER_SM  # (16 would fit)
+    assert fit(32, 4, 100 * 1024) == 2  # shared memory binds
+    cuda = torch.device("cuda", 0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(_triton_schedule, "_sm_count", lambda index: 132)
+        assert _triton_schedule._programs(cuda, 1, 3) == 396
+        assert _triton_schedule._programs(cuda, 8, 3) == 392  # 396 rounded down to 8s
+        assert _triton_schedule._slots(cuda, 3) == 132 * 4
+
+
+def test_programs_per_sm_read_from_the_compiled_binary(monkeypatch):
+    """On CUDA a launch's programs per SM come from its binary, compiled before the
+    launch (``warmup``) and read once per specialisation (dtypes, 16-byte alignment,
+    constexprs); ``triton_tiles(programs_per_sm=)`` fixes them for sweeps."""
+    from types import SimpleNamespace
+
+    from triton.runtime import driver
+
+    warmed = []
+
+    class Kernel:
+        def warmup(self, *args, grid, **options):
+            warmed.append(options["R0"])
+            regs = {4: 163, 2: 121}[options["R0"]]
+            return SimpleNamespace(_init_handles=lambda: None, n_regs=regs,
+                                   metadata=SimpleNamespace(num_warps=4, shared=6400))
+
+    props = {"max_num_regs": 65536, "max_shared_mem": 232448}
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(
+        utils=SimpleNamespace(get_device_properties=lambda index: props)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(max_threads_per_multi_processor=2048))
+    monkeypatch.setattr(_triton_schedule, "_FITS", {})
+    kernel, cuda = Kernel(), torch.device("cuda", 0)
+    a = torch.zeros(8)
+    per_sm = functools.partial(_triton_schedule._per_sm, kernel, cuda)
+    assert per_sm((a, 3), {"R0": 4, "ACC": "fp32"}) == 3
+    assert per_sm((torch.ones(8), 5), {"R0": 4, "ACC": "fp32"}) == 3  # the same binary
+    assert warmed == [4]
+    assert per_sm((a, 3), {"R0": 2, "ACC": "fp32"}) == 4  # another constexpr: another binary
+    assert per_sm((a.double(), 3), {"R0": 4, "ACC": "fp32"}) == 3  # another dtype, read again
+    assert per_sm((a[1:], 3), {"R0": 4, "ACC": "fp32"}) == 3  # unaligned, read again
+    assert warmed == [4, 2, 4, 4]
+    from gatlib import introspect
+    with introspect.triton_tiles(programs_per_sm=7) as values:
+        assert values["programs_per_sm"] == 7 and per_sm((a, 3), {"R0": 4}) == 7
+    assert warmed == [4, 2, 4, 4]
+
+
 def test_one_launch_per_kernel_over_every_bucket(monkeypatch):
     """A graph whose rows fill all three buckets runs each kernel once, and each
     group of buckets does its rows' work: the results equal the reference

@@ -279,6 +279,53 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
     assert first >= 5 and second == first and new == 0
 
 
+def test_the_grid_reads_the_binary_triton_compiles_for_the_launch(tmp_path):
+    """On a GPU a row kernel's launch first compiles its binary with Triton's ``warmup``
+    (``_triton_schedule._per_sm``: its registers size the grid). With the exact arguments
+    and options of each row kernel's launch in a call and its backward (captured here,
+    not launched, under a stand-in sm_90), Triton's real binder and compiler accept the
+    warmup and return the binary of that launch (its warps, shared memory and PTX)."""
+    probe = textwrap.dedent("""
+        import torch
+        from gatlib import GraphPlan, _triton_kernels, _triton_schedule, introspect
+        from gatlib.bench import triton_compile
+
+        launches = []
+        cls = type(_triton_kernels._fwd_kernel)
+
+        def bind(kernel, grid):
+            def recorded(*args, **options):
+                if "R0" in options:
+                    launches.append((kernel, args, options))
+            return recorded
+
+        cls.__getitem__ = bind
+        with triton_compile.stand_in_driver(), introspect.triton_admits_cpu_tensors():
+            ei, n = triton_compile.capture_graph()
+            plan = GraphPlan(ei, num_nodes=n)
+            torch.manual_seed(0)
+            case = triton_compile.Case("gatv2", "float32", 40, False, False, False, heads=1)
+            score, value, value_edge, bias = triton_compile._case_tensors(case, n, ei.size(1))
+            out, _ = introspect.triton_attention(score, value, plan, value_edge, 0.0, False, bias)
+            out.sum().backward()
+            for kernel, args, options in launches:
+                binary = kernel.warmup(*args, grid=(1,), **options)
+                # the launch binds the same arguments to the same key: it finds this binary
+                assert kernel.warmup(*args, grid=(1,), **options) is binary
+                regs = int(binary.asm["ptx"].count(".reg") > 0)  # (the PTX is there)
+                print(kernel.fn.__name__, binary.metadata.num_warps, options["num_warps"],
+                      binary.metadata.shared, regs)
+    """)
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    proc = _run([str(script)], timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("_")]
+    assert sorted(r[0] for r in rows) == ["_bwd_dst_kernel", "_bwd_src_kernel", "_fwd_kernel"]
+    for name, warps, want, shared, ptx in rows:
+        assert warps == want == "4" and int(shared) > 0 and ptx == "1", (name, warps, want)
+
+
 def test_a_compiled_step_launches_the_eager_kernels(tmp_path):
     """A compiled 2-layer training step on a GraphPlan (each layer; AOT autograd with
     the min-cut partitioner, as inductor calls it), run through Triton's launch path
