@@ -32,8 +32,8 @@ block of similar-degree rows wastes few lanes and a program's loop runs as
 long as its longest item. The schedule is device tensors sized by the graph's
 node and edge counts alone, computed once per graph and kept on its
 :class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`); each launch
-has a fixed number of programs (:func:`_programs`: as many as its compiled
-binary fits on the SMs at once) that loop over their blocks of lanes and read
+has as many programs as its compiled binary fits on the SMs at once
+(:func:`_programs`) that loop over their blocks of lanes and read
 their bucket's bounds on the device, so no launch depends on a value read back
 to the host. The edge loops are software-pipelined
 (``_STAGES``): the next steps' index loads and gathers are issued as asynchronous

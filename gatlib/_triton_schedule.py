@@ -242,10 +242,11 @@ def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
     return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
 
 
-# Programs of a row kernel that its register cap lets share an SM (_max_registers), at
-# the least (a launch runs as many as its binary fits, _per_sm): two; the dst backward, which holds the
-# scorer's tiles and the gradients' at once, one (uncapped: at 8 warps with edge
-# features, dropout and returned weights it spilled 16-32 bytes on sm_80 under 128).
+# Programs of a row kernel that its register cap lets share an SM at the least
+# (_max_registers; a launch runs as many as its binary fits, _per_sm): two; the dst
+# backward, which holds the scorer's tiles and the gradients' at once, one (uncapped: at
+# 8 warps with edge features, dropout and returned weights it spilled 16-32 bytes on
+# sm_80 under 128).
 # Fewer resident programs are fewer independent work items in flight per SM: at
 # C = 256 the kernels take 101-175 registers (two programs per SM, one for the dst
 # backward) where the first H100 run's took 32-48 (five to eight) and ran its
