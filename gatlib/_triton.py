@@ -41,8 +41,11 @@ copies into shared memory while a step computes.
 
 **Values of one head.** A value (or the dot kind's key) ``[N, 1, C]`` that every
 head shares — a layer aggregating its inputs, :func:`gatlib._conv._input_space` —
-is read in place: the lanes of a row read one copy of each source row, and the
-backward sums its per-head gradient over the heads.
+is read in place, and the backward sums its per-head gradient over the heads. The
+forward and the dst backward then give a lane every head of its item
+(``_fwd_heads_items``, ``_bwd_dst_heads_items``; :func:`_triton_schedule._lane_heads`
+says where): each source row is gathered once for all heads, where a lane per
+(item, head) gathered it once per head.
 
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
 channels are padded to a power of two and masked. Attention dropout draws
@@ -73,7 +76,7 @@ from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, refer
 from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
-from ._triton_schedule import (_att_partials, _launch, _merge, _Plan, _plan, _slots,
+from ._triton_schedule import (_att_partials, _lane_heads, _launch, _merge, _Plan, _plan, _slots,
                                _Schedule, _schedule_sizes, _slot_sums, _tile, _tl_acc, _warps)
 
 # Wider channel dimensions fall back to the reference.
@@ -466,7 +469,9 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
                 lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                 _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
                 out, _or(out_b, dummy), lse, part_out, part_lse, _or(seed, dummy), meta.p, H, CK,
-                CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None, **consts)
+                CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None,
+                HP=_lane_heads(meta.kind, H, meta.one_k, meta.one_v, meta.share_v,
+                               s_edge is not None or value_edge is not None), **consts)
         _merge(out, part_out, items, H, lse, part_lse, bias=bias, out_b=out_b)
         alpha = value.new_empty(0)  # (an operator returns tensors only)
         if meta.need_alpha:
@@ -560,7 +565,11 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                 part_att=_or(part_att, dummy), part_bias=_or(part_bias, dummy), P_SLOTS=slots,
                 DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                 NEED_EDGE=need_edge, NEED_DST=d_dst is not None, NEED_ATT=part_att is not None,
-                NEED_BIAS=part_bias is not None, SLOTS=_slot_sums(width), **consts)
+                NEED_BIAS=part_bias is not None, SLOTS=_slot_sums(width),
+                HP=0 if part_att is not None or part_bias is not None else _lane_heads(
+                    meta.kind, H, meta.one_k, meta.one_v, meta.share_v,
+                    s_edge is not None or value_edge is not None, width, dst_backward=True),
+                **consts)
         if d_dst is not None:
             _merge(d_dst, part_dst, items, H)
         need_value = need[4]

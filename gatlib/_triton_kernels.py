@@ -20,7 +20,9 @@ _PER_CALL = ("E", "H", "CK", "CV", "P_SLOTS")
 # ---------------------------------------------------------------------------
 # Kernels. A program owns BLOCK_R *lanes*, each one (work item, head) pair —
 # lane l is item l // H, head l % H — so the heads of a row sit side by side
-# and their loads of a source's [H, C] row are contiguous.
+# and their loads of a source's [H, C] row are contiguous; or, at values of one head
+# that all heads share (HP > 0: _fwd_heads_items, _bwd_dst_heads_items), each one
+# work item with every head.
 # ---------------------------------------------------------------------------
 # The schedule's arrays are loaded by each kernel's own body, not by a helper: should
 # torch.compile ever trace the kernels (torch.library.wrap_triton; the operators are
@@ -275,6 +277,111 @@ def _fwd_items(
             tl.store(out_b + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
         tl.store(part_lse + prow, row_lse, mask=piece)
 
+@triton.jit
+def _fwd_heads_items(
+    item_row, item_start, item_len, item_slot, bounds,
+    csr_src, s_src, s_dst, value, bias, coef,
+    out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    ACC: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr, STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr,
+    HP: tl.constexpr,
+):
+    """:func:`_fwd_items` with every head of an item in one lane (``HP``, the heads padded
+    to a power of two): for a value of one head that all heads share (``ONE_V``; the dot
+    kind's key is that value, ``ONE_K`` and ``SHARE_V``), i.e. a layer aggregating its
+    inputs. A lane gathers each source row once for all its heads, where a lane per
+    (item, head) gathers it once per head; a block of ``BLOCK_R`` lanes is ``BLOCK_R``
+    items, not ``BLOCK_R / H``. Scores, weights and the accumulator carry a head axis:
+    ``[R, E, HP]`` and ``[R, HP, C]``. GAT from node terms (``KIND`` 0) or the dot
+    product (2), without edge features."""
+    first = tl.load(bounds + B_LO)
+    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), 1, BLOCK_R)
+    hh = tl.arange(0, HP)
+    hm = hh < H
+    h3 = hh[None, None, :]  # [1, 1, HP]
+    c = tl.arange(0, BLOCK_CV)
+    cm = c < CV
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, it, _ = _lane_items(blk, first, n_items, 1, BLOCK_R)
+        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+        length = tl.load(item_len + it, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        if DROPOUT:
+            rng_seed = tl.load(seed)
+        vh = valid[:, None] & hm[None, :]  # [R, HP]
+        hrow = row[:, None] * H + hh[None, :]  # [R, HP]: the rows of [N, H] and [N, H, C]
+        m_i = tl.full([BLOCK_R, HP], float("-inf"), ACC)
+        l_i = tl.zeros([BLOCK_R, HP], ACC)
+        acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
+        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]  # [R, E]
+            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
+            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+            if FULL_CV:
+                v = tl.load(value + src[:, :, None] * BLOCK_CV + c[None, None, :],
+                            mask=emask[:, :, None], other=0).to(ACC)
+            else:
+                v = tl.load(value + src[:, :, None] * CV + c[None, None, :],
+                            mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
+            em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
+            if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
+                score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
+                                           row[:, None, None], src[:, :, None], em3,
+                                           vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
+                                           False, ACC, 1, True)
+            else:  # dot product: q_i . k_j * scale, the key being the value; head by head,
+                # so that no [R, E, HP, C] product is live (it spilled at 128 channels)
+                score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+                for j in tl.static_range(HP):
+                    qm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
+                    if FULL_CV:
+                        qj = tl.load(s_dst + (row * H + j)[:, None, None] * BLOCK_CV
+                                     + c[None, None, :], mask=qm, other=0).to(ACC)
+                    else:
+                        qj = tl.load(s_dst + (row * H + j)[:, None, None] * CK + c[None, None, :],
+                                     mask=qm & cm[None, None, :], other=0).to(ACC)
+                    score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
+                score = score * scale
+            score = tl.where(em3, score, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(score, 1))  # [R, HP]
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(score - m_safe[:, None, :])  # [R, E, HP], 0 off the edges
+            corr = tl.exp(m_i - m_safe)
+            l_i = l_i * corr + tl.sum(p, 1)
+            if DROPOUT:  # the stream of _fwd_items: (CSR position * H + head)
+                keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
+                p = tl.where(keep, p * keep_scale, 0.0)
+            acc = acc * corr[:, :, None]
+            for j in tl.static_range(HP):  # each head's weighted sum of the one gather
+                pj = tl.sum(tl.where(h3 == j, p, 0.0), 2)  # [R, E]
+                acc += tl.where(hh[None, :, None] == j,
+                                tl.sum(pj[:, :, None] * v, 1)[:, None, :], 0.0)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, :, None]  # [R, HP, CV]; rows without in-edges stay 0
+        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+        c3 = c[None, None, :]
+        om = vh[:, :, None] & cm[None, None, :]
+        orow = hrow[:, :, None] * CV + c3
+        prow = (slot[:, None] * H + hh[None, :])[:, :, None] * CV + c3
+        fm = final[:, None] & hm[None, :]
+        pm = piece[:, None] & hm[None, :]
+        tl.store(out + orow, o, mask=om & final[:, None, None])
+        tl.store(lse + hrow, row_lse, mask=fm)
+        tl.store(part_out + prow, o, mask=om & piece[:, None, None])
+        tl.store(part_lse + slot[:, None] * H + hh[None, :], row_lse, mask=pm)
+        if HAS_BIAS:
+            o += tl.load(bias + hh[None, :, None] * CV + c3, mask=om, other=0).to(ACC)
+            tl.store(out_b + orow, o, mask=om & final[:, None, None])
+
+
 @triton.jit(do_not_specialize=_PER_CALL)
 def _fwd_kernel(
     item_row, item_start, item_len, item_slot, bounds,
@@ -288,28 +395,44 @@ def _fwd_kernel(
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr = 0,
 ):
     # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
     # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
-    # (equal bounds) compiles to nothing; the first group is never empty
-    _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-        s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
-        p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-        ONE_K, ONE_V, DROPOUT, ACC,
-        0, B1, R0, E0, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
-    if B2 > B1:
+    # (equal bounds) compiles to nothing; the first group is never empty.
+    # HP > 0: every head of an item in one lane (_fwd_heads_items), HP heads padded
+    if HP > 0:
+        _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src, s_dst,
+            value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+            KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP)
+        if B2 > B1:
+            _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src,
+                s_dst, value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK,
+                CV, KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, B1, B2, R1, E1, STAGES, BLOCK_CV,
+                FULL_CV, HP)
+        if B3 > B2:
+            _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src,
+                s_dst, value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK,
+                CV, KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, B2, B3, R2, E2, STAGES, BLOCK_CV,
+                FULL_CV, HP)
+    else:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
             s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
             ONE_K, ONE_V, DROPOUT, ACC,
-            B1, B2, R1, E1, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
-    if B3 > B2:
-        _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
-            p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-            ONE_K, ONE_V, DROPOUT, ACC,
-            B2, B3, R2, E2, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            0, B1, R0, E0, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        if B2 > B1:
+            _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+                s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
+                p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
+                ONE_K, ONE_V, DROPOUT, ACC,
+                B1, B2, R1, E1, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        if B3 > B2:
+            _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
+                s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
+                p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
+                ONE_K, ONE_V, DROPOUT, ACC,
+                B2, B3, R2, E2, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
 
 
@@ -568,6 +691,134 @@ def _bwd_dst_items(
     if NEED_BIAS:  # (as att's)
         _store_partials(part_bias, bias_acc, CV, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CV, ACC)
 
+@triton.jit
+def _bwd_dst_heads_items(
+    item_row, item_start, item_len, item_slot, bounds,
+    csr_src, csr_eid, s_src, s_dst, value, coef,
+    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_dst, part_dst,
+    seed, p_drop, H, CV,
+    KIND: tl.constexpr, HAS_DST: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+    NEED_DST: tl.constexpr, ACC: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr,
+):
+    """:func:`_bwd_dst_items` with every head of an item in one lane (``HP``), for the
+    calls of :func:`_fwd_heads_items` that need no parameter's partials (the output
+    bias's): each source row is gathered once for all heads. ``[R, E, HP]`` scores,
+    weights and score gradients; the dot kind's query gradient ``[R, HP, C]``."""
+    first = tl.load(bounds + B_LO)
+    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), 1, BLOCK_R)
+    hh = tl.arange(0, HP)
+    hm = hh < H
+    h3 = hh[None, None, :]  # [1, 1, HP]
+    c = tl.arange(0, BLOCK_CV)
+    cm = c < CV
+    c3 = c[None, None, :]
+    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+        lane, valid, it, _ = _lane_items(blk, first, n_items, 1, BLOCK_R)
+        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+        length = tl.load(item_len + it, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        if DROPOUT:
+            rng_seed = tl.load(seed)
+        vh = valid[:, None] & hm[None, :]  # [R, HP]
+        hrow = row[:, None] * H + hh[None, :]  # [R, HP]
+        if FULL_CV:  # (rows of CV channels as in _bwd_dst_items)
+            stride = BLOCK_CV
+            omask = vh[:, :, None]
+        else:
+            stride = CV
+            omask = vh[:, :, None] & cm[None, None, :]
+        ooff = hrow[:, :, None] * stride + c3
+        # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij), per head: [R, HP]
+        row_delta = tl.sum(tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)
+                           * tl.load(out + ooff, mask=omask, other=0).to(ACC), 2)
+        if GALPHA:
+            row_delta += tl.load(delta_alpha + hrow, mask=vh, other=0).to(ACC)
+        row_lse = tl.load(lse + hrow, mask=vh, other=0).to(ACC)
+        row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+        if KIND == 0:
+            d_acc = tl.zeros([BLOCK_R, HP], ACC)
+        else:
+            d_acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
+        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+            pos = off + tl.arange(0, BLOCK_E)[None, :]
+            emask = pos < length[:, None]  # [R, E]
+            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64
+            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+            if FULL_CV:
+                v = tl.load(value + src[:, :, None] * BLOCK_CV + c3, mask=emask[:, :, None],
+                            other=0).to(ACC)
+            else:
+                v = tl.load(value + src[:, :, None] * CV + c3,
+                            mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
+            em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
+            # per head, from the one gather: <g_i, v_j> and the dot kind's q_i . k_j
+            dp = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+            score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+            for j in tl.static_range(HP):
+                jm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
+                if FULL_CV:
+                    jm3 = jm
+                else:
+                    jm3 = jm & cm[None, None, :]
+                joff = (row * H + j)[:, None, None] * stride + c3
+                gj = tl.load(grad_out + joff, mask=jm3, other=0).to(ACC)
+                dp = tl.where(h3 == j, tl.sum(v * gj, 2)[:, :, None], dp)
+                if KIND == 2:
+                    qj = tl.load(s_dst + joff, mask=jm3, other=0).to(ACC)
+                    score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
+            if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
+                score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
+                                           row[:, None, None], src[:, :, None], em3,
+                                           vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
+                                           False, ACC, 1, True)
+            else:
+                score = score * scale
+            p = tl.where(em3, tl.exp(score - row_lse[:, None, :]), 0.0)  # softmax, [R, E, HP]
+            if DROPOUT:  # the forward's stream: (CSR position * H + head)
+                keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
+                drop = tl.where(keep, keep_scale, 0.0)
+                a = p * drop
+                dp = dp * drop
+            else:
+                a = p
+            if GALPHA:
+                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+                dp = dp + tl.load(grad_alpha + eid[:, :, None] * H + h3, mask=em3,
+                                  other=0).to(ACC)
+            ds = p * (dp - row_delta[:, None, :])  # softmax backward
+            eoff = k[:, :, None] * H + h3
+            tl.store(a_buf + eoff, a, mask=em3)
+            if KIND == 0:
+                dz = ds * tl.where(z > 0, 1.0, slope)
+                tl.store(ds_buf + eoff, dz, mask=em3)
+                d_acc += tl.sum(dz, 1)
+            else:
+                tl.store(ds_buf + eoff, ds, mask=em3)
+                for j in tl.static_range(HP):  # dq_i = sum_j ds_ij k_j, scaled below
+                    dsj = tl.sum(tl.where(h3 == j, ds, 0.0), 2)  # [R, E]
+                    d_acc += tl.where(hh[None, :, None] == j,
+                                      tl.sum(dsj[:, :, None] * v, 1)[:, None, :], 0.0)
+        if NEED_DST:
+            prow = slot[:, None] * H + hh[None, :]
+            fm = final[:, None] & hm[None, :]
+            pm = piece[:, None] & hm[None, :]
+            if KIND == 0:
+                tl.store(d_dst + hrow, d_acc, mask=fm)
+                tl.store(part_dst + prow, d_acc, mask=pm)
+            else:
+                d_acc = d_acc * scale
+                cm3 = cm[None, None, :]
+                tl.store(d_dst + hrow[:, :, None] * CV + c3, d_acc, mask=fm[:, :, None] & cm3)
+                tl.store(part_dst + prow[:, :, None] * CV + c3, d_acc, mask=pm[:, :, None] & cm3)
+
+
 @triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_dst_kernel(
     item_row, item_start, item_len, item_slot, bounds,
@@ -583,30 +834,47 @@ def _bwd_dst_kernel(
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr = 0,
 ):
-    # (the groups of buckets as in _fwd_kernel)
-    _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-        s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
-        delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-        H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-        SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
-        0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
-    if B2 > B1:
+    # (the groups of buckets as in _fwd_kernel; HP > 0: _bwd_dst_heads_items)
+    if HP > 0:
+        _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid,
+            s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha, a_buf,
+            ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT, GALPHA,
+            NEED_DST, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP)
+        if B2 > B1:
+            _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src,
+                csr_eid, s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha,
+                a_buf, ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT,
+                GALPHA, NEED_DST, ACC, B1, B2, R1, E1, STAGES, BLOCK_CV, FULL_CV, HP)
+        if B3 > B2:
+            _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src,
+                csr_eid, s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha,
+                a_buf, ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT,
+                GALPHA, NEED_DST, ACC, B2, B3, R2, E2, STAGES, BLOCK_CV, FULL_CV, HP)
+    else:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
-            B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
-    if B3 > B2:
-        _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-            s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
-            delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-            H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-            SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
-            B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
-
+            0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        if B2 > B1:
+            _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
+                s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
+                delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
+                H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
+                SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
+                NEED_BIAS, SLOTS, ACC,
+                B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        if B3 > B2:
+            _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
+                s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
+                delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
+                H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
+                SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
+                NEED_BIAS, SLOTS, ACC,
+                B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
 
 
 @triton.jit

@@ -103,6 +103,14 @@ _STAGES = 2
 # SM; the CPU interpreter runs programs one after another, so a few wide ones.
 _PROGRAMS_PER_SM: Optional[int] = None
 _MAX_PROGRAMS_PER_SM, _PROGRAMS_MERGE, _PROGRAMS_INTERPRETER = 4, 4, 2
+# The forward's lanes at values of one head that every head shares (ONE_V: a layer
+# aggregating its inputs, _conv._input_space): a lane per item with all its heads
+# (_lane_heads), not per (item, head). The H lanes of an item gathered the same source
+# rows, each its own chain of dependent loads, and the blocks of lanes were H times as
+# many: on an H100 the input-space GAT forward (H = 3, rows of 128 channels) took 4.41
+# ms where the output layer's call (one head, the same graph's edges at 4 lanes of 4)
+# took 1.91 (benchmarks/NOTES.md, "The GAT step on an H100 after lanes before edges").
+_HEADS_IN_LANE = True
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
 
@@ -260,14 +268,18 @@ _RESIDENT, _RESIDENT_HEAVY, _RESIDENT_FWD = 2, 1, 4
 
 
 def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
-                   kind: Optional[int] = None) -> int:
+                   kind: Optional[int] = None, heads: bool = False) -> int:
     """Registers per thread a row kernel may use (ptxas ``.maxnreg``): as many as let
     :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
     (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
     :data:`_RESIDENT_FWD` for the forward and the dst backward at rows of
     :data:`_WIDE_FWD` channels or more (:func:`_fwd_schedule`) — but for ``heavy``
     calls (:func:`_heavy`), which spilled under that cap at C = 256 (ptxas, sm_80
-    and sm_90): they keep their kernel's count; at most 255.
+    and sm_90): they keep their kernel's count; at most 255. The dst backward with every
+    head of an item in one lane (``heads``, ``_bwd_dst_heads_items``), but for heavy
+    calls: :data:`_RESIDENT`. Uncapped it took 150-168 registers at 128 channels (sm_90,
+    float32), one 8-warp program per SM where a lane per head's 103-116 let two share
+    one; under 128 it does not spill but with dropout (84 bytes, bfloat16).
 
     Without an explicit cap ptxas picks a register count itself and at some shapes
     spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
@@ -277,6 +289,8 @@ def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
     resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
     if _fwd_schedule(kernel, kind) and width >= _WIDE_FWD and not heavy:
         resident = _RESIDENT_FWD
+    if heads and kernel is _bwd_dst_kernel and not heavy:
+        resident = _RESIDENT
     return min(255, (1 << 16) // (resident * 32 * warps))
 
 
@@ -435,6 +449,28 @@ def _group_consts(width: int, forward: bool = False, kind: Optional[int] = None)
             **{f"E{g}": e for g, (_, e) in enumerate(tiles)}}
 
 
+def _lane_heads(kind: int, H: int, one_k: bool, one_v: bool, share_v: bool,
+                has_edge: bool, width: int = 0, dst_backward: bool = False) -> int:
+    """``HP`` of the forward (``_fwd_heads_items``) or the dst backward
+    (``_bwd_dst_heads_items``): the heads padded to a power of two where a lane takes
+    every head of its item (:data:`_HEADS_IN_LANE`), else 0 (a lane per item and head).
+    Its calls: more than one head; a value of one head that all heads share
+    (``one_v``); no per-edge feature (``has_edge``); GAT from node terms (``kind`` 0),
+    or the dot product whose key is that value (``one_k``, ``share_v``) — but the dot
+    kind's dst backward at rows of :data:`_WIDE_FWD` channels or more (``width``): its
+    ``[R, HP, C]`` query gradient spilled under that schedule's 4-program cap (ptxas,
+    sm_90: 16-32 bytes), and at the one program per SM it fits uncapped, one item per
+    block, the count (``benchmarks/latency_count.py``) puts it behind 4 programs of a
+    lane per head."""
+    if not _HEADS_IN_LANE or H == 1 or not one_v or has_edge:
+        return 0
+    if kind == 2 and dst_backward and width >= _WIDE_FWD:
+        return 0
+    if kind == 0 or (kind == 2 and one_k and share_v):
+        return triton.next_power_of_2(H)
+    return 0
+
+
 def _stages(consts: dict) -> int:
     """Pipelining stages of a row kernel's edge loops: :data:`_STAGES`, but 1 for
     calls with edge features (``HAS_EDGE``, ``HAS_VEDGE``), whose extra per-edge
@@ -464,9 +500,13 @@ def _heavy(consts: dict, kernel=None) -> bool:
     per thread, 64 in bfloat16) and the dst backward (GATv2: 136, 408 with returned
     weights), whose random stream's state and keep masks are live besides the tiles;
     and the dst backward's with a per-edge feature stream (188 bytes, GATv2 with
-    dropout and weights) and with GAT's given node terms (KIND 0: 48 bytes, plain)."""
+    dropout and weights) and with GAT's given node terms (KIND 0: 48 bytes, plain) —
+    but where a lane takes every head of its item (``HP``), only GAT's forward is."""
     if consts.get("DROPOUT"):
         return True
+    if consts.get("HP"):  # every head of an item in one lane: GAT's forward (its heads'
+        # [R, E, HP] terms besides the rows: 24-44 bytes under the forward's 64 at 256)
+        return kernel is _fwd_kernel and consts.get("KIND") == 0
     return kernel is _bwd_dst_kernel and (_has_edge(consts) or consts.get("KIND") == 0)
 
 
@@ -485,7 +525,8 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     warps = _warps(width, consts["ACC"])
     kind = consts.get("KIND")
     options = dict(num_warps=warps,
-                   maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind),
+                   maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind,
+                                          bool(consts.get("HP"))),
                    STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind), kind),
                    **consts)
     args = (items.row, items.start, items.length, items.slot, items.bounds, *args)

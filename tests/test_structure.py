@@ -32,7 +32,8 @@ HOMES = {
         r"\bsoftmax\(|\.softmax\(|\.exp_?\(|\bexp\(|logsumexp|def \w*softmax",
         {"_core.py": {"segment_softmax", "reference_attention"},
          "_fused_cpu.py": {"_recomputed_alpha", "_softmax_aggregate", "_softmax_aggregate_backward"},
-         "_triton_kernels.py": {"_fwd_items", "_alpha_kernel", "_merge_kernel", "_bwd_dst_items"}}),
+         "_triton_kernels.py": {"_fwd_items", "_fwd_heads_items", "_alpha_kernel", "_merge_kernel",
+                                "_bwd_dst_items", "_bwd_dst_heads_items"}}),
     "a segment reduction": (
         r"scatter_reduce|index_add|segment_reduce|(import|from) torch_scatter|segment_sum",
         {"_core.py": {"segment_reduce", "segment_softmax", "segment_aggregate"},

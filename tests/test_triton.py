@@ -526,6 +526,77 @@ def test_src_backward_of_scalar_terms_takes_narrow_lanes(value_grad, monkeypatch
     assert (c["R0"], c["E0"]) == want, c
 
 
+def _lane_heads(monkeypatch):
+    """``(kernel name, HP)`` of each forward and dst backward launch from now on (HP 0: a
+    lane per item and head)."""
+    hp = []
+    launch = _triton._launch
+
+    def record(kernel, *args, **consts):
+        if kernel in (_triton._fwd_kernel, _triton._bwd_dst_kernel):
+            hp.append((kernel.__name__, consts["HP"]))
+        return launch(kernel, *args, **consts)
+    monkeypatch.setattr(_triton, "_launch", record)
+    return hp
+
+
+@pytest.mark.parametrize("H,dtype,gpu_tiles", [(3, torch.float64, False), (3, torch.float64, True),
+                                               (5, torch.float32, False), (2, torch.float32, True)],
+                         ids=["H3-float64", "H3-float64-gpu_tiles", "H5-float32",
+                              "H2-float32-gpu_tiles"])
+@pytest.mark.parametrize("form", ["gat", "dot_key_is_value"])
+def test_the_heads_of_an_item_share_a_lane(form, H, dtype, gpu_tiles, monkeypatch):
+    """At values of one head (a layer in input space: GAT from node terms, the dot
+    product whose key is the value) the forward and the dst backward take every head of
+    an item in one lane (``HP``: the heads padded to a power of two) and give what a lane
+    per (item, head) gives, and the reference: rows of 0..23 edges, a split hub row each
+    way, a row without in-edges, dropout (the backward regenerates the forward's kept
+    edges) and the returned weights' gradient; with the output bias, whose gradient is
+    per-lane partials of one head each, the dst backward keeps a lane per item and head."""
+    if gpu_tiles:
+        monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
+    g = torch.Generator().manual_seed(0)
+    deg = torch.cat([torch.arange(24), torch.tensor([40])])  # the last row is split
+    n = deg.numel()
+    dst = torch.repeat_interleave(torch.arange(n), deg)
+    # every row's out-degree is its in-degree: the src backward's rows too, one split
+    ei = torch.stack([dst[torch.randperm(dst.numel(), generator=g)], dst]).to(DEVICE)
+    C = 128 if gpu_tiles else 5
+    score, value = _one_head_call(form, n, n, H, C, dtype)
+    bias = torch.randn(H * C, dtype=dtype, device=DEVICE, requires_grad=True)
+    w_alpha = torch.randn(ei.size(1), H, dtype=dtype, device=DEVICE)
+    plan = GraphPlan(ei, num_nodes=n)
+    hp = _lane_heads(monkeypatch)
+    runs = {}
+    for heads_in_lane in (True, False):
+        monkeypatch.setattr(_triton_schedule, "_HEADS_IN_LANE", heads_in_lane)
+        for with_bias, p in ((False, 0.0), (False, 0.5), (True, 0.5)):
+            torch.manual_seed(3)
+            b = bias if with_bias else None
+            out, alpha = _triton.attention(score, value, plan, None, p, True, b)
+            leaves_ = [t for t in (*score.tensors(), value, b) if t is not None and t.requires_grad]
+            loss = out.square().sum() + (alpha * w_alpha).sum() * (not with_bias)
+            grads = torch.autograd.grad(loss, list(dict.fromkeys(leaves_)))
+            runs[heads_in_lane, with_bias, p] = (out, alpha, *grads)
+    hp_all = 1 << (H - 1).bit_length()
+    want = [("_fwd_kernel", hp_all), ("_bwd_dst_kernel", hp_all)] * 2 \
+        + [("_fwd_kernel", hp_all), ("_bwd_dst_kernel", 0)]  # (the bias's partials)
+    assert hp == want + [(k, 0) for k, _ in want], hp
+    tight = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for key in ((False, 0.0), (False, 0.5), (True, 0.5)):  # one lane per item, and per head
+        for a, b in zip(runs[(True, *key)], runs[(False, *key)], strict=True):
+            torch.testing.assert_close(a, b, **tight)
+    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    out_r, alpha_r = graph_attention(score, value, ei, n, backend="torch", return_attention=True)
+    torch.testing.assert_close(runs[True, False, 0.0][0], out_r.view(n, H, C), **tol)
+    leaves_ = list(dict.fromkeys(t for t in (*score.tensors(), value)
+                                 if t is not None and t.requires_grad))
+    grads_r = torch.autograd.grad(out_r.square().sum() + (alpha_r * w_alpha).sum(), leaves_)
+    for a, b in zip(runs[True, False, 0.0][2:], grads_r, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.parametrize("kind", ["gatv2", "gat_projected"])
 def test_partials_of_a_launch_of_fewer_programs_than_slots(kind, monkeypatch):
     """A launch runs as many programs as its binary fits on the SMs, while the backward's
