@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", action="append", default=None,
                    help="NAME=VALUE[,NAME=VALUE] (introspect.triton_tiles' arguments) or default "
                         "(repeatable; default: default)")
+    p.add_argument("--one-value", action="store_true",
+                   help="the call's value has one head that every head shares (a layer in "
+                        "input space; with --kind 2 the key is that value): the library's "
+                        "lanes for it (lane_heads=0 as a variant: a lane per item and head)")
     p.add_argument("--sms", type=int, default=132, help="SMs of the GPU (an H100 SXM: 132)")
     p.add_argument("--json", type=Path, default=None)
     return p
@@ -80,7 +84,8 @@ def main(argv=None) -> int:
         with variant_tiles(variant) as values:
             for width in args.widths:
                 for kernel in args.kernels:
-                    blocks = introspect.triton_blocks(plan, args.heads, width, kernel, args.kind)
+                    blocks = introspect.triton_blocks(plan, args.heads, width, kernel, args.kind,
+                                                      one_value=args.one_value)
                     n = count(blocks, values["stages"], args.sms)
                     groups = [f"{g['lanes']}x{g['edges']}:{g['steps'].numel()}" for g in blocks]
                     rows.append(dict(variant=variant, width=width, kernel=kernel,
@@ -93,7 +98,8 @@ def main(argv=None) -> int:
         report.write_json(args.json, {"command": report.command_line(),
                                       "environment": report.environment("cpu"),
                                       "graph": args.graph, "heads": args.heads, "sms": args.sms,
-                                      "kind": args.kind, "rows": rows})
+                                      "kind": args.kind, "one_value": args.one_value,
+                                      "rows": rows})
     return 0
 
 

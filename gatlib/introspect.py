@@ -119,7 +119,8 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
                  edges_wide: Optional[int] = None,
                  edges_narrow: Optional[int] = None,
                  edges_node_terms: Optional[int] = None,
-                 edges_src: Optional[int] = None) -> Iterator[Dict[str, Optional[int]]]:
+                 edges_src: Optional[int] = None,
+                 lane_heads: Optional[int] = None) -> Iterator[Dict[str, Optional[int]]]:
     """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
     tile a program holds per step, at every width; the library's own is larger at
     wide rows), programs per SM (the library's ``None``: as many as a launch's binary
@@ -130,7 +131,9 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     rest of the tile is lanes), below 128 (``edges_narrow``), and below 128 for GAT
     from given node terms (``edges_node_terms``; the library's is ``None``, the
     tile's edges), and of the src backward's tile from 8 up to 256 channels
-    (``edges_src``) set to these (``None``: as they are), for schedule sweeps
+    (``edges_src``), and whether the forward and the dst backward at values of one head
+    take every head of an item in one lane (``lane_heads``: 1, the library's, or 0: a
+    lane per item and head) set to these (``None``: as they are), for schedule sweeps
     (``benchmarks/triton_sweep.py``). Yields the values in force:
     ``tile``, ``tile_wide`` (the src backward's at rows of ``wide`` channels or more,
     and the others' below 256), ``tile_wide_fwd`` (the forward's and the dst
@@ -138,7 +141,7 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     ``stages``, ``resident`` (the src backward's), ``resident_heavy`` (the dst
     backward's below 256 channels), ``resident_fwd`` (the forward's and the dst
     backward's at 256 and more), ``edges_wide``, ``edges_narrow``, ``edges_node_terms``,
-    ``edges_src``.
+    ``edges_src``, ``lane_heads``.
     A plan's schedule does not depend on them; the kernels' constexprs and register
     caps do (new values compile new specialisations)."""
     from unittest import mock
@@ -163,13 +166,17 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
             if edges < 1 or edges & (edges - 1):
                 raise ValueError(f"triton_tiles: {name} must be a power of two, got {edges}")
             patches["_" + name.upper()] = edges
+    if lane_heads is not None:
+        if lane_heads not in (0, 1):
+            raise ValueError(f"triton_tiles: lane_heads must be 0 or 1, got {lane_heads}")
+        patches["_HEADS_IN_LANE"] = bool(lane_heads)
     with mock.patch.multiple(m, **patches) if patches else contextlib.nullcontext():
         yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "tile_wide_fwd": m._TILE_WIDE_FWD,
                "wide": m._WIDE, "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES,
                "resident": m._RESIDENT, "resident_heavy": m._RESIDENT_HEAVY,
                "resident_fwd": m._RESIDENT_FWD, "edges_wide": m._EDGES_WIDE,
                "edges_narrow": m._EDGES_NARROW, "edges_node_terms": m._EDGES_NODE_TERMS,
-               "edges_src": m._EDGES_SRC}
+               "edges_src": m._EDGES_SRC, "lane_heads": int(m._HEADS_IN_LANE)}
 
 
 def check_triton_interpreter() -> None:
@@ -192,7 +199,8 @@ def dropout_keep_mask(plan: "GraphPlan", heads: int, p: float, seed: "Tensor") -
 
 
 def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd_kernel",
-                  kind: Optional[int] = None) -> List[Dict[str, object]]:
+                  kind: Optional[int] = None,
+                  one_value: bool = False) -> List[Dict[str, object]]:
     """The blocks of lanes that one launch of the row ``kernel`` (``"_fwd_kernel"``,
     ``"_bwd_dst_kernel"``, ``"_bwd_src_kernel"``) runs on ``plan`` at ``heads`` and rows
     of ``width`` channels (a power of two), under the tiles in force (the compiled
@@ -201,7 +209,11 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     tensor: the edge-loop trips of each block, its longest item over ``edges``), and
     ``resident``, the programs of the kernel's register cap (a plain float32 call's)
     that share an SM. Lanes are ``(item, head)`` pairs, heads side by side, as the
-    kernels number them; score ``kind`` as the kernels' ``KIND``."""
+    kernels number them; score ``kind`` as the kernels' ``KIND``. With ``one_value`` the
+    call's value has one head that every head shares (a layer in input space; the dot
+    kind's key is that value): where the library then gives a lane every head of its
+    item (the forward and the dst backward, ``triton_tiles(lane_heads=)``), lanes are
+    items."""
     m = _triton_module("_triton_schedule")
     fn = triton_kernels()[kernel]
     items = m._plan(plan).src_items if kernel == "_bwd_src_kernel" else m._plan(plan).dst_items
@@ -209,12 +221,17 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     length = items.length.long().clamp(min=0).cpu()
     bounds = items.bounds.tolist()
     warps = m._warps(width, m._tl_acc(torch.float32))
-    regs = m._max_registers(warps, fn, width, m._heavy({"KIND": kind}, fn), kind)
+    hp = 0
+    if one_value and kernel != "_bwd_src_kernel":
+        hp = m._lane_heads(kind, heads, kind == 2, True, kind == 2, False, width,
+                           dst_backward=kernel == "_bwd_dst_kernel")
+    regs = m._max_registers(warps, fn, width, m._heavy({"KIND": kind, "HP": hp}, fn), kind,
+                            bool(hp))
     resident = (1 << 16) // (regs * 32 * warps)
     out = []
     for lo, hi, edges in m._bucket_groups(width, forward, kind):
         lanes = m._rows_per_program(edges, width, forward)
-        lane_len = length[bounds[lo]:bounds[hi]].repeat_interleave(heads)
+        lane_len = length[bounds[lo]:bounds[hi]].repeat_interleave(1 if hp else heads)
         blocks = -(-lane_len.numel() // lanes)
         padded = torch.zeros(blocks * lanes, dtype=torch.int64)
         padded[:lane_len.numel()] = lane_len

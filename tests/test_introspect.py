@@ -142,7 +142,7 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
         assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
                           "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,
                           "resident_fwd": 4, "edges_wide": 16, "edges_narrow": 32,
-                          "edges_node_terms": None, "edges_src": 4}
+                          "edges_node_terms": None, "edges_src": 4, "lane_heads": 1}
         assert all(c["E0"] == (16 if w == 256 else 32 if f else 4)
                    for (w, f), c in consts().items())
         assert [sched._group_consts(128, True)[k] for k in ("R0", "E0")] == [2, 16]
@@ -165,6 +165,31 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
         with pytest.raises(ValueError, match=f"{name} must be a power of two"):
             with introspect.triton_tiles(**{name: 6}):
                 pass
+    # the forward's lanes at values of one head: every head of an item (HP), or one
+    assert sched._lane_heads(0, 3, False, True, False, False) == 4
+    assert sched._lane_heads(2, 5, True, True, True, False) == 8
+    # ... but the dot kind's dst backward at rows of 256 channels (GAT's takes them)
+    assert sched._lane_heads(2, 3, True, True, True, False, 256, dst_backward=True) == 0
+    assert sched._lane_heads(2, 3, True, True, True, False, 128, dst_backward=True) == 4
+    assert sched._lane_heads(0, 3, False, True, False, False, 256, dst_backward=True) == 4
+    with introspect.triton_tiles(lane_heads=0) as values:
+        assert values["lane_heads"] == 0 and sched._lane_heads(0, 3, False, True, False, False) == 0
+    assert sched._HEADS_IN_LANE
+    for args in ((0, 1, False, True, False, False),  # one head
+                 (0, 3, False, False, False, False),  # values of H heads
+                 (0, 3, False, True, False, True),  # edge features
+                 (2, 3, True, True, False, False),  # a key that is not the value
+                 (1, 3, False, True, False, False)):  # GATv2
+        assert sched._lane_heads(*args) == 0, args
+    assert sched._heavy({"KIND": 0, "HP": 4}, fwd) and not sched._heavy({"KIND": 2, "HP": 4}, fwd)
+    # ... its dst backward registers for two programs per SM (not one), but with dropout
+    assert not sched._heavy({"KIND": 0, "HP": 4}, dst) and sched._heavy({"KIND": 0}, dst)
+    assert sched._heavy({"KIND": 0, "HP": 4, "DROPOUT": True}, dst)
+    assert [sched._max_registers(8, dst, w, False, 0, heads=True) for w in (128, 256)] == [128] * 2
+    assert sched._max_registers(8, dst, 128, True, 0, heads=True) == 255
+    with pytest.raises(ValueError, match="lane_heads must be 0 or 1"):
+        with introspect.triton_tiles(lane_heads=2):
+            pass
     assert sched._STAGES == 2
 
 
@@ -214,3 +239,13 @@ def test_triton_blocks_are_the_launch_blocks_of_lanes(monkeypatch):
     assert [(g["lanes"], g["edges"]) for g in src] == [(1, 16), (4, 4)]
     assert src[0]["steps"].tolist() == [2, 2, 2] and src[1]["steps"].tolist() == [0, 0]
     assert fwd["resident"] == 2 and src[0]["resident"] == 2
+    # at values of one head the forward and the dst backward give a lane every head of
+    # its item: lanes 10,6,2 (one block); the src backward a lane per (item, head)
+    for k in ("_fwd_kernel", "_bwd_dst_kernel"):
+        (heads,) = introspect.triton_blocks(plan, 3, 128, k, kind=0, one_value=True)
+        assert (heads["lanes"], heads["edges"]) == (4, 4) and heads["steps"].tolist() == [3]
+        with introspect.triton_tiles(lane_heads=0):
+            (per_head,) = introspect.triton_blocks(plan, 3, 128, k, kind=0, one_value=True)
+        assert per_head["steps"].tolist() == [3, 2, 1]
+    (src,) = introspect.triton_blocks(plan, 3, 128, "_bwd_src_kernel", kind=0, one_value=True)
+    assert src["steps"].tolist() == [5, 0, 0]
