@@ -3,11 +3,11 @@
 # fit its 15 minutes of device time (one call at most 600 s). Part 2 is the one to run next: it
 # checks the kernels against the reference (every score kind, the input-space calls' values of
 # one head among them), times the fused call and each kernel in it at the library's schedule
-# and with the src backward's schedule before its lanes (edges_src=16; and the output layer's
-# call, one head of 40 classes, both ways and with the grid before one wave, programs_per_sm=4),
+# and with the src backward's schedule before its lanes (edges_src=16; the input-space calls
+# also with a lane per item and head, lane_heads=0; and the output layer's call, one head of 40 classes, both ways and with the grid before one wave, programs_per_sm=4),
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
 # mode), and Cora's step with both compiled sides replayed as CUDA graphs
-# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 780 s (the
+# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 810 s (the
 # last H100 ran the self-tests in 138 s, the default sweep in 41, the arxiv-like step in 160 and
 # Cora's in 145; each step logs its seconds). Part 1 sweeps the row
 # kernels' schedule (edge tile, pipelining stages, programs per SM; each kernel's time at each
@@ -132,11 +132,13 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     gat_inputs_data dot_inputs \
     --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
-  # the input-space calls whose src backward gathers rows of 128 channels, at its schedule
-  # before 4 lanes of 4 edges (one lane of 16 edges per step): against the default above
-  step 50 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs dot_inputs \
-    --variant edges_src=16 \
-    --rep 200 --profile --json "$OUT/triton_sweep_edges_src16_arxiv-like_$gpu.json"
+  # the input-space calls, against the default above: with the src backward's schedule before
+  # 4 lanes of 4 edges (one lane of 16 edges per step), and with a lane per (item, head) in the
+  # forward and the dst backward (lane_heads=0: the schedule before every head of an item took
+  # one lane, each head's lane gathering the same source rows)
+  step 80 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
+    --variant edges_src=16 --variant lane_heads=0 \
+    --rep 200 --profile --json "$OUT/triton_sweep_input_space_arxiv-like_$gpu.json"
   # the output layer's call (one head, 40 classes: rows of 64 channels), each kernel's time,
   # at the library's schedule, the src backward's before (and GAT from projected rows' dst
   # backward's, which shares it; GAT from node terms keeps the tile's edges both ways), and
