@@ -103,9 +103,9 @@ _STAGES = 2
 # SM; the CPU interpreter runs programs one after another, so a few wide ones.
 _PROGRAMS_PER_SM: Optional[int] = None
 _MAX_PROGRAMS_PER_SM, _PROGRAMS_MERGE, _PROGRAMS_INTERPRETER = 4, 4, 2
-# The forward's lanes at values of one head that every head shares (ONE_V: a layer
-# aggregating its inputs, _conv._input_space): a lane per item with all its heads
-# (_lane_heads), not per (item, head). The H lanes of an item gathered the same source
+# The forward's and the dst backward's lanes at values of one head that every head
+# shares (ONE_V: a layer aggregating its inputs, _conv._input_space): a lane per item
+# with all its heads (_lane_heads), not per (item, head). The H lanes of an item gathered the same source
 # rows, each its own chain of dependent loads, and the blocks of lanes were H times as
 # many: on an H100 the input-space GAT forward (H = 3, rows of 128 channels) took 4.41
 # ms where the output layer's call (one head, the same graph's edges at 4 lanes of 4)
