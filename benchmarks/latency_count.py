@@ -6,7 +6,9 @@ Triton row kernel, under schedule variants, on a synthetic graph (CPU, no GPU).
 Each block of lanes a program runs is a chain of dependent loads: its items (row,
 start, length), their indices, the rows they gather. In a pipelined edge loop (2
 stages) a block costs ``2 + steps`` latencies — the items and the first indices,
-then one wait per step for loads issued a step earlier; unpipelined ``2 + 2 steps``.
+then one wait per step for loads issued a step earlier; unpipelined ``2 + 2 steps``;
+where a block's items were loaded while its predecessor ran (``ahead``), ``1 + steps``
+but for each program's first block.
 The blocks (``gatlib.introspect.triton_blocks``: the kernels' own lane numbering
 and tiles) are shared by the programs their register cap lets share an SM, over
 ``--sms`` SMs; the count is the sum over blocks divided by that. It assumes the
@@ -73,7 +75,14 @@ def variant_tiles(variant: str):
 def count(blocks, stages: int, sms: int) -> float:
     """Dependent latencies per SM of one launch's ``blocks`` (introspect.triton_blocks)."""
     per_step = 1 if stages > 1 else 2
-    return sum(float((2 + per_step * g["steps"]).sum()) / (g["resident"] * sms) for g in blocks)
+    total = 0.0
+    for g in blocks:
+        programs = g["resident"] * sms
+        n = float((2 - g["ahead"] + per_step * g["steps"]).sum())
+        if g["ahead"]:  # each program's first block loads its own items
+            n += min(g["steps"].numel(), programs)
+        total += n / programs
+    return total
 
 
 def main(argv=None) -> int:

@@ -186,15 +186,27 @@ def _fwd_items(
     B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
 ):
     first = tl.load(bounds + B_LO)
     n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
-    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # the first block's edge ranges; each block then loads its successor's
+        lane0, valid0, it0, h0 = _lane_items(pid, first, n_items, H, BLOCK_R)
+        start_n = tl.load(item_start + it0, mask=valid0, other=0)
+        length_n = tl.load(item_len + it0, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
         lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-        length = tl.load(item_len + it, mask=valid, other=0)
+        if AHEAD:  # the next block's, in flight while this block runs its edges
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+                                                     n_items, H, BLOCK_R)
+            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
+            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
+        else:
+            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+            length = tl.load(item_len + it, mask=valid, other=0)
         final, piece, slot, max_len = _lane_slots(
             valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
@@ -285,7 +297,7 @@ def _fwd_heads_items(
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     ACC: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr, STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr,
-    HP: tl.constexpr,
+    HP: tl.constexpr, AHEAD: tl.constexpr,
 ):
     """:func:`_fwd_items` with every head of an item in one lane (``HP``, the heads padded
     to a power of two): for a value of one head that all heads share (``ONE_V``; the dot
@@ -302,11 +314,23 @@ def _fwd_heads_items(
     h3 = hh[None, None, :]  # [1, 1, HP]
     c = tl.arange(0, BLOCK_CV)
     cm = c < CV
-    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        lane, valid, it, _ = _lane_items(blk, first, n_items, 1, BLOCK_R)
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
+        lane0, valid0, it0, head0 = _lane_items(pid, first, n_items, 1, BLOCK_R)
+        start_n = tl.load(item_start + it0, mask=valid0, other=0)
+        length_n = tl.load(item_len + it0, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
+        lane, valid, it, head = _lane_items(blk, first, n_items, 1, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-        length = tl.load(item_len + it, mask=valid, other=0)
+        if AHEAD:
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+                                                        n_items, 1, BLOCK_R)
+            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
+            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
+        else:
+            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+            length = tl.load(item_len + it, mask=valid, other=0)
         final, piece, slot, max_len = _lane_slots(
             valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
@@ -396,6 +420,7 @@ def _fwd_kernel(
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr = 0,
+    AHEAD: tl.constexpr = False,
 ):
     # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
     # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
@@ -404,35 +429,36 @@ def _fwd_kernel(
     if HP > 0:
         _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src, s_dst,
             value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
-            KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP)
+            KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP,
+            AHEAD)
         if B2 > B1:
             _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src,
                 s_dst, value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK,
                 CV, KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, B1, B2, R1, E1, STAGES, BLOCK_CV,
-                FULL_CV, HP)
+                FULL_CV, HP, AHEAD)
         if B3 > B2:
             _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src,
                 s_dst, value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK,
                 CV, KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, B2, B3, R2, E2, STAGES, BLOCK_CV,
-                FULL_CV, HP)
+                FULL_CV, HP, AHEAD)
     else:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
             s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
             p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
             ONE_K, ONE_V, DROPOUT, ACC,
-            0, B1, R0, E0, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            0, B1, R0, E0, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
         if B2 > B1:
             _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
                 s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
                 p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
                 ONE_K, ONE_V, DROPOUT, ACC,
-                B1, B2, R1, E1, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+                B1, B2, R1, E1, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
         if B3 > B2:
             _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
                 s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
                 p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
                 ONE_K, ONE_V, DROPOUT, ACC,
-                B2, B3, R2, E2, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+                B2, B3, R2, E2, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
 
 
 

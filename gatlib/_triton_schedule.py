@@ -111,6 +111,17 @@ _MAX_PROGRAMS_PER_SM, _PROGRAMS_MERGE, _PROGRAMS_INTERPRETER = 4, 4, 2
 # ms where the output layer's call (one head, the same graph's edges at 4 lanes of 4)
 # took 1.91 (benchmarks/NOTES.md, "The GAT step on an H100 after lanes before edges").
 _HEADS_IN_LANE = True
+# The forward's blocks load their successor's edge ranges (start, length) before their
+# own edge loop and carry them into the next trip (the kernels' AHEAD). A block began
+# with a load of its items, then of its first edges' indices, then of the rows they
+# gather: a chain the pipeliner, which works inside one block's edge loop, does not
+# overlap, so each block paid the items' latency. At rows of _AHEAD_FROM channels or
+# more, where the register cap fixes the programs per SM, the carried values cost none
+# (no spill; ptxas, sm_90, the users' shapes). Below, where a binary's own count does,
+# they took 2-29 more registers and 18 of 108 specialisations fitted a program fewer per
+# SM. Not the backward kernels: there the items of four arrays carried spilled 16-28
+# bytes (benchmarks/NOTES.md, "Items a block ahead").
+_ITEMS_AHEAD, _AHEAD_FROM = True, 128
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
 
@@ -469,6 +480,11 @@ def _lane_heads(kind: int, H: int, one_k: bool, one_v: bool, share_v: bool,
     if kind == 0 or (kind == 2 and one_k and share_v):
         return triton.next_power_of_2(H)
     return 0
+
+
+def _items_ahead(width: int) -> bool:
+    """The forward's ``AHEAD`` at rows of ``width`` channels (:data:`_ITEMS_AHEAD`)."""
+    return _ITEMS_AHEAD and width >= _AHEAD_FROM
 
 
 def _stages(consts: dict) -> int:

@@ -120,7 +120,8 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
                  edges_narrow: Optional[int] = None,
                  edges_node_terms: Optional[int] = None,
                  edges_src: Optional[int] = None,
-                 lane_heads: Optional[int] = None) -> Iterator[Dict[str, Optional[int]]]:
+                 lane_heads: Optional[int] = None,
+                 items_ahead: Optional[int] = None) -> Iterator[Dict[str, Optional[int]]]:
     """Inside: the compiled row kernels' edge tile (elements of the ``[R, E, C]``
     tile a program holds per step, at every width; the library's own is larger at
     wide rows), programs per SM (the library's ``None``: as many as a launch's binary
@@ -133,7 +134,9 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     tile's edges), and of the src backward's tile from 8 up to 256 channels
     (``edges_src``), and whether the forward and the dst backward at values of one head
     take every head of an item in one lane (``lane_heads``: 1, the library's, or 0: a
-    lane per item and head) set to these (``None``: as they are), for schedule sweeps
+    lane per item and head), and whether the forward's blocks load their successor's
+    edge ranges at rows of 128 channels or more (``items_ahead``: 1, the library's, or
+    0: each block its own) set to these (``None``: as they are), for schedule sweeps
     (``benchmarks/triton_sweep.py``). Yields the values in force:
     ``tile``, ``tile_wide`` (the src backward's at rows of ``wide`` channels or more,
     and the others' below 256), ``tile_wide_fwd`` (the forward's and the dst
@@ -141,7 +144,7 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     ``stages``, ``resident`` (the src backward's), ``resident_heavy`` (the dst
     backward's below 256 channels), ``resident_fwd`` (the forward's and the dst
     backward's at 256 and more), ``edges_wide``, ``edges_narrow``, ``edges_node_terms``,
-    ``edges_src``, ``lane_heads``.
+    ``edges_src``, ``lane_heads``, ``items_ahead``.
     A plan's schedule does not depend on them; the kernels' constexprs and register
     caps do (new values compile new specialisations)."""
     from unittest import mock
@@ -170,13 +173,18 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
         if lane_heads not in (0, 1):
             raise ValueError(f"triton_tiles: lane_heads must be 0 or 1, got {lane_heads}")
         patches["_HEADS_IN_LANE"] = bool(lane_heads)
+    if items_ahead is not None:
+        if items_ahead not in (0, 1):
+            raise ValueError(f"triton_tiles: items_ahead must be 0 or 1, got {items_ahead}")
+        patches["_ITEMS_AHEAD"] = bool(items_ahead)
     with mock.patch.multiple(m, **patches) if patches else contextlib.nullcontext():
         yield {"tile": m._TILE, "tile_wide": m._TILE_WIDE, "tile_wide_fwd": m._TILE_WIDE_FWD,
                "wide": m._WIDE, "programs_per_sm": m._PROGRAMS_PER_SM, "stages": m._STAGES,
                "resident": m._RESIDENT, "resident_heavy": m._RESIDENT_HEAVY,
                "resident_fwd": m._RESIDENT_FWD, "edges_wide": m._EDGES_WIDE,
                "edges_narrow": m._EDGES_NARROW, "edges_node_terms": m._EDGES_NODE_TERMS,
-               "edges_src": m._EDGES_SRC, "lane_heads": int(m._HEADS_IN_LANE)}
+               "edges_src": m._EDGES_SRC, "lane_heads": int(m._HEADS_IN_LANE),
+               "items_ahead": int(m._ITEMS_AHEAD)}
 
 
 def check_triton_interpreter() -> None:
@@ -213,7 +221,8 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     call's value has one head that every head shares (a layer in input space; the dot
     kind's key is that value): where the library then gives a lane every head of its
     item (the forward and the dst backward, ``triton_tiles(lane_heads=)``), lanes are
-    items."""
+    items. ``ahead``: whether each block loads its successor's edge ranges while it runs
+    (the forward at rows of 128 channels or more, ``triton_tiles(items_ahead=)``)."""
     m = _triton_module("_triton_schedule")
     fn = triton_kernels()[kernel]
     items = m._plan(plan).src_items if kernel == "_bwd_src_kernel" else m._plan(plan).dst_items
@@ -222,6 +231,7 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     bounds = items.bounds.tolist()
     warps = m._warps(width, m._tl_acc(torch.float32))
     hp = 0
+    ahead = kernel == "_fwd_kernel" and m._items_ahead(width)
     if one_value and kernel != "_bwd_src_kernel":
         hp = m._lane_heads(kind, heads, kind == 2, True, kind == 2, False, width,
                            dst_backward=kernel == "_bwd_dst_kernel")
@@ -236,7 +246,8 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
         padded = torch.zeros(blocks * lanes, dtype=torch.int64)
         padded[:lane_len.numel()] = lane_len
         steps = (padded.view(blocks, lanes).amax(1) + edges - 1) // edges
-        out.append({"edges": edges, "lanes": lanes, "steps": steps, "resident": resident})
+        out.append({"edges": edges, "lanes": lanes, "steps": steps, "resident": resident,
+                    "ahead": ahead})
     return out
 
 

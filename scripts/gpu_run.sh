@@ -4,12 +4,15 @@
 # checks the kernels against the reference (every score kind, the input-space calls' values of
 # one head among them), times the fused call and each kernel in it at the library's schedule
 # and with the src backward's schedule before its lanes (edges_src=16; the input-space calls
-# also with a lane per item and head, lane_heads=0; and the output layer's call, one head of 40 classes, both ways and with the grid before one wave, programs_per_sm=4),
+# also with a lane per item and head, lane_heads=0, and with each forward block loading its
+# own items, items_ahead=0; the output layer's call, one head of 40 classes, both ways and with
+# the grid before one wave, programs_per_sm=4; the wide rows' forward with items_ahead=0),
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
 # mode), and Cora's step with both compiled sides replayed as CUDA graphs
-# (mode="reduce-overhead", launch-bound), in that order; its steps' limits sum to 810 s (the
-# last H100 ran the self-tests in 138 s, the default sweep in 41, the arxiv-like step in 160 and
-# Cora's in 145; each step logs its seconds). Part 1 sweeps the row
+# (mode="reduce-overhead", launch-bound): the self-tests, the default sweep, the two steps, then
+# the A/B sweeps; its steps' limits sum to 900 s (the last H100 ran the self-tests in 138 s, the
+# default sweep in 41, the arxiv-like step in 160 and Cora's in 145, 484 s; each step logs its
+# seconds): the call's 575 s cuts the last sweeps. Part 1 sweeps the row
 # kernels' schedule (edge tile, pipelining stages, programs per SM; each kernel's time at each
 # variant: 369 s before the output layer's occupancy sweep, at most 120 s more). Part 3 times
 # each layer's forward and forward+backward against the bandwidth floor and the GAT step's
@@ -132,12 +135,19 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     gat_inputs_data dot_inputs \
     --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
+  # the targets: the training steps against PyG, then the schedules' A/B sweeps (a cut run
+  # loses those last)
+  step_arxiv
+  step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
+    --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
+    --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
   # the input-space calls, against the default above: with the src backward's schedule before
-  # 4 lanes of 4 edges (one lane of 16 edges per step), and with a lane per (item, head) in the
+  # 4 lanes of 4 edges (one lane of 16 edges per step), with a lane per (item, head) in the
   # forward and the dst backward (lane_heads=0: the schedule before every head of an item took
-  # one lane, each head's lane gathering the same source rows)
-  step 80 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
-    --variant edges_src=16 --variant lane_heads=0 \
+  # one lane, each head's lane gathering the same source rows), and with each forward block
+  # loading its own items (items_ahead=0: before its predecessor loaded them)
+  step 110 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
+    --variant edges_src=16 --variant lane_heads=0 --variant items_ahead=0 \
     --rep 200 --profile --json "$OUT/triton_sweep_input_space_arxiv-like_$gpu.json"
   # the output layer's call (one head, 40 classes: rows of 64 channels), each kernel's time,
   # at the library's schedule, the src backward's before (and GAT from projected rows' dst
@@ -147,10 +157,11 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     --kinds gat gat_projected gatv2 dot --variant default --variant edges_src=16 \
     --variant programs_per_sm=4 \
     --rep 100 --profile --json "$OUT/triton_sweep_classes_arxiv-like_$gpu.json"
-  step_arxiv
-  step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
-    --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
-    --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
+  # the wide rows' forward (H = 3, C = 256: GATv2's was 12x its floor) with each block
+  # loading its own items
+  step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot \
+    --variant items_ahead=0 \
+    --rep 200 --profile --json "$OUT/triton_sweep_items_ahead_arxiv-like_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
   # each layer's forward and forward+backward (arxiv-like, H = 3, C = 256) against the

@@ -142,7 +142,8 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
         assert values == {"tile": 4096, "tile_wide": 4096, "tile_wide_fwd": 4096, "wide": 128,
                           "programs_per_sm": 8, "stages": 1, "resident": 4, "resident_heavy": 4,
                           "resident_fwd": 4, "edges_wide": 16, "edges_narrow": 32,
-                          "edges_node_terms": None, "edges_src": 4, "lane_heads": 1}
+                          "edges_node_terms": None, "edges_src": 4, "lane_heads": 1,
+                          "items_ahead": 1}
         assert all(c["E0"] == (16 if w == 256 else 32 if f else 4)
                    for (w, f), c in consts().items())
         assert [sched._group_consts(128, True)[k] for k in ("R0", "E0")] == [2, 16]
@@ -175,6 +176,15 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     with introspect.triton_tiles(lane_heads=0) as values:
         assert values["lane_heads"] == 0 and sched._lane_heads(0, 3, False, True, False, False) == 0
     assert sched._HEADS_IN_LANE
+    # the forward's blocks load their successor's edge ranges at rows of 128 channels up
+    assert [sched._items_ahead(w) for w in (64, 128, 256)] == [False, True, True]
+    with introspect.triton_tiles(items_ahead=0) as values:
+        assert values["items_ahead"] == 0 and not sched._items_ahead(256)
+    assert sched._ITEMS_AHEAD
+    for name in ("lane_heads", "items_ahead"):
+        with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+            with introspect.triton_tiles(**{name: 2}):
+                pass
     for args in ((0, 1, False, True, False, False),  # one head
                  (0, 3, False, False, False, False),  # values of H heads
                  (0, 3, False, True, False, True),  # edge features
@@ -187,9 +197,6 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     assert sched._heavy({"KIND": 0, "HP": 4, "DROPOUT": True}, dst)
     assert [sched._max_registers(8, dst, w, False, 0, heads=True) for w in (128, 256)] == [128] * 2
     assert sched._max_registers(8, dst, 128, True, 0, heads=True) == 255
-    with pytest.raises(ValueError, match="lane_heads must be 0 or 1"):
-        with introspect.triton_tiles(lane_heads=2):
-            pass
     assert sched._STAGES == 2
 
 
@@ -239,6 +246,11 @@ def test_triton_blocks_are_the_launch_blocks_of_lanes(monkeypatch):
     assert [(g["lanes"], g["edges"]) for g in src] == [(1, 16), (4, 4)]
     assert src[0]["steps"].tolist() == [2, 2, 2] and src[1]["steps"].tolist() == [0, 0]
     assert fwd["resident"] == 2 and src[0]["resident"] == 2
+    # the forward's blocks load their successor's edge ranges at 128 channels, not below
+    assert fwd["ahead"] and not src[0]["ahead"]
+    assert not introspect.triton_blocks(plan, 3, 64, "_fwd_kernel", kind=1)[0]["ahead"]
+    with introspect.triton_tiles(items_ahead=0):
+        assert not introspect.triton_blocks(plan, 3, 128, "_fwd_kernel", kind=1)[0]["ahead"]
     # at values of one head the forward and the dst backward give a lane every head of
     # its item: lanes 10,6,2 (one block); the src backward a lane per (item, head)
     for k in ("_fwd_kernel", "_bwd_dst_kernel"):

@@ -597,6 +597,56 @@ def test_the_heads_of_an_item_share_a_lane(form, H, dtype, gpu_tiles, monkeypatc
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("form", ["gatv2", "gat_projected", "gat_inputs_lane_heads",
+                                  "gat_inputs_lane_per_head", "dot_inputs_lane_heads"])
+def test_the_forward_loads_a_blocks_successor_items(form, monkeypatch):
+    """The forward's programs load each next block's items while a block runs
+    (``AHEAD``) and give, bit for bit, what loading each block's own items gives:
+    at the GPU's tiles, where a program runs many blocks of 4 lanes in turn, the last
+    one part empty, and the split hub's group has one block for three programs (two
+    load a first block that is not there); with dropout and the output bias."""
+    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
+    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
+    g = torch.Generator().manual_seed(0)
+    deg = torch.cat([torch.arange(24).repeat(3), torch.tensor([40])])  # the last row is split
+    n = deg.numel()
+    dst = torch.repeat_interleave(torch.arange(n), deg)
+    ei = torch.stack([dst[torch.randperm(dst.numel(), generator=g)], dst]).to(DEVICE)
+    H, C = 3, 128
+    if form in ("gatv2", "gat_projected"):
+        score, value = _bias_score(form, ei, n, H, C)
+    else:
+        one_head = {"gat": "gat", "dot": "dot_key_is_value"}[form.split("_")[0]]
+        score, value = _one_head_call(one_head, n, n, H, C, torch.float64)
+    monkeypatch.setattr(_triton_schedule, "_HEADS_IN_LANE", not form.endswith("per_head"))
+    bias = torch.randn(H * C, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    plan = GraphPlan(ei, num_nodes=n)
+    launched = []
+    launch = _triton._launch
+
+    def record(kernel, *args, **consts):
+        if kernel is _triton._fwd_kernel:
+            launched.append((consts["AHEAD"], consts["HP"]))
+        return launch(kernel, *args, **consts)
+    monkeypatch.setattr(_triton, "_launch", record)
+    runs = {}
+    for ahead in (True, False):
+        monkeypatch.setattr(_triton_schedule, "_ITEMS_AHEAD", ahead)
+        for b, p in ((None, 0.0), (bias, 0.5)):
+            torch.manual_seed(3)
+            out, alpha = _triton.attention(score, value, plan, None, p, True, b)
+            leaves_ = list(dict.fromkeys(t for t in (*leaves(score), value, b)
+                                         if t is not None and t.requires_grad))
+            runs[ahead, p] = (out, alpha, *torch.autograd.grad(out.square().sum(), leaves_))
+    hp = 4 if form.endswith("lane_heads") else 0
+    assert launched == [(True, hp)] * 2 + [(False, hp)] * 2, launched
+    for key in (0.0, 0.5):
+        for a, b in zip(runs[True, key], runs[False, key], strict=True):
+            assert torch.equal(a, b)
+    out_r = graph_attention(score, value, ei, n, backend="torch")
+    torch.testing.assert_close(runs[True, 0.0][0], out_r.view(n, H, C), rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("kind", ["gatv2", "gat_projected"])
 def test_partials_of_a_launch_of_fewer_programs_than_slots(kind, monkeypatch):
     """A launch runs as many programs as its binary fits on the SMs, while the backward's
