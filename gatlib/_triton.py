@@ -37,8 +37,8 @@ has as many programs as its compiled binary fits on the SMs at once
 their bucket's bounds on the device, so no launch depends on a value read back
 to the host. The edge loops are software-pipelined
 (``_STAGES``): the next steps' index loads and gathers are issued as asynchronous
-copies into shared memory while a step computes; at wide rows the forward's blocks
-also load their successor's edge ranges while they run (``_ITEMS_AHEAD``).
+copies into shared memory while a step computes; at wide rows the blocks also load
+their successor's edge ranges while they run (``_ITEMS_AHEAD``).
 
 **Values of one head.** A value (or the dot kind's key) ``[N, 1, C]`` that every
 head shares — a layer aggregating its inputs, :func:`gatlib._conv._input_space` —
@@ -77,7 +77,7 @@ from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, refer
 from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
-from ._triton_schedule import (_att_partials, _items_ahead, _lane_heads, _launch, _merge, _Plan,
+from ._triton_schedule import (_att_partials, _lane_heads, _launch, _merge, _Plan,
                                _plan, _slots, _Schedule, _schedule_sizes, _slot_sums, _tile,
                                _tl_acc, _warps)
 
@@ -467,15 +467,13 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
     dummy = value
     consts = _consts(meta, s_dst, s_edge, value_edge)
     with _device(value):
-        width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-        _launch(_fwd_kernel, items, H, width,
+        _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
                 lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                 _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
                 out, _or(out_b, dummy), lse, part_out, part_lse, _or(seed, dummy), meta.p, H, CK,
                 CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None,
                 HP=_lane_heads(meta.kind, H, meta.one_k, meta.one_v, meta.share_v,
-                               s_edge is not None or value_edge is not None),
-                AHEAD=_items_ahead(width), **consts)
+                               s_edge is not None or value_edge is not None), **consts)
         _merge(out, part_out, items, H, lse, part_lse, bias=bias, out_b=out_b)
         alpha = value.new_empty(0)  # (an operator returns tensors only)
         if meta.need_alpha:

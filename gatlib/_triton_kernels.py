@@ -560,7 +560,7 @@ def _bwd_dst_items(
     STAGES: tl.constexpr,
     R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
 ):
     first = tl.load(bounds + B_LO)
     n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
@@ -569,11 +569,23 @@ def _bwd_dst_items(
     att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     # the output bias's gradient likewise: the sum of grad_out over the rows
     bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
-    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
+        lane0, valid0, it0, h0 = _lane_items(pid, first, n_items, H, BLOCK_R)
+        start_n = tl.load(item_start + it0, mask=valid0, other=0)
+        length_n = tl.load(item_len + it0, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
         lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-        length = tl.load(item_len + it, mask=valid, other=0)
+        if AHEAD:
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+                                                     n_items, H, BLOCK_R)
+            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
+            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
+        else:
+            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+            length = tl.load(item_len + it, mask=valid, other=0)
         final, piece, slot, max_len = _lane_slots(
             valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
@@ -726,7 +738,7 @@ def _bwd_dst_heads_items(
     KIND: tl.constexpr, HAS_DST: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_DST: tl.constexpr, ACC: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr,
+    BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
 ):
     """:func:`_bwd_dst_items` with every head of an item in one lane (``HP``), for the
     calls of :func:`_fwd_heads_items` that need no parameter's partials (the output
@@ -740,11 +752,23 @@ def _bwd_dst_heads_items(
     c = tl.arange(0, BLOCK_CV)
     cm = c < CV
     c3 = c[None, None, :]
-    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
-        lane, valid, it, _ = _lane_items(blk, first, n_items, 1, BLOCK_R)
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
+        lane0, valid0, it0, head0 = _lane_items(pid, first, n_items, 1, BLOCK_R)
+        start_n = tl.load(item_start + it0, mask=valid0, other=0)
+        length_n = tl.load(item_len + it0, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
+        lane, valid, it, head = _lane_items(blk, first, n_items, 1, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-        length = tl.load(item_len + it, mask=valid, other=0)
+        if AHEAD:
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+                                                     n_items, 1, BLOCK_R)
+            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
+            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
+        else:
+            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+            length = tl.load(item_len + it, mask=valid, other=0)
         final, piece, slot, max_len = _lane_slots(
             valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
@@ -861,30 +885,31 @@ def _bwd_dst_kernel(
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr = 0,
+    AHEAD: tl.constexpr = False,
 ):
     # (the groups of buckets as in _fwd_kernel; HP > 0: _bwd_dst_heads_items)
     if HP > 0:
         _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid,
             s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha, a_buf,
             ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT, GALPHA,
-            NEED_DST, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP)
+            NEED_DST, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
         if B2 > B1:
             _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src,
                 csr_eid, s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha,
                 a_buf, ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT,
-                GALPHA, NEED_DST, ACC, B1, B2, R1, E1, STAGES, BLOCK_CV, FULL_CV, HP)
+                GALPHA, NEED_DST, ACC, B1, B2, R1, E1, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
         if B3 > B2:
             _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src,
                 csr_eid, s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha,
                 a_buf, ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT,
-                GALPHA, NEED_DST, ACC, B2, B3, R2, E2, STAGES, BLOCK_CV, FULL_CV, HP)
+                GALPHA, NEED_DST, ACC, B2, B3, R2, E2, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
     else:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
             H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
             SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
-            0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+            0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
         if B2 > B1:
             _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
                 s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
@@ -892,7 +917,7 @@ def _bwd_dst_kernel(
                 H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
                 SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
                 NEED_BIAS, SLOTS, ACC,
-                B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+                B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
         if B3 > B2:
             _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
                 s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
@@ -900,7 +925,7 @@ def _bwd_dst_kernel(
                 H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
                 SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
                 NEED_BIAS, SLOTS, ACC,
-                B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+                B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
 
 
 @triton.jit
@@ -916,7 +941,7 @@ def _bwd_src_items(
     STAGES: tl.constexpr,
     R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
 ):
     first = tl.load(bounds + B_LO)
     n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
@@ -924,11 +949,23 @@ def _bwd_src_items(
     # runs: each lane keeps one head, as the grid is a multiple of H (_programs)
     att_s_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     att_d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-    for blk in range(tl.program_id(0), n_blocks, tl.num_programs(0)):
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
+        lane0, valid0, it0, h0 = _lane_items(pid, first, n_items, H, BLOCK_R)
+        start_n = tl.load(item_start + it0, mask=valid0, other=0)
+        length_n = tl.load(item_len + it0, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
         lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-        length = tl.load(item_len + it, mask=valid, other=0)
+        if AHEAD:
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+                                                     n_items, H, BLOCK_R)
+            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
+            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
+        else:
+            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
+            length = tl.load(item_len + it, mask=valid, other=0)
         final, piece, slot, max_len = _lane_slots(
             valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
@@ -1079,21 +1116,22 @@ def _bwd_src_kernel(
     E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+    AHEAD: tl.constexpr = False,
 ):
     # (the groups of buckets as in _fwd_kernel)
     _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
         csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
         d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
-        NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, 0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV)
+        NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, 0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
     if B2 > B1:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
             part_value, d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE,
             NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV,
-            FULL_CK, FULL_CV)
+            FULL_CK, FULL_CV, AHEAD)
     if B3 > B2:
         _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
             csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
             part_value, d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE,
             NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK,
-            BLOCK_CV, FULL_CK, FULL_CV)
+            BLOCK_CV, FULL_CK, FULL_CV, AHEAD)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ._layout import Layout, index_dtype
 from ._plan import GraphPlan
-from ._triton_kernels import _bwd_dst_kernel, _fwd_kernel, _merge_kernel
+from ._triton_kernels import _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel, _merge_kernel
 
 # Longest run of edges one work item handles; longer rows are split.
 _SPLIT = 256
@@ -111,16 +111,18 @@ _MAX_PROGRAMS_PER_SM, _PROGRAMS_MERGE, _PROGRAMS_INTERPRETER = 4, 4, 2
 # ms where the output layer's call (one head, the same graph's edges at 4 lanes of 4)
 # took 1.91 (benchmarks/NOTES.md, "The GAT step on an H100 after lanes before edges").
 _HEADS_IN_LANE = True
-# The forward's blocks load their successor's edge ranges (start, length) before their
+# A row kernel's blocks load their successor's edge ranges (start, length) before their
 # own edge loop and carry them into the next trip (the kernels' AHEAD). A block began
 # with a load of its items, then of its first edges' indices, then of the rows they
 # gather: a chain the pipeliner, which works inside one block's edge loop, does not
-# overlap, so each block paid the items' latency. At rows of _AHEAD_FROM channels or
-# more, where the register cap fixes the programs per SM, the carried values cost none
-# (no spill; ptxas, sm_90, the users' shapes). Below, where a binary's own count does,
-# they took 2-29 more registers and 18 of 108 specialisations fitted a program fewer per
-# SM. Not the backward kernels: there the items of four arrays carried spilled 16-28
-# bytes (benchmarks/NOTES.md, "Items a block ahead").
+# overlap, so each block paid the items' latency. Where the launch's register cap is
+# below 255, which at the users' shapes is every forward and src backward at rows of
+# _AHEAD_FROM channels or more and the dst backward's there but where it keeps one
+# program's registers, the carried values cost no program per SM and spilled only in
+# GATv2's src backward at 256 channels (_items_ahead; ptxas, sm_90). Where the binary's
+# own count sets the programs per SM (cap 255) they took up to 29 more registers and 22
+# of 160 specialisations fitted a program fewer per SM (benchmarks/NOTES.md, "Items a
+# block ahead").
 _ITEMS_AHEAD, _AHEAD_FROM = True, 128
 # (item length above which, edge-tile width) — longest bucket first.
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
@@ -482,9 +484,14 @@ def _lane_heads(kind: int, H: int, one_k: bool, one_v: bool, share_v: bool,
     return 0
 
 
-def _items_ahead(width: int) -> bool:
-    """The forward's ``AHEAD`` at rows of ``width`` channels (:data:`_ITEMS_AHEAD`)."""
-    return _ITEMS_AHEAD and width >= _AHEAD_FROM
+def _items_ahead(width: int, max_registers: int, kernel=None, kind: Optional[int] = None) -> bool:
+    """``AHEAD`` of a row ``kernel`` of score ``kind`` at rows of ``width`` channels under
+    a register cap of ``max_registers`` (:data:`_ITEMS_AHEAD`) — but GATv2's src
+    backward at :data:`_WIDE_FWD` channels, which spilled 12 bytes per thread under its
+    cap of 128 (ptxas, sm_90, float32)."""
+    if kernel is _bwd_src_kernel and kind == 1 and width >= _WIDE_FWD:
+        return False
+    return _ITEMS_AHEAD and width >= _AHEAD_FROM and max_registers < 255
 
 
 def _stages(consts: dict) -> int:
@@ -533,18 +540,19 @@ def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> No
     after another, each with its own edge tile (the kernel reads where its items
     start and end from ``bounds`` on the device).
 
-    The kernel's leading arguments are the item arrays and ``bounds``. The backward
-    kernels' parameter gradients (``part_att``, ``part_bias``) take one partial per
-    lane of each of ``P_SLOTS`` programs, the groups' one after another
-    (:func:`_att_partials`, :func:`_slots`).
+    Its register cap (:func:`_max_registers`) also decides ``AHEAD``
+    (:func:`_items_ahead`). The kernel's leading arguments are the item arrays and
+    ``bounds``. The backward kernels' parameter gradients (``part_att``, ``part_bias``)
+    take one partial per lane of each of ``P_SLOTS`` programs, the groups' one after
+    another (:func:`_att_partials`, :func:`_slots`).
     """
     warps = _warps(width, consts["ACC"])
     kind = consts.get("KIND")
-    options = dict(num_warps=warps,
-                   maxnreg=_max_registers(warps, kernel, width, _heavy(consts, kernel), kind,
-                                          bool(consts.get("HP"))),
-                   STAGES=_stages(consts), **_group_consts(width, _fwd_schedule(kernel, kind), kind),
-                   **consts)
+    maxnreg = _max_registers(warps, kernel, width, _heavy(consts, kernel), kind,
+                             bool(consts.get("HP")))
+    options = dict(num_warps=warps, maxnreg=maxnreg, STAGES=_stages(consts),
+                   AHEAD=_items_ahead(width, maxnreg, kernel, kind),
+                   **_group_consts(width, _fwd_schedule(kernel, kind), kind), **consts)
     args = (items.row, items.start, items.length, items.slot, items.bounds, *args)
     device = items.bounds.device
     per_sm = _per_sm(kernel, device, args, options) if device.type == "cuda" else 0

@@ -134,9 +134,9 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     tile's edges), and of the src backward's tile from 8 up to 256 channels
     (``edges_src``), and whether the forward and the dst backward at values of one head
     take every head of an item in one lane (``lane_heads``: 1, the library's, or 0: a
-    lane per item and head), and whether the forward's blocks load their successor's
-    edge ranges at rows of 128 channels or more (``items_ahead``: 1, the library's, or
-    0: each block its own) set to these (``None``: as they are), for schedule sweeps
+    lane per item and head), and whether the row kernels' blocks load their successor's
+    edge ranges at rows of 128 channels or more under a register cap (``items_ahead``: 1,
+    the library's, or 0: each block its own) set to these (``None``: as they are), for schedule sweeps
     (``benchmarks/triton_sweep.py``). Yields the values in force:
     ``tile``, ``tile_wide`` (the src backward's at rows of ``wide`` channels or more,
     and the others' below 256), ``tile_wide_fwd`` (the forward's and the dst
@@ -222,7 +222,7 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     kind's key is that value): where the library then gives a lane every head of its
     item (the forward and the dst backward, ``triton_tiles(lane_heads=)``), lanes are
     items. ``ahead``: whether each block loads its successor's edge ranges while it runs
-    (the forward at rows of 128 channels or more, ``triton_tiles(items_ahead=)``)."""
+    (rows of 128 channels or more under a register cap, ``triton_tiles(items_ahead=)``)."""
     m = _triton_module("_triton_schedule")
     fn = triton_kernels()[kernel]
     items = m._plan(plan).src_items if kernel == "_bwd_src_kernel" else m._plan(plan).dst_items
@@ -231,13 +231,13 @@ def triton_blocks(plan: "GraphPlan", heads: int, width: int, kernel: str = "_fwd
     bounds = items.bounds.tolist()
     warps = m._warps(width, m._tl_acc(torch.float32))
     hp = 0
-    ahead = kernel == "_fwd_kernel" and m._items_ahead(width)
     if one_value and kernel != "_bwd_src_kernel":
         hp = m._lane_heads(kind, heads, kind == 2, True, kind == 2, False, width,
                            dst_backward=kernel == "_bwd_dst_kernel")
     regs = m._max_registers(warps, fn, width, m._heavy({"KIND": kind, "HP": hp}, fn), kind,
                             bool(hp))
     resident = (1 << 16) // (regs * 32 * warps)
+    ahead = m._items_ahead(width, regs, fn, kind)
     out = []
     for lo, hi, edges in m._bucket_groups(width, forward, kind):
         lanes = m._rows_per_program(edges, width, forward)

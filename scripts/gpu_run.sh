@@ -4,9 +4,9 @@
 # checks the kernels against the reference (every score kind, the input-space calls' values of
 # one head among them), times the fused call and each kernel in it at the library's schedule
 # and with the src backward's schedule before its lanes (edges_src=16; the input-space calls
-# also with a lane per item and head, lane_heads=0, and with each forward block loading its
-# own items, items_ahead=0; the output layer's call, one head of 40 classes, both ways and with
-# the grid before one wave, programs_per_sm=4; the wide rows' forward with items_ahead=0),
+# also with a lane per item and head, lane_heads=0, and with each block loading its own items,
+# items_ahead=0; the output layer's call, one head of 40 classes, both ways and with the grid
+# before one wave, programs_per_sm=4; the wide rows' calls with items_ahead=0),
 # the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
 # mode), and Cora's step with both compiled sides replayed as CUDA graphs
 # (mode="reduce-overhead", launch-bound): the self-tests, the default sweep, the two steps, then
@@ -144,8 +144,8 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   # the input-space calls, against the default above: with the src backward's schedule before
   # 4 lanes of 4 edges (one lane of 16 edges per step), with a lane per (item, head) in the
   # forward and the dst backward (lane_heads=0: the schedule before every head of an item took
-  # one lane, each head's lane gathering the same source rows), and with each forward block
-  # loading its own items (items_ahead=0: before its predecessor loaded them)
+  # one lane, each head's lane gathering the same source rows), and with each block loading
+  # its own items (items_ahead=0: before, its predecessor loaded its edge ranges)
   step 110 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
     --variant edges_src=16 --variant lane_heads=0 --variant items_ahead=0 \
     --rep 200 --profile --json "$OUT/triton_sweep_input_space_arxiv-like_$gpu.json"
@@ -157,7 +157,7 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
     --kinds gat gat_projected gatv2 dot --variant default --variant edges_src=16 \
     --variant programs_per_sm=4 \
     --rep 100 --profile --json "$OUT/triton_sweep_classes_arxiv-like_$gpu.json"
-  # the wide rows' forward (H = 3, C = 256: GATv2's was 12x its floor) with each block
+  # the wide rows' calls (H = 3, C = 256: GATv2's forward was 12x its floor) with each block
   # loading its own items
   step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot \
     --variant items_ahead=0 \

@@ -176,10 +176,16 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
     with introspect.triton_tiles(lane_heads=0) as values:
         assert values["lane_heads"] == 0 and sched._lane_heads(0, 3, False, True, False, False) == 0
     assert sched._HEADS_IN_LANE
-    # the forward's blocks load their successor's edge ranges at rows of 128 channels up
-    assert [sched._items_ahead(w) for w in (64, 128, 256)] == [False, True, True]
+    # the row kernels' blocks load their successor's edge ranges at rows of 128 channels
+    # up, where the register cap is below 255
+    assert [sched._items_ahead(w, 128) for w in (64, 128, 256)] == [False, True, True]
+    assert not sched._items_ahead(128, 255)
+    # ... but GATv2's src backward at 256 channels (it spilled)
+    src = sched._bwd_src_kernel
+    assert sched._items_ahead(128, 128, src, 1) and not sched._items_ahead(256, 128, src, 1)
+    assert sched._items_ahead(256, 128, src, 2)
     with introspect.triton_tiles(items_ahead=0) as values:
-        assert values["items_ahead"] == 0 and not sched._items_ahead(256)
+        assert values["items_ahead"] == 0 and not sched._items_ahead(256, 64)
     assert sched._ITEMS_AHEAD
     for name in ("lane_heads", "items_ahead"):
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
@@ -246,9 +252,12 @@ def test_triton_blocks_are_the_launch_blocks_of_lanes(monkeypatch):
     assert [(g["lanes"], g["edges"]) for g in src] == [(1, 16), (4, 4)]
     assert src[0]["steps"].tolist() == [2, 2, 2] and src[1]["steps"].tolist() == [0, 0]
     assert fwd["resident"] == 2 and src[0]["resident"] == 2
-    # the forward's blocks load their successor's edge ranges at 128 channels, not below
-    assert fwd["ahead"] and not src[0]["ahead"]
+    # the forward's and the src backward's blocks load their successor's edge ranges at
+    # 128 channels (registers capped for two programs per SM), not below; GATv2's dst
+    # backward keeps one program's registers there
+    assert fwd["ahead"] and src[0]["ahead"]
     assert not introspect.triton_blocks(plan, 3, 64, "_fwd_kernel", kind=1)[0]["ahead"]
+    assert not introspect.triton_blocks(plan, 3, 128, "_bwd_dst_kernel", kind=1)[0]["ahead"]
     with introspect.triton_tiles(items_ahead=0):
         assert not introspect.triton_blocks(plan, 3, 128, "_fwd_kernel", kind=1)[0]["ahead"]
     # at values of one head the forward and the dst backward give a lane every head of

@@ -597,13 +597,28 @@ def test_the_heads_of_an_item_share_a_lane(form, H, dtype, gpu_tiles, monkeypatc
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("form", ["gatv2", "gat_projected", "gat_inputs_lane_heads",
-                                  "gat_inputs_lane_per_head", "dot_inputs_lane_heads"])
-def test_the_forward_loads_a_blocks_successor_items(form, monkeypatch):
-    """The forward's programs load each next block's items while a block runs
-    (``AHEAD``) and give, bit for bit, what loading each block's own items gives:
-    at the GPU's tiles, where a program runs many blocks of 4 lanes in turn, the last
-    one part empty, and the split hub's group has one block for three programs (two
+# (form, channels) -> the row kernels that load a block's successor's edge ranges at the
+# GPU's tiles in float64 (8 warps): where the launch caps the registers below 255
+AHEAD_CASES = {
+    # with edge features the dst backward keeps one program's registers
+    ("gatv2", 128): {"_fwd_kernel", "_bwd_src_kernel"},
+    # GATv2's src backward at 256 channels keeps each block's own (it spilled)
+    ("gatv2_plain", 256): {"_fwd_kernel", "_bwd_dst_kernel"},
+    ("gat_projected", 128): {"_fwd_kernel", "_bwd_src_kernel"},
+    # a lane per item with every head (dropout keeps the dst backward uncapped)
+    ("gat_inputs_lane_heads", 128): {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"},
+    ("gat_inputs_lane_per_head", 128): {"_fwd_kernel", "_bwd_src_kernel"},
+    ("dot_inputs_lane_heads", 128): {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"},
+}
+
+
+@pytest.mark.parametrize("form,C", list(AHEAD_CASES), ids=[f"{f}-C{c}" for f, c in AHEAD_CASES])
+def test_blocks_load_their_successors_edge_ranges(form, C, monkeypatch):
+    """The row kernels' programs load each next block's edge ranges while a block runs
+    (``AHEAD``: the forward, the dst backward with its output bias's partials or every
+    head in a lane, and the src backward) and give, bit for bit, what loading each
+    block's own gives: at the GPU's tiles, where a program runs many blocks in turn, the
+    last one part empty, and the split hub's group has one block for three programs (two
     load a first block that is not there); with dropout and the output bias."""
     monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
@@ -612,34 +627,38 @@ def test_the_forward_loads_a_blocks_successor_items(form, monkeypatch):
     n = deg.numel()
     dst = torch.repeat_interleave(torch.arange(n), deg)
     ei = torch.stack([dst[torch.randperm(dst.numel(), generator=g)], dst]).to(DEVICE)
-    H, C = 3, 128
+    H = 3
     if form in ("gatv2", "gat_projected"):
         score, value = _bias_score(form, ei, n, H, C)
+    elif form == "gatv2_plain":
+        score = make_score("gatv2", n, n, ei.size(1), H, C, device=DEVICE, edge=False)
+        value = score.src
     else:
         one_head = {"gat": "gat", "dot": "dot_key_is_value"}[form.split("_")[0]]
         score, value = _one_head_call(one_head, n, n, H, C, torch.float64)
     monkeypatch.setattr(_triton_schedule, "_HEADS_IN_LANE", not form.endswith("per_head"))
     bias = torch.randn(H * C, dtype=torch.float64, device=DEVICE, requires_grad=True)
     plan = GraphPlan(ei, num_nodes=n)
-    launched = []
-    launch = _triton._launch
-
-    def record(kernel, *args, **consts):
-        if kernel is _triton._fwd_kernel:
-            launched.append((consts["AHEAD"], consts["HP"]))
-        return launch(kernel, *args, **consts)
-    monkeypatch.setattr(_triton, "_launch", record)
+    tiles = record_tiles(monkeypatch)
     runs = {}
     for ahead in (True, False):
         monkeypatch.setattr(_triton_schedule, "_ITEMS_AHEAD", ahead)
         for b, p in ((None, 0.0), (bias, 0.5)):
             torch.manual_seed(3)
+            tiles.clear()
             out, alpha = _triton.attention(score, value, plan, None, p, True, b)
             leaves_ = list(dict.fromkeys(t for t in (*leaves(score), value, b)
                                          if t is not None and t.requires_grad))
             runs[ahead, p] = (out, alpha, *torch.autograd.grad(out.square().sum(), leaves_))
-    hp = 4 if form.endswith("lane_heads") else 0
-    assert launched == [(True, hp)] * 2 + [(False, hp)] * 2, launched
+            launched = {k.__name__: c["AHEAD"] for k, c in tiles.items()}
+            assert set(launched) == {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"}
+            got = {k for k, a in launched.items() if a}
+            if not ahead:
+                assert not got, launched
+            elif p == 0.0:
+                assert got == AHEAD_CASES[form, C], launched
+            else:  # (dropout: GAT's dst backward with every head keeps one program's registers)
+                assert got >= AHEAD_CASES[form, C] - {"_bwd_dst_kernel"}, launched
     for key in (0.0, 0.5):
         for a, b in zip(runs[True, key], runs[False, key], strict=True):
             assert torch.equal(a, b)
