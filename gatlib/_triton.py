@@ -77,9 +77,8 @@ from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, refer
 from ._plan import GraphPlan
 from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
                               _keep_kernel)
-from ._triton_schedule import (_att_partials, _lane_heads, _launch, _merge, _Plan,
-                               _plan, _slots, _Schedule, _schedule_sizes, _slot_sums, _tile,
-                               _tl_acc, _warps)
+from ._triton_schedule import (_att_partials, _lane_heads, _launch, _merge, _Plan, _plan, _slots,
+                               _Schedule, _schedule_sizes, _slot_sums, _tile, _tl_acc, _warps)
 
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024
