@@ -26,11 +26,15 @@ import torch
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
-    from gatlib.bench.compare import ALL_IMPLS, LAYERS
+    from gatlib.bench.compare import ALL_IMPLS, COMPILE_MODES, LAYERS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layer", nargs="+", default=["gat"], choices=list(LAYERS))
     p.add_argument("--graph", default="arxiv-like")
+    p.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
+                   help="torch.compile's mode for both compiled sides, as gatlib compare's "
+                        "(reduce-overhead: each step replayed as CUDA graphs)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds of the step timing")
     p.add_argument("--impls", nargs="+", default=list(ALL_IMPLS), choices=list(ALL_IMPLS),
                    help="sides (pyg, eager PyG, is the gradients' reference: always run)")
     p.add_argument("--top", type=int, default=15, help="kernels listed per side")
@@ -62,6 +66,7 @@ def main(argv=None) -> int:
         sys.exit("profile_step.py needs a CUDA device")
     from gatlib import introspect
     from gatlib.bench import compare as c
+    from gatlib.bench import measure
     from gatlib.bench.data import resolve_data_dir
 
     device = torch.device("cuda")
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     H, C = c.DEFAULT_HC["cuda"]
     labels = c.random_labels(N, 40, device, 0)
     out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "graph": args.graph,
+           "torch": torch.__version__, "graph": args.graph, "compile_mode": args.compile_mode,
            "projected_under_compile": args.projected_under_compile, "layers": {}}
     # (the diagnosis: compiled GAT forms its attention terms in the kernels, as eager does)
     terms = (introspect.compiled_gat_terms_in_kernel() if args.projected_under_compile
@@ -82,16 +87,23 @@ def main(argv=None) -> int:
         for layer in args.layer:
             torch._dynamo.reset()
             pair = c.build_pair(layer, F_in, H, C, "triton", device, torch.float32, 0, "model", 40)
-            modules = c.with_compiled(pair, args.impls, c.COMPILE_OPTIONS)
+            options = {**c.COMPILE_OPTIONS,
+                       **({} if args.compile_mode == "default" else {"mode": args.compile_mode})}
+            modules = c.with_compiled(pair, args.impls, options)
             edge_index = c.layer_edge_index(layer, ei, ei_loops)
             graphs = {impl: c.graph_input(impl, edge_index, N, "plan") for impl in args.impls}
-            grads, sides = {}, {}
+            grads, sides, steps = {}, {}, {}
             for impl in args.impls:  # before any step: a compiled side shares its eager twin's weights
                 c.warm_plan(impl, modules[impl], x, graphs[impl])
                 grads[impl] = c.model_outputs(modules[impl], x, graphs[impl], labels)[1]
             for impl in args.impls:
-                step = c.make_pass(modules[impl], x, graphs[impl], labels, c.TRAIN_STEP)
-                for _ in range(3):  # compile (a compiled side) and warm
+                step = steps[impl] = c.make_pass(modules[impl], x, graphs[impl], labels,
+                                                 c.TRAIN_STEP)
+                if c.is_compiled(impl):  # until a call compiles nothing (and records its graphs)
+                    settled = c.settle(step, device)
+                    if settled["status"] != "ok":
+                        raise RuntimeError(f"{layer} {impl}: {settled['error']}")
+                for _ in range(3):  # warm (reduce-overhead records its CUDA graphs here)
                     step()
                 kernels = _profile(step)
                 total = sum(ms for _, _, ms in kernels)
@@ -102,6 +114,13 @@ def main(argv=None) -> int:
                       f"{err:.2e}", flush=True)
                 for name, n, ms in kernels[:args.top]:
                     print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
+            times = measure.time_interleaved(steps, device, args.repeats)
+            for impl, t in times.items():
+                if t["status"] != "ok":
+                    raise RuntimeError(f"{layer} {impl}: {t['error']}")
+                sides[impl]["step_ms"] = t["median_s"] * 1e3
+                print(f"== {layer} {impl}: step {t['median_s'] * 1e3:.2f} ms, GPU busy "
+                      f"{sides[impl]['gpu_ms']:.2f} ms of it", flush=True)
             out["layers"][layer] = sides
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

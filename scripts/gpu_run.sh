@@ -15,11 +15,12 @@
 # seconds): the call's 575 s cuts the last sweeps. Part 1 sweeps the row
 # kernels' schedule (edge tile, pipelining stages, programs per SM; each kernel's time at each
 # variant: 369 s before the output layer's occupancy sweep, at most 120 s more). Part 3 times
-# each layer's forward and forward+backward against the bandwidth floor and the GAT step's
-# kernels on each side, checks GAT with its output layer's last schedule (which disagreed
-# compiled), eager and compiled, times compiled GAT with its terms formed in the kernels, and
-# the input-space form of GATConv and TransformerConv against the projected one (its steps'
-# limits sum to 720 s, in the order they matter: the call's 560 s cuts the last):
+# each layer's forward and forward+backward against the bandwidth floor, lists the kernels of
+# GAT's step on each side and of Cora's steps under CUDA graphs, checks GAT with its output
+# layer's last schedule (which disagreed compiled), eager and compiled, times compiled GAT with
+# its terms formed in the kernels, and the input-space form of GATConv and TransformerConv
+# against the projected one (its steps' limits sum to 840 s, in the order they matter: the
+# call's 560 s cuts the last):
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "D=$OUT; OUT=/tmp/o timeout -s INT 575 bash scripts/gpu_run.sh 2;
@@ -174,6 +175,11 @@ if [[ $PART == 3 || $PRINT == 1 ]]; then
   # against compiled PyG's (eager PyG runs too: the gradients' reference)
   step 60 "$PY" benchmarks/profile_step.py --layer gat --impls pyg_compiled gatlib \
     gatlib_compiled --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
+  # Cora's step with both compiled sides replayed as CUDA graphs, where the Transformer is
+  # 0.88x compiled PyG and GAT 2.23x: each side's kernels and its step time against its GPU
+  # time (GPU work, or the host and the gaps between kernels)
+  step 120 "$PY" benchmarks/profile_step.py --layer transformer gat --graph cora \
+    --compile-mode reduce-overhead --json "$OUT/profile_step_cora_reduce-overhead_$gpu.json"
   # compiled GAT disagreed with PyG (conv1's weight gradient 2.32e-4 off: the size of losing its
   # output layer's hub rows' destination-term gradient, benchmarks/cut_terms.py) where its output
   # layer (node terms, KIND 0, rows of 64 channels) ran 4 lanes of 4 edges and inductor compiled
