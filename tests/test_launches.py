@@ -171,3 +171,33 @@ def test_reads_without_an_aten_op_are_syncs():
     tally = _classes(lambda: (x.tolist(), x.numpy(), step.tolist()), host=[step])
     assert tally.syncs == {"Tensor.tolist": 1, "Tensor.numpy": 1}
     assert "tolist" not in torch.Tensor.__dict__  # torch's own methods are back
+
+
+def test_host_time_launches_through_tritons_cached_path(report):
+    """``--host-time`` (gatlib.bench.launches.host_time) times a warmed step whose Triton
+    launches take Triton's cached path to stand-in binaries: every launch a step makes
+    (the counted step's) reaches one, PyG's step makes none, and the stand-ins leave
+    Triton's caches afterwards. No time is asserted (it is the machine's)."""
+    code = (
+        "import json\n"
+        "from gatlib import introspect\n"
+        "from gatlib.bench import launches as L\n"
+        "g = L.cora_like()\n"
+        "rows = [L.host_time(lib, 'gat', g, calls=2, repeats=1) for lib in ('gatlib', 'pyg')]\n"
+        "left = sum(isinstance(v, L._StandInBinary) for fn in introspect.triton_kernels().values()\n"
+        "           for caches in fn.device_caches.values() for v in caches[0].values())\n"
+        "print(json.dumps({'rows': rows, 'left': left}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    gatlib_row, pyg_row = out["rows"]
+    counted = next(r for r in report["step"] if (r["library"], r["layer"]) == ("gatlib", "gat"))
+    assert counted["triton_launches"] > 0
+    assert gatlib_row["triton_launches"] == counted["triton_launches"]
+    assert pyg_row["triton_launches"] == 0
+    assert gatlib_row["median_ms"] > 0 and pyg_row["median_ms"] > 0
+    assert out["left"] == 0

@@ -72,6 +72,7 @@ import argparse
 import collections
 import contextlib
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -290,6 +291,62 @@ def count(fn: Callable[[], object], host: Iterable[Tensor] = ()) -> Tally:
     return tally
 
 
+class _StandInBinary:
+    """What Triton's kernel cache holds for a specialisation under
+    :func:`triton_warm_on_cpu`: a compiled kernel's launch interface (Triton's
+    ``JITFunction.run`` calls ``launch_metadata`` and ``run``) that launches
+    nothing and counts its launches into ``launched``."""
+
+    function = packed_metadata = None
+
+    def __init__(self, name: str, launched: collections.Counter):
+        self.name, self.launched = name, launched
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, *args):
+        self.launched[self.name] += 1
+
+
+@contextlib.contextmanager
+def triton_warm_on_cpu(launched: collections.Counter):
+    """Inside: as :func:`triton_on_cpu`, but where that skips every launch at the
+    compile its specialisation would need, here the first launch of each
+    specialisation puts a :class:`_StandInBinary` into Triton's kernel cache and
+    every later one takes Triton's cached path, as a warmed GPU run does — its
+    argument binding and specialisation, the cache key, the binary's launch call —
+    and is counted into ``launched``. The stand-ins leave the cache on exit."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("timing Triton's launch path needs it, which TRITON_INTERPRET=1 "
+                           "replaces: unset it")
+    from triton import knobs
+    from triton.runtime import driver
+
+    from gatlib import introspect
+
+    from .triton_compile import stand_in_driver
+
+    placed = []
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        cache = fn.jit_function.device_caches[driver.active.get_current_device()][0]
+        cache[key] = _StandInBinary(fn.name, launched)
+        placed.append((cache, key))
+        return True  # this launch is skipped; the next finds the stand-in
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        with stand_in_driver(), introspect.triton_admits_cpu_tensors():
+            yield
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+        for cache, key in placed:
+            if isinstance(cache.get(key), _StandInBinary):
+                del cache[key]
+
+
 # ---------------------------------------------------------------------------
 # The workload
 # ---------------------------------------------------------------------------
@@ -376,6 +433,49 @@ def training_step(lib: str, layer: str, graph: Graph, heads: int, channels: int)
     return count(step, host=steps)
 
 
+# (heads, channels per head, input features) of the host-time steps: narrow, so that
+# the CPU doing the ATen ops' own work adds little to the host's
+HOST_CONFIG = (3, 8, 16)
+
+
+def host_time(lib: str, layer: str, graph: Graph, calls: int = 50, repeats: int = 5) -> Dict:
+    """Host time of a warmed 2-layer training step (as :func:`training_step`'s) with
+    no kernel run: gatlib's Triton launches take Triton's cached path to a stand-in
+    binary (:func:`triton_warm_on_cpu`), the ATen ops run on CPU tensors of
+    :data:`HOST_CONFIG`'s narrow widths (their work is small, not nothing: PyG's
+    rows, all ATen ops, are an upper bound of its host time). ``median_ms`` and
+    ``min_ms`` of ``repeats`` blocks of ``calls`` steps; ``triton_launches`` per step,
+    every one through the cached path."""
+    heads, channels, features = HOST_CONFIG
+    graph = Graph(graph.x[:, :features].contiguous(), graph.edge_index, graph.edge_index_loops,
+                  graph.num_classes, graph.source)
+    model = _module(lib, layer, graph, heads, channels, "model")
+    ei = _graph_input(lib, layer, graph)
+    labels = torch.randint(graph.num_classes, (graph.x.size(0),),
+                           generator=torch.Generator().manual_seed(11))
+    opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(graph.x, ei), labels).backward()
+        opt.step()
+
+    launched: collections.Counter = collections.Counter()
+    with triton_warm_on_cpu(launched):
+        for _ in range(3):  # the plan's schedule, Adam's state, the stand-ins in the cache
+            step()
+        launched.clear()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            times.append((time.perf_counter() - start) / calls * 1e3)
+    return {"library": lib, "layer": layer, "median_ms": round(statistics.median(times), 3),
+            "min_ms": round(min(times), 3), "calls": calls, "repeats": repeats,
+            "triton_launches": sum(launched.values()) / (calls * repeats)}
+
+
 def measure(layers: Sequence[str] = LAYERS, libraries: Sequence[str] = LIBRARIES,
             layer_configs: Sequence = LAYER_CONFIGS, step: bool = True, seed: int = 0,
             progress: Optional[Callable[[str], None]] = None) -> Dict:
@@ -439,6 +539,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-step", action="store_true", help="skip the training steps")
     parser.add_argument("--ops", action="store_true",
                         help="also print every launching op of gatlib's rows")
+    parser.add_argument("--host-time", action="store_true",
+                        help="instead of counting: time each library's warmed training step on "
+                             "the host, no kernel run (gatlib's Triton launches through "
+                             "Triton's cached path; see host_time)")
+    parser.add_argument("--calls", type=int, default=50, help="--host-time: steps per block")
+    parser.add_argument("--repeats", type=int, default=5, help="--host-time: blocks")
     return parser
 
 
@@ -454,6 +560,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not libraries or any(name not in LIBRARIES for name in libraries):
         parser.error(f"--libraries: choose from {', '.join(LIBRARIES)}; got {args.libraries!r}")
     start = time.perf_counter()
+    if args.host_time:
+        return _main_host_time(args, layers, libraries)
     counts = measure(layers, libraries, step=not args.no_step,
                      progress=lambda line: print(f"[launches] {line}", file=sys.stderr, flush=True))
     report = {"schema": "gatlib.launches/1", "command": command_line(),
@@ -469,6 +577,36 @@ def main(argv: Optional[List[str]] = None) -> int:
                           + (f"\n  syncs {r['sync_ops']}" if r["syncs"] else ""))
     if args.json:
         write_json(args.json, report)
+    return 0
+
+
+def _main_host_time(args, layers: Sequence[str], libraries: Sequence[str]) -> int:
+    from .report import command_line, environment, format_table, write_json
+
+    if args.calls < 1 or args.repeats < 1:
+        raise ValueError(f"--calls and --repeats must be >= 1; got {args.calls}, {args.repeats}")
+    start = time.perf_counter()
+    graph = cora_like()
+    rows = []
+    for layer in layers:
+        for lib in libraries:
+            row = host_time(lib, layer, graph, args.calls, args.repeats)
+            rows.append(row)
+            print(f"[launches] host time {lib} {layer}: {row['median_ms']:.3f} ms per step "
+                  f"({row['triton_launches']:g} Triton launches)", file=sys.stderr, flush=True)
+    heads, channels, features = HOST_CONFIG
+    print(format_table(["layer", "library", "host ms per step (median)", "min", "Triton launches"],
+                       [[r["layer"], r["library"], f"{r['median_ms']:.3f}", f"{r['min_ms']:.3f}",
+                         f"{r['triton_launches']:g}"] for r in rows], align="<<>>>"))
+    if args.json:
+        write_json(args.json, {
+            "schema": "gatlib.host_time/1", "command": command_line(),
+            "environment": environment("cpu"), "seconds": round(time.perf_counter() - start, 1),
+            "graph": {"source": graph.source, "num_nodes": graph.x.size(0),
+                      "num_edges": graph.edge_index.size(1), "num_features": features,
+                      "num_classes": graph.num_classes},
+            "heads": heads, "channels": channels, "torch_threads": torch.get_num_threads(),
+            "adam": {"lr": LR, "foreach": True}, "rows": rows})
     return 0
 
 
