@@ -171,36 +171,42 @@ def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int,
 
 
 def _build_schedule(ptr: Tensor, num_edges: int, split: int) -> _Schedule:
+    """The :class:`_Schedule` of ``ptr``'s segments cut into pieces of at most ``split``.
+
+    Each op is a kernel launch on a GPU, and a new graph (a mini-batch, a layer given a
+    ``[2, E]`` tensor) builds two schedules per call; so the per-item fields are formed
+    together and moved together. A dummy segment of length -1 after the last takes the
+    room past the real items: their length and slot come out -1 with no mask."""
     p = ptr.long()
     n = p.numel() - 1
     dev = p.device
     max_items, max_split, max_pieces = _schedule_sizes(n, num_edges, split)
-    deg = p[1:] - p[:-1]  # [n]
-    pieces = ((deg + split - 1) // split).clamp_(min=1)  # a row without edges is one empty item
-    ends = torch.cumsum(pieces, 0)
+    deg = torch.cat([p, p[-1:] - 1]).diff()  # [n + 1], the dummy's -1 last
+    pieces = (deg + (split - 1)).div_(split, rounding_mode="floor").clamp_(min=1)  # an empty row: one empty item
+    ends = pieces.cumsum(0)
+    splits = pieces > 1  # (not the dummy)
+    spieces = pieces * splits
+    slot0 = spieces.cumsum(0).sub_(spieces)  # a split row's first slot: slots in row order
     w = torch.arange(max_items, device=dev)
-    row = torch.searchsorted(ends, w, right=True)  # n past the last real item
-    real = row < n
-    r = row.clamp(max=max(n - 1, 0))
-    j = w - (ends - pieces)[r]  # the item's piece of its row
-    start = p[r] + j * split
-    length = torch.where(real, torch.clamp(deg[r] - j * split, max=split), -1)
-    is_split = real & (pieces[r] > 1)
-    # slots are numbered in row order, so a split row's pieces are consecutive slots
-    slot = torch.where(is_split, torch.cumsum(is_split, 0) - 1, -1)
+    row = torch.searchsorted(ends, w, right=True).clamp_(max=n)  # the room: the dummy, n
+    j = w.sub_((ends - pieces)[row])  # the item's piece of its row
+    start = p[row].add_(j, alpha=split)  # (p[n] for the room: any value will do)
+    length = deg[row].sub_(j, alpha=split).clamp_(-1, split)
+    slot = (slot0[row] + j).masked_fill_(spieces[row] == 0, -1)
     # Longest first: hub pieces start before the short rows fill the gaps.
     order = torch.argsort(length, descending=True, stable=True)
-    row, start, length, slot = row[order], start[order], length[order], slot[order]
-    ends = torch.stack([(length > lo).sum() for lo, _ in _BUCKETS])
+    items = torch.stack([row, start, length, slot])[:, order]
+    # a bucket ends after the items longer than its bound: -length is ascending
+    neg = items[2].neg()
+    bounds = torch.stack([neg.new_zeros(()), *[torch.searchsorted(neg, -lo) for lo, _ in _BUCKETS],
+                          splits.sum()])
     # the split rows first, in row order (a stable sort: no value-sized output)
-    splits = pieces > 1
-    split_row = torch.argsort((~splits).to(torch.int8), stable=True)[:max_split]
-    spieces = torch.where(splits, pieces, 0)
+    split_row = torch.argsort(pieces[:n].clamp(max=2), descending=True, stable=True)[:max_split]
     idt = index_dtype(num_edges, n + 1, max_items, max_pieces)
-    bounds = torch.cat([ends.new_zeros(1), ends, splits.sum().reshape(1)])
-    return _Schedule(row.to(idt), start.to(idt), length.to(idt), slot.to(idt), bounds,
-                     split_row.to(idt), (torch.cumsum(spieces, 0) - spieces)[split_row].to(idt),
-                     pieces[split_row].to(idt), max_pieces)
+    items = items.to(idt)
+    first_count = torch.stack([slot0[:n], pieces[:n]])[:, split_row].to(idt)
+    return _Schedule(items[0], items[1], items[2], items[3], bounds, split_row.to(idt),
+                     first_count[0], first_count[1], max_pieces)
 
 
 @dataclass

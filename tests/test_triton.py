@@ -440,6 +440,58 @@ def test_schedule_covers_every_edge_once_longest_first():
         upper = lo
 
 
+def _schedule_reference(deg, split):
+    """The schedule of rows of ``deg`` edges, written out item by item: each row is
+    ``max(1, ceil(d / split))`` pieces; a split row's pieces take consecutive slots in
+    row order; items longest first (ties in row order), the room after them of length
+    -1 and slot -1 at row ``n``; bounds ``0``, each bucket's end, the split rows; the
+    split rows in row order, then the other rows, with each row's first slot (the
+    split pieces before it) and piece count."""
+    n, ptr, items, slot0, pieces = len(deg), 0, [], [], []
+    slots = 0
+    for r, d in enumerate(deg):
+        k = max(1, -(-d // split))
+        slot0.append(slots)
+        pieces.append(k)
+        for j in range(k):
+            items.append((r, ptr + j * split, min(d - j * split, split), slots + j if k > 1 else -1))
+        slots += k if k > 1 else 0
+        ptr += d
+    items.sort(key=lambda item: -item[2])  # (stable)
+    bounds = [0, *[sum(item[2] > lo for item in items) for lo, _ in _triton_schedule._BUCKETS],
+              sum(k > 1 for k in pieces)]
+    order = [r for r in range(n) if pieces[r] > 1] + [r for r in range(n) if pieces[r] == 1]
+    return items, bounds, order, slot0, pieces
+
+
+@pytest.mark.parametrize("split", [4, 64, 256])
+def test_schedule_is_its_item_by_item_definition(split):
+    """The schedule (its ops merged to launch fewer kernels on a new graph) against the
+    definition written out row by row, on rows of 0 to 2,000 edges, exact multiples of
+    the split among them, int32 and int64 offsets, and no rows at all."""
+    gen = torch.Generator().manual_seed(split)
+    graphs = [[], [0], [split], [2 * split, 0, split + 1], [0, 0, 0]]
+    for n in (1, 7, 40):
+        graphs += [torch.randint(0, 6, (n,), generator=gen).tolist(),
+                   torch.randint(0, 3 * split, (n,), generator=gen).tolist(),
+                   [*torch.randint(0, 20, (n,), generator=gen).tolist(), 2000]]
+    for i, deg in enumerate(graphs):
+        ptr = torch.tensor([0, *torch.tensor(deg, dtype=torch.long).cumsum(0).tolist()])
+        ptr = ptr.int() if i % 2 else ptr
+        E, n = int(ptr[-1]), len(deg)
+        s = _triton_schedule._build_schedule(ptr, E, split)
+        items, bounds, order, slot0, pieces = _schedule_reference(deg, split)
+        W = len(items)
+        assert s.bounds.tolist() == bounds, deg
+        got = torch.stack([s.row, s.start, s.length, s.slot]).long()
+        assert got[:, :W].t().tolist() == [list(item) for item in items], deg
+        room = got[:, W:]
+        assert (room[0] == n).all() and (room[2] == -1).all() and (room[3] == -1).all(), deg
+        assert s.split_row.tolist() == order[:s.max_split], deg
+        assert s.split_first.tolist() == [slot0[r] for r in order[:s.max_split]], deg
+        assert s.split_count.tolist() == [pieces[r] for r in order[:s.max_split]], deg
+
+
 def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
     """Buckets whose edge tiles are clamped to one width at wide channels are one
     group (the GPU's tile budget); every group is a part of the one launch."""
