@@ -443,7 +443,8 @@ def host_time(lib: str, layer: str, graph: Graph, calls: int = 50, repeats: int 
     no kernel run: gatlib's Triton launches take Triton's cached path to a stand-in
     binary (:func:`triton_warm_on_cpu`), the ATen ops run on CPU tensors of
     :data:`HOST_CONFIG`'s narrow widths (their work is small, not nothing: PyG's
-    rows, all ATen ops, are an upper bound of its host time). ``median_ms`` and
+    rows, all ATen ops, are an upper bound of its host time; ``gatlib_tensor``'s
+    include the CPU sorting each call's new plan, a GPU's work). ``median_ms`` and
     ``min_ms`` of ``repeats`` blocks of ``calls`` steps; ``triton_launches`` per step,
     every one through the cached path."""
     heads, channels, features = HOST_CONFIG
@@ -559,9 +560,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     libraries = [name for name in args.libraries.split(",") if name]
     if not libraries or any(name not in LIBRARIES for name in libraries):
         parser.error(f"--libraries: choose from {', '.join(LIBRARIES)}; got {args.libraries!r}")
-    start = time.perf_counter()
     if args.host_time:
         return _main_host_time(args, layers, libraries)
+    start = time.perf_counter()
     counts = measure(layers, libraries, step=not args.no_step,
                      progress=lambda line: print(f"[launches] {line}", file=sys.stderr, flush=True))
     report = {"schema": "gatlib.launches/1", "command": command_line(),
