@@ -203,10 +203,22 @@ def _build_schedule(ptr: Tensor, num_edges: int, split: int) -> _Schedule:
     # the split rows first, in row order (a stable sort: no value-sized output)
     split_row = torch.argsort(pieces[:n].clamp(max=2), descending=True, stable=True)[:max_split]
     idt = index_dtype(num_edges, n + 1, max_items, max_pieces)
-    items = items.to(idt)
-    first_count = torch.stack([slot0[:n], pieces[:n]])[:, split_row].to(idt)
+    items = _rows_aligned(items, idt)
+    first_count = _rows_aligned(torch.stack([slot0[:n], pieces[:n]])[:, split_row], idt)
     return _Schedule(items[0], items[1], items[2], items[3], bounds, split_row.to(idt),
                      first_count[0], first_count[1], max_pieces)
+
+
+def _rows_aligned(rows: Tensor, dtype: torch.dtype) -> List[Tensor]:
+    """The rows of ``rows`` ``[R, M]`` in ``dtype``, each starting on 16 bytes as a tensor
+    of its own would: Triton specialises a kernel on its pointers' 16-byte alignment,
+    and rows that started wherever ``M`` put them would compile kernels anew for graphs
+    of other sizes."""
+    step = 16 // dtype.itemsize
+    M = rows.size(1)
+    out = rows.new_empty(rows.size(0), -(-M // step) * step, dtype=dtype)
+    out[:, :M] = rows
+    return list(out[:, :M])
 
 
 @dataclass
