@@ -170,43 +170,63 @@ def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int,
             2 * num_edges // split)
 
 
-def _build_schedule(ptr: Tensor, num_edges: int, split: int) -> _Schedule:
-    """The :class:`_Schedule` of ``ptr``'s segments cut into pieces of at most ``split``.
+def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Schedule]:
+    """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` over ``num_edges`` edges (a
+    graph's CSR and CSC), its segments cut into pieces of at most ``split``.
 
     Each op is a kernel launch on a GPU, and a new graph (a mini-batch, a layer given a
-    ``[2, E]`` tensor) builds two schedules per call; so the per-item fields are formed
-    together and moved together. A dummy segment of length -1 after the last takes the
-    room past the real items: their length and slot come out -1 with no mask."""
-    p = ptr.long()
-    n = p.numel() - 1
-    dev = p.device
-    max_items, max_split, max_pieces = _schedule_sizes(n, num_edges, split)
-    deg = torch.cat([p, p[-1:] - 1]).diff()  # [n + 1], the dummy's -1 last
+    ``[2, E]`` tensor) builds its schedules in the call; so they are built side by side,
+    one op for all, and the per-item fields are formed, sorted and converted together.
+    Each ptr goes on with segments of -1 edges to ``n + 1`` segments (``n`` the most of
+    any): the room past its real items, whose length and slot come out -1 with no mask."""
+    K = len(ptrs)
+    sizes = [q.numel() - 1 for q in ptrs]
+    n = max(sizes)
+    dev = ptrs[0].device
+    M = _schedule_sizes(n, num_edges, split)[0]  # room for every schedule's items
+    p = torch.empty(K, n + 2, dtype=torch.long, device=dev)  # each ptr, then its room's
+    p[:, n + 1] = num_edges - 1
+    for k, (q, nk) in enumerate(zip(ptrs, sizes, strict=True)):
+        p[k, :nk + 1] = q
+        if nk < n:
+            p[k, nk + 1:n + 1] = num_edges
+    deg = p.diff(dim=1)  # [K, n + 1]: the room's segments -1 (the last one always)
+    for k, nk in enumerate(sizes):
+        if nk < n:
+            deg[k, nk:n] = -1
     pieces = (deg + (split - 1)).div_(split, rounding_mode="floor").clamp_(min=1)  # an empty row: one empty item
-    ends = pieces.cumsum(0)
-    splits = pieces > 1  # (not the dummy)
+    ends = pieces.cumsum(1)
+    splits = pieces > 1  # (never the room)
     spieces = pieces * splits
-    slot0 = spieces.cumsum(0).sub_(spieces)  # a split row's first slot: slots in row order
-    w = torch.arange(max_items, device=dev)
-    row = torch.searchsorted(ends, w, right=True).clamp_(max=n)  # the room: the dummy, n
-    j = w.sub_((ends - pieces)[row])  # the item's piece of its row
-    start = p[row].add_(j, alpha=split)  # (p[n] for the room: any value will do)
-    length = deg[row].sub_(j, alpha=split).clamp_(-1, split)
-    slot = (slot0[row] + j).masked_fill_(spieces[row] == 0, -1)
+    slot0 = spieces.cumsum(1).sub_(spieces)  # a split row's first slot: slots in row order
+    w = torch.arange(M, device=dev).repeat(K, 1)
+    row = torch.searchsorted(ends, w, right=True).clamp_(max=n)  # past the last segment: the room's
+    j = w.sub_((ends - pieces).gather(1, row))  # the item's piece of its row
+    start = p.gather(1, row).add_(j, alpha=split)  # (in the room: any value will do)
+    length = deg.gather(1, row).sub_(j, alpha=split).clamp_(-1, split)
+    slot = (slot0.gather(1, row) + j).masked_fill_(spieces.gather(1, row) == 0, -1)
     # Longest first: hub pieces start before the short rows fill the gaps.
-    order = torch.argsort(length, descending=True, stable=True)
-    items = torch.stack([row, start, length, slot])[:, order]
-    # a bucket ends after the items longer than its bound: -length is ascending
-    neg = items[2].neg()
-    bounds = torch.stack([neg.new_zeros(()), *[torch.searchsorted(neg, -lo) for lo, _ in _BUCKETS],
-                          splits.sum()])
+    order = torch.argsort(length, dim=1, descending=True, stable=True)
+    items = torch.stack([row, start, length, slot], 1).gather(2, order.unsqueeze(1).expand(K, 4, M))
+    # a bucket ends after the items longer than its bound
+    length = items[:, 2]
+    counts = [(length > lo).sum(1) for lo, _ in _BUCKETS]
+    bounds = _rows_aligned(torch.stack([torch.zeros_like(counts[0]), *counts, splits.sum(1)], 1),
+                           torch.int64)
     # the split rows first, in row order (a stable sort: no value-sized output)
-    split_row = torch.argsort(pieces[:n].clamp(max=2), descending=True, stable=True)[:max_split]
-    idt = index_dtype(num_edges, n + 1, max_items, max_pieces)
-    items = _rows_aligned(items, idt)
-    first_count = _rows_aligned(torch.stack([slot0[:n], pieces[:n]])[:, split_row], idt)
-    return _Schedule(items[0], items[1], items[2], items[3], bounds, split_row.to(idt),
-                     first_count[0], first_count[1], max_pieces)
+    split_row = torch.argsort(pieces[:, :n].clamp(max=2), dim=1, descending=True, stable=True)
+    first_count = torch.stack([slot0[:, :n], pieces[:, :n]], 1).gather(
+        2, split_row.unsqueeze(1).expand(K, 2, n))
+    idt = index_dtype(num_edges, n + 1, M, _schedule_sizes(n, num_edges, split)[2])
+    items = _rows_aligned(items.reshape(K * 4, M), idt)
+    split_row = _rows_aligned(split_row, idt)
+    first_count = _rows_aligned(first_count.reshape(K * 2, n), idt)
+    out = []
+    for k, nk in enumerate(sizes):
+        m, ms, pieces_k = _schedule_sizes(nk, num_edges, split)
+        out.append(_Schedule(*(t[:m] for t in items[4 * k:4 * k + 4]), bounds[k], split_row[k][:ms],
+                             first_count[2 * k][:ms], first_count[2 * k + 1][:ms], pieces_k))
+    return out
 
 
 def _rows_aligned(rows: Tensor, dtype: torch.dtype) -> List[Tensor]:
@@ -242,7 +262,7 @@ def _plan(plan: GraphPlan) -> _Plan:
         idt = lay.src.dtype
         E = lay.num_edges
         return _Plan(lay, lay.perm.to(idt), lay.perm[lay.csc_edge.long()].to(idt),
-                     _build_schedule(lay.ptr, E, _SPLIT), _build_schedule(lay.csc_ptr, E, _SPLIT))
+                     *_build_schedules([lay.ptr, lay.csc_ptr], E, _SPLIT))
 
     return plan.derived(("triton.plan", _SPLIT), build)
 

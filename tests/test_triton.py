@@ -407,7 +407,7 @@ def test_schedule_covers_every_edge_once_longest_first():
     deg = torch.tensor([0, 3, 40, 1, 0, 17, 5, 300, 2, 129])
     ptr = torch.cat([torch.zeros(1, dtype=torch.long), deg.cumsum(0)])
     E = int(ptr[-1])
-    items = _triton_schedule._build_schedule(ptr, E, 64)
+    (items,) = _triton_schedule._build_schedules([ptr], E, 64)
     # sizes from (N, E) alone: room for N + E // 64 items, E // 65 split rows
     assert items.length.numel() == deg.numel() + E // 64 and items.max_split == min(10, E // 65)
     length, start, row = items.length.long(), items.start.long(), items.row.long()
@@ -466,33 +466,47 @@ def _schedule_reference(deg, split):
 
 @pytest.mark.parametrize("split", [4, 64, 256])
 def test_schedule_is_its_item_by_item_definition(split):
-    """The schedule (its ops merged to launch fewer kernels on a new graph) against the
-    definition written out row by row, on rows of 0 to 2,000 edges, exact multiples of
-    the split among them, int32 and int64 offsets, and no rows at all."""
+    """The schedules (built side by side, their ops merged, to launch fewer kernels on a new
+    graph) against the definition written out row by row: alone and in pairs over the
+    same edges with as many rows or fewer (a bipartite graph's CSR and CSC), on rows of 0
+    to 2,000 edges, exact multiples of the split among them, int32 and int64 offsets,
+    and no rows at all."""
     gen = torch.Generator().manual_seed(split)
-    graphs = [[], [0], [split], [2 * split, 0, split + 1], [0, 0, 0]]
+
+    def spread(E, n):  # n rows over E edges, one of them a hub
+        if n == 0:
+            return []
+        idx = torch.randint(0, n, (E,), generator=gen)
+        idx[:E // 3] = n // 2
+        return torch.bincount(idx, minlength=n).tolist()
+
+    graphs = [[[]], [[0]], [[split]], [[2 * split, 0, split + 1]], [[0, 0, 0]]]
     for n in (1, 7, 40):
-        graphs += [torch.randint(0, 6, (n,), generator=gen).tolist(),
-                   torch.randint(0, 3 * split, (n,), generator=gen).tolist(),
-                   [*torch.randint(0, 20, (n,), generator=gen).tolist(), 2000]]
-    for i, deg in enumerate(graphs):
-        ptr = torch.tensor([0, *torch.tensor(deg, dtype=torch.long).cumsum(0).tolist()])
-        ptr = ptr.int() if i % 2 else ptr
-        E, n = int(ptr[-1]), len(deg)
-        s = _triton_schedule._build_schedule(ptr, E, split)
-        items, bounds, order, slot0, pieces = _schedule_reference(deg, split)
-        W = len(items)
-        assert s.bounds.tolist() == bounds, deg
-        got = torch.stack([s.row, s.start, s.length, s.slot]).long()
-        assert got[:, :W].t().tolist() == [list(item) for item in items], deg
-        room = got[:, W:]
-        assert (room[0] == n).all() and (room[2] == -1).all() and (room[3] == -1).all(), deg
-        assert s.split_row.tolist() == order[:s.max_split], deg
-        assert s.split_first.tolist() == [slot0[r] for r in order[:s.max_split]], deg
-        assert s.split_count.tolist() == [pieces[r] for r in order[:s.max_split]], deg
-        # each array starts on 16 bytes (Triton specialises on it: tests/test_triton_compile.py)
-        assert all(t.data_ptr() % 16 == 0 for t in (s.row, s.start, s.length, s.slot, s.bounds,
-                                                    s.split_row, s.split_first, s.split_count))
+        graphs += [[torch.randint(0, 6, (n,), generator=gen).tolist()],
+                   [torch.randint(0, 3 * split, (n,), generator=gen).tolist()],
+                   [[*torch.randint(0, 20, (n,), generator=gen).tolist(), 2000]]]
+    for E, na, nb in ((0, 0, 3), (900, 40, 40), (900, 40, 7), (3000, 3, 50), (2 * split, 1, 2)):
+        graphs.append([spread(E, na), spread(E, nb)])
+    for i, pair in enumerate(graphs):
+        ptrs = [torch.tensor([0, *torch.tensor(deg, dtype=torch.long).cumsum(0).tolist()])
+                for deg in pair]
+        ptrs = [q.int() for q in ptrs] if i % 2 else ptrs
+        E = int(ptrs[0][-1])
+        for deg, s in zip(pair, _triton_schedule._build_schedules(ptrs, E, split), strict=True):
+            items, bounds, order, slot0, pieces = _schedule_reference(deg, split)
+            n, W = len(deg), len(items)
+            assert s.bounds.tolist() == bounds, deg
+            assert s.length.numel() == n + E // split, deg  # the room: from the sizes alone
+            got = torch.stack([s.row, s.start, s.length, s.slot]).long()
+            assert got[:, :W].t().tolist() == [list(item) for item in items], deg
+            room = got[:, W:]
+            assert (room[0] >= n).all() and (room[2] == -1).all() and (room[3] == -1).all(), deg
+            assert s.split_row.tolist() == order[:s.max_split], deg
+            assert s.split_first.tolist() == [slot0[r] for r in order[:s.max_split]], deg
+            assert s.split_count.tolist() == [pieces[r] for r in order[:s.max_split]], deg
+            # each array starts on 16 bytes (Triton specialises on it: test_triton_compile.py)
+            assert all(t.data_ptr() % 16 == 0 for t in (s.row, s.start, s.length, s.slot, s.bounds,
+                                                        s.split_row, s.split_first, s.split_count))
 
 
 def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
