@@ -172,7 +172,8 @@ def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int,
 
 def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Schedule]:
     """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` over ``num_edges`` edges (a
-    graph's CSR and CSC), its segments cut into pieces of at most ``split``.
+    graph's CSR and CSC: each ends at ``num_edges``), its segments cut into pieces of at
+    most ``split``.
 
     Each op is a kernel launch on a GPU, and a new graph (a mini-batch, a layer given a
     ``[2, E]`` tensor) builds its schedules in the call; so they are built side by side,
