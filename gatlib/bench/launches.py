@@ -413,9 +413,9 @@ def layer_call(lib: str, layer: str, graph: Graph, heads: int, channels: int) ->
     return count(call)
 
 
-def training_step(lib: str, layer: str, graph: Graph, heads: int, channels: int) -> Tally:
-    """One step of the 2-layer model — zero_grad, forward, cross-entropy, backward,
-    Adam(foreach=True) — counted after one uncounted step."""
+def _training_step(lib: str, layer: str, graph: Graph, heads: int, channels: int):
+    """``(step, opt)``: one step of the 2-layer model — zero_grad, forward,
+    cross-entropy, backward, Adam(foreach=True) — and its optimizer."""
     model = _module(lib, layer, graph, heads, channels, "model")
     ei = _graph_input(lib, layer, graph)
     labels = torch.randint(graph.num_classes, (graph.x.size(0),),
@@ -427,6 +427,13 @@ def training_step(lib: str, layer: str, graph: Graph, heads: int, channels: int)
         F.cross_entropy(model(graph.x, ei), labels).backward()
         opt.step()
 
+    return step, opt
+
+
+def training_step(lib: str, layer: str, graph: Graph, heads: int, channels: int) -> Tally:
+    """One step of the 2-layer model (:func:`_training_step`), counted after one
+    uncounted step."""
+    step, opt = _training_step(lib, layer, graph, heads, channels)
     with triton_on_cpu(Tally()):
         step()
     steps = [s["step"] for s in opt.state.values()]
@@ -450,17 +457,7 @@ def host_time(lib: str, layer: str, graph: Graph, calls: int = 50, repeats: int 
     heads, channels, features = HOST_CONFIG
     graph = Graph(graph.x[:, :features].contiguous(), graph.edge_index, graph.edge_index_loops,
                   graph.num_classes, graph.source)
-    model = _module(lib, layer, graph, heads, channels, "model")
-    ei = _graph_input(lib, layer, graph)
-    labels = torch.randint(graph.num_classes, (graph.x.size(0),),
-                           generator=torch.Generator().manual_seed(11))
-    opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=True)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(graph.x, ei), labels).backward()
-        opt.step()
-
+    step, _ = _training_step(lib, layer, graph, heads, channels)
     launched: collections.Counter = collections.Counter()
     with triton_warm_on_cpu(launched):
         for _ in range(3):  # the plan's schedule, Adam's state, the stand-ins in the cache
