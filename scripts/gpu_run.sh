@@ -1,44 +1,45 @@
 #!/usr/bin/env bash
 # The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in calls that
-# fit its 15 minutes of device time (one call at most 600 s). Part 2 is the one to run next: it
-# checks the kernels against the reference (every score kind, the input-space calls' values of
-# one head among them), times the fused call and each kernel in it at the library's schedule
-# and with the src backward's schedule before its lanes (edges_src=16; the input-space calls
-# also with a lane per item and head, lane_heads=0, and with each block loading its own items,
-# items_ahead=0; the output layer's call, one head of 40 classes, both ways and with the grid
-# before one wave, programs_per_sm=4; the wide rows' calls with items_ahead=0),
-# the 2-layer training step against PyG (arxiv-like, eager and under torch.compile's default
-# mode), and Cora's step with both compiled sides replayed as CUDA graphs
-# (mode="reduce-overhead", launch-bound): the self-tests, the default sweep, the two steps, then
-# the A/B sweeps; its steps' limits sum to 900 s (the last H100 ran the self-tests in 138 s, the
-# default sweep in 41, the arxiv-like step in 160 and Cora's in 145, 484 s; each step logs its
-# seconds): the call's 575 s cuts the last sweeps. Part 1 sweeps the row
-# kernels' schedule (edge tile, pipelining stages, programs per SM; each kernel's time at each
-# variant: 369 s before the output layer's occupancy sweep, at most 120 s more). Part 3 times
-# each layer's forward and forward+backward against the bandwidth floor, lists the kernels of
-# GAT's step on each side and of Cora's steps under CUDA graphs, checks GAT with its output
-# layer's last schedule (which disagreed compiled), eager and compiled, times compiled GAT with
-# its terms formed in the kernels, and the input-space form of GATConv and TransformerConv
-# against the projected one (its steps' limits sum to 840 s, in the order they matter: the
-# call's 560 s cuts the last):
+# fit its 15 minutes of device time (one call at most 600 s; the last lease held one call of
+# 572 s and one of 251 s). Part 2 is the first call: the targets. It checks the kernels against
+# the reference (every score kind, the input-space calls' values of one head among them; one
+# process per kind), times the 2-layer training step against PyG eager and under
+# torch.compile's default mode on the arxiv-like graph, and Cora's step with both compiled sides
+# replayed as CUDA graphs (mode="reduce-overhead", launch-bound), then profiles Cora's
+# Transformer and GAT steps (each side's kernels, and its step time against its GPU time). The
+# last H100 ran the self-tests in 138 s, the arxiv-like step in 160 and Cora's in 145; its
+# steps' limits sum to 660 s against the call's 575. Part 3 is the second call (at most 235 s):
+# each layer's forward against the bandwidth floor, next to PyG eager and compiled (the target
+# no lease has measured yet), then each kernel's time in the fused call. Part 4 is for a later
+# lease: the schedules' A/B sweeps (the src backward's schedule before its lanes, edges_src=16;
+# the input-space calls with a lane per item and head, lane_heads=0, and with each block
+# loading its own items, items_ahead=0; the output layer's call, one head of 40 classes, both
+# ways and with the grid before one wave, programs_per_sm=4; the wide rows' calls with
+# items_ahead=0), GAT's arxiv-like step kernel by kernel, compiled GAT's disagreement localised
+# (its output layer's last schedule, eager and compiled; its terms formed in the kernels), and
+# the input-space form of GATConv and TransformerConv against the projected one (limits sum to
+# 830 s). Part 1 sweeps the row kernels' schedule (edge tile, pipelining stages, programs per
+# SM; each kernel's time at each variant: 369 s before the output layer's occupancy sweep, at
+# most 120 s more).
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "D=$OUT; OUT=/tmp/o timeout -s INT 575 bash scripts/gpu_run.sh 2;
 #   tar czf $D/gpu_run.tgz -C /tmp/o .; cp /tmp/o/log_2.txt $D/", carry [".planetoid"],
-#   timeout_s 600 (the device tool returns at most 8 files: part 2 writes 12)
-#   (if time is left: the same with part 1, at most 570 s, or part 3, at most 560 s)
+#   timeout_s 600 (the device tool returns at most 8 files: part 2 writes 10)
+#   then, on the warm machine: the same with "timeout -s INT 235 bash scripts/gpu_run.sh 3" and
+#   log_3.txt, timeout_s 240 (part 4 or part 1 in a later lease, at most 570 s)
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
 # (benchmarks/NOTES.md): the device machine's copy of the repository may carry other git metadata.
 # The device machine has torch, PyG and Triton but no package registry and no ../shared, so gatlib
 # runs from this checkout (PYTHONPATH=.) and Cora's raw files travel in .planetoid. Each step has
 # its own time limit, so a step that overruns leaves the others' results; all output goes to
-# $OUT/log_<part>.txt too. `bash scripts/gpu_run.sh --print` prints both parts' commands.
+# $OUT/log_<part>.txt too. `bash scripts/gpu_run.sh --print` prints every part's commands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PRINT=0 PART=${1:-}
 [[ "$PART" == "--print" ]] && PRINT=1
-[[ "$PART" =~ ^(1|2|3|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2|3|--print" >&2; exit 2; }
+[[ "$PART" =~ ^(1|2|3|4|--print)$ ]] || { echo "usage: bash scripts/gpu_run.sh 1|2|3|4|--print" >&2; exit 2; }
 OUT=${OUT:-gpu_run}
 PY=${PYTHON:-python3}  # (the device machine's python3 holds torch)
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -129,24 +130,37 @@ print(min(t, key=t.get))" "$OUT/triton_sweep_arxiv-like_$gpu.json") || best="(no
   fi
 fi
 if [[ $PART == 2 || $PRINT == 1 ]]; then
+  # the targets, first: the kernels against the reference, the training steps against PyG eager
+  # and compiled (arxiv-like; Cora replayed as CUDA graphs), then where Cora's steps spend their
+  # time (the Transformer was 0.88x compiled PyG there, and eager gatlib slower than eager PyG):
+  # each side's kernels and its step time against its GPU time
   selftests
-  # the fused call alone and each kernel's time in it, at the library's schedule; with GATConv's
-  # and TransformerConv's input-space calls (values and key of one head, F = 128)
-  step 100 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot gat_inputs \
-    gat_inputs_data dot_inputs \
-    --variant default \
-    --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
-  # the targets: the training steps against PyG, then the schedules' A/B sweeps (a cut run
-  # loses those last)
   step_arxiv
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
-  # the input-space calls, against the default above: with the src backward's schedule before
-  # 4 lanes of 4 edges (one lane of 16 edges per step), with a lane per (item, head) in the
-  # forward and the dst backward (lane_heads=0: the schedule before every head of an item took
-  # one lane, each head's lane gathering the same source rows), and with each block loading
-  # its own items (items_ahead=0: before, its predecessor loaded its edge ranges)
+  step 120 "$PY" benchmarks/profile_step.py --layer transformer gat --graph cora \
+    --compile-mode reduce-overhead --json "$OUT/profile_step_cora_reduce-overhead_$gpu.json"
+fi
+if [[ $PART == 3 || $PRINT == 1 ]]; then
+  # each layer's forward (arxiv-like, H = 3, C = 256) against the bandwidth floor, next to PyG
+  # eager and compiled: the issue's target of the forward within 2x the "hi" floor (the
+  # README's table); then each kernel's time in the fused call at the library's schedule, with
+  # GATConv's and TransformerConv's input-space calls (values and key of one head, F = 128)
+  step 170 "$PY" -m gatlib.bench.compare --scope layer --layer all --graph arxiv-like \
+    --device cuda --backend triton --pass forward --repeats 3 --no-memory \
+    --json "$OUT/compare_arxiv-like_layer_cuda_$gpu.json"
+  step 100 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot gat_inputs \
+    gat_inputs_data dot_inputs --variant default \
+    --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
+fi
+if [[ $PART == 4 || $PRINT == 1 ]]; then
+  # the schedules' A/B sweeps. The input-space calls, against the default of part 3: with the
+  # src backward's schedule before 4 lanes of 4 edges (one lane of 16 edges per step), with a
+  # lane per (item, head) in the forward and the dst backward (lane_heads=0: the schedule before
+  # every head of an item took one lane, each head's lane gathering the same source rows), and
+  # with each block loading its own items (items_ahead=0: before, its predecessor loaded its
+  # edge ranges)
   step 110 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
     --variant edges_src=16 --variant lane_heads=0 --variant items_ahead=0 \
     --rep 200 --profile --json "$OUT/triton_sweep_input_space_arxiv-like_$gpu.json"
@@ -163,29 +177,17 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot \
     --variant items_ahead=0 \
     --rep 200 --profile --json "$OUT/triton_sweep_items_ahead_arxiv-like_$gpu.json"
-fi
-if [[ $PART == 3 || $PRINT == 1 ]]; then
-  # each layer's forward and forward+backward (arxiv-like, H = 3, C = 256) against the
-  # bandwidth floor, next to PyG eager and compiled: the issue's target of the forward within
-  # 2x the "hi" floor (the README's table)
-  step 150 "$PY" -m gatlib.bench.compare --scope layer --layer all --graph arxiv-like \
-    --device cuda --backend triton --pass both --repeats 3 --no-memory \
-    --json "$OUT/compare_arxiv-like_layer_cuda_$gpu.json"
-  # where GAT's step (the layer furthest from its target) spends its time, kernel by kernel,
-  # against compiled PyG's (eager PyG runs too: the gradients' reference)
+  # where GAT's arxiv-like step (the layer furthest from its target) spends its time, kernel by
+  # kernel, against compiled PyG's (eager PyG runs too: the gradients' reference)
   step 60 "$PY" benchmarks/profile_step.py --layer gat --impls pyg_compiled gatlib \
     gatlib_compiled --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
-  # Cora's step with both compiled sides replayed as CUDA graphs, where the Transformer is
-  # 0.88x compiled PyG and GAT 2.23x: each side's kernels and its step time against its GPU
-  # time (GPU work, or the host and the gaps between kernels)
-  step 120 "$PY" benchmarks/profile_step.py --layer transformer gat --graph cora \
-    --compile-mode reduce-overhead --json "$OUT/profile_step_cora_reduce-overhead_$gpu.json"
   # compiled GAT disagreed with PyG (conv1's weight gradient 2.32e-4 off: the size of losing its
   # output layer's hub rows' destination-term gradient, benchmarks/cut_terms.py) where its output
   # layer (node terms, KIND 0, rows of 64 channels) ran 4 lanes of 4 edges and inductor compiled
-  # the kernels itself. Compiled calls now launch the eager kernels; with that schedule set back:
-  # eager KIND 0 at an output layer's shape on a graph with split rows and the compiled step
-  # (the self-test's GPU checks), then the arxiv-like comparison (it exits 1 if a side disagrees)
+  # the kernels itself. Compiled calls now launch the eager kernels; if part 2's arxiv-like step
+  # still disagrees, with that schedule set back: eager KIND 0 at an output layer's shape on a
+  # graph with split rows and the compiled step (the self-test's GPU checks), then the
+  # arxiv-like comparison (it exits 1 if a side disagrees)
   step 150 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" --quick \
     --kinds gat,gat_projected --triton-tiles edges_node_terms=4 \
     --json "$OUT/selftest_gat_node_terms_lanes_$gpu.json"
