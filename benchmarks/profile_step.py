@@ -9,6 +9,12 @@ everything else. Same models, weights, graph and inputs as ``gatlib compare``
 eager PyG in the gradient of the first layer's weight before any step (what
 ``gatlib compare`` checks at its tolerance), as a diagnosis.
 
+A step that takes longer than its GPU time waits on the host. For that, each side
+also lists where one step's host time goes: the profiler's operators and CUDA
+runtime calls by their own CPU time (``host_ops``), and the Python functions of a
+few steps under ``cProfile`` by their own time (``host_python``; both profilers
+slow the host, so read the rankings, not the sums).
+
 Usage (CUDA only)::
 
     PYTHONPATH=. python benchmarks/profile_step.py --layer gat --json profile.json
@@ -37,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="rounds of the step timing")
     p.add_argument("--impls", nargs="+", default=list(ALL_IMPLS), choices=list(ALL_IMPLS),
                    help="sides (pyg, eager PyG, is the gradients' reference: always run)")
-    p.add_argument("--top", type=int, default=15, help="kernels listed per side")
+    p.add_argument("--top", type=int, default=15,
+                   help="kernels, host operators and Python functions listed per side")
     p.add_argument("--projected-under-compile", action="store_true",
                    help="diagnosis: compiled GATConv forms its attention terms in the Triton "
                         "kernels (KIND 3), as eager does, instead of the node terms "
@@ -57,6 +64,39 @@ def _profile(step) -> list:
     rows = [(e.key, e.count, e.device_time_total / 1e3) for e in prof.key_averages()
             if e.device_time_total > 0]
     return sorted(rows, key=lambda r: -r[2])
+
+
+def _host_ops(step, top: int) -> list:
+    """``[(operator or CUDA runtime call, calls, own CPU ms)]`` of one call of ``step``,
+    most time first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.count, e.self_cpu_time_total / 1e3) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def _host_python(step, top: int, calls: int = 5) -> list:
+    """``[(function, calls, own ms per step)]`` of ``calls`` calls of ``step`` under
+    ``cProfile``, most time first."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own s, cum s, callers)}
+    rows = [(f"{Path(file).name}:{line}({name})", n // calls, own * 1e3 / calls)
+            for (file, line, name), (_, n, own, _, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 def main(argv=None) -> int:
@@ -108,12 +148,21 @@ def main(argv=None) -> int:
                 kernels = _profile(step)
                 total = sum(ms for _, _, ms in kernels)
                 err = ((grads[impl] - grads["pyg"]).norm() / grads["pyg"].norm()).item()
-                sides[impl] = {"gpu_ms": total, "kernels": kernels, "weight_grad_rel_err": err}
+                host_ops, host_python = _host_ops(step, args.top), _host_python(step, args.top)
+                sides[impl] = {"gpu_ms": total, "kernels": kernels, "weight_grad_rel_err": err,
+                               "host_ops": host_ops, "host_python": host_python}
                 print(f"== {layer} {impl}: {total:.2f} ms of GPU time in "
                       f"{sum(n for _, n, _ in kernels)} launches; conv1 weight grad vs eager PyG "
                       f"{err:.2e}", flush=True)
                 for name, n, ms in kernels[:args.top]:
                     print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
+                for title, rows in (("host: operators and CUDA runtime calls, own CPU time",
+                                     host_ops),
+                                    ("host: Python functions, own time per step (cProfile)",
+                                     host_python)):
+                    print(f"  -- {title}", flush=True)
+                    for name, n, ms in rows:
+                        print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
             times = measure.time_interleaved(steps, device, args.repeats)
             for impl, t in times.items():
                 if t["status"] != "ok":
