@@ -5,7 +5,7 @@ Usage::
     python benchmarks/floor_table.py benchmarks/results/selftest_h100.json --graph arxiv-like
 
 Reads ``gatlib selftest`` JSONs (their comparisons) and ``gatlib compare`` JSONs
-(CUDA, one layer) and prints, per (graph, layer, pass), the floor that
+(CUDA: one layer, or the 2-layer model's training step) and prints, per (graph, layer, pass), the floor that
 :mod:`gatlib.bench.floor` computes from the graph and configuration the JSON
 records, at the device's published peak bandwidth (``--bandwidth published``)
 or at the copy bandwidth the run measured (``--bandwidth copy``, only in runs
@@ -71,7 +71,7 @@ def render(paths: List[Path], graphs: Optional[List[str]] = None,
                              *(cell for impl in floor.IMPLS for cell in (
                                  _ms(r["median_s"][impl]), _over(r["median_s"][impl], (lo, hi))))])
     if not rows:
-        return f"no CUDA layer pass in these files has a {bandwidth} bandwidth\n"
+        return f"no CUDA pass in these files has a {bandwidth} bandwidth\n"
     # columns of sides that no file measured say nothing: leave them out
     keep = [i for i, _ in enumerate(headers) if i < 4 or any(row[i] != "-" for row in rows)]
     table = format_table([headers[i] for i in keep], [[row[i] for i in keep] for row in rows],

@@ -70,6 +70,41 @@ def test_edge_features_and_bipartite_add_their_tensors():
     assert [k.name for k in bipartite.kernels] == ["project.src", "project.dst", "attend"]
 
 
+def test_training_step_floor_counted_by_hand():
+    """`gatlib compare --scope model`'s step: conv1 without grad x, ELU, conv2 (3 classes, one
+    head) with it, the cross-entropy and Adam, in the order they run."""
+    import dataclasses
+
+    fl = floor.step_floor("gat", TINY, num_classes=3)
+    assert [k.name for k in fl.kernels] == [
+        "conv1.project", "conv1.attend", "elu", "conv2.project", "conv2.attend",
+        "cross_entropy", "cross_entropy.backward", "conv2.attend.dst", "conv2.attend.src",
+        "conv2.project", "elu.backward", "conv1.attend.dst", "conv1.attend.src",
+        "conv1.project", "adam"]
+    conv1 = floor.layer_floor("gat", "forward+backward", dataclasses.replace(TINY, input_grad=False))
+    conv2 = floor.layer_floor("gat", "forward+backward", floor.Shape(2, 2, 3, 2, 1, 3))
+    # elu: h and y [2, 2] 16 + 16; elu.backward: grad y, h, grad h 48; cross_entropy: logits
+    # [2, 3] 24, labels 16, lse 8; its backward also writes grad logits 24; adam: P = conv1's
+    # W [1, 2] + att_src, att_dst, bias 2 each = 8 and conv2's W [2, 3] + 3 * 3 = 15, times
+    # 7 tensors of 4 bytes = 644
+    assert fl.bytes_lo - conv1.bytes_lo - conv2.bytes_lo == 32 + 48 + 48 + 72 + 644
+    assert fl.bytes_hi - conv1.bytes_hi - conv2.bytes_hi == 32 + 48 + 48 + 72 + 644
+    # conv1: x W (2 * 2 * 1 * 4 flops) and grad W only; conv2 (K = 3 + 2): also grad x
+    assert (conv1.flops, conv2.flops, fl.flops) == (16 + 16, 40 + 80, 32 + 120)
+
+
+@pytest.mark.parametrize("layer, cls", [("gat", "GATConv"), ("gatv2", "GATv2Conv"),
+                                        ("transformer", "TransformerConv")])
+def test_adam_moves_the_parameters_pyg_builds(layer, cls):
+    """The step floor's parameter count is what PyG's layers hold, for conv1 (three heads
+    concatenated) and conv2 (one head, averaged)."""
+    import torch_geometric.nn as pyg_nn
+
+    for F, C, H, concat in ((1433, 256, 3, True), (768, 40, 1, False)):
+        module = getattr(pyg_nn, cls)(F, C, heads=H, concat=concat)
+        assert sum(p.numel() for p in module.parameters()) == floor.num_parameters(layer, F, H, C)
+
+
 # --- bandwidth ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, part", [
     ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
@@ -93,19 +128,22 @@ def test_an_unknown_device_takes_the_measured_bandwidth():
 
 
 # --- the floor table in the CUDA reports --------------------------------------------------------
-def _report(device="cuda", device_name="Some Future GPU", copy_bytes_per_s=1e6):
+def _report(device="cuda", device_name="Some Future GPU", copy_bytes_per_s=1e6, scope="layer"):
     """A `gatlib compare` report of GATConv's forward on the TINY graph, with made-up times
-    (seconds): at 1 MB/s and no GEMM peak the floor is 0.136 ms (lo) and 0.148 ms (hi)."""
+    (seconds): at 1 MB/s and no GEMM peak the floor is 0.136 ms (lo) and 0.148 ms (hi).
+    ``scope="model"``: the 2-layer model's training step (3 classes) instead, at the same times."""
     medians = {"pyg": 1.36e-3, "gatlib": 0.272e-3, "gatlib_compiled": 0.136e-3}
-    measurements = [{"layer": "gat", "impl": impl, "pass": "forward",
+    pass_ = "forward" if scope == "layer" else "train_step"
+    measurements = [{"layer": "gat", "impl": impl, "pass": pass_,
                      "time": {"status": "ok", "median_s": t, "times_s": [t]}}
                     for impl, t in medians.items()]
     rep = {
         "graph": {"name": "tiny", "num_nodes": 2, "num_edges": 1, "num_edges_with_self_loops": 3,
                   "num_features": 1},
-        "config": {"device": device, "scope": "layer", "heads": 1, "channels": 2,
+        "config": {"device": device, "scope": scope, "heads": 1, "channels": 2,
                    "dtype": "float32", "backend": "triton", "graph_input": "plan",
-                   "compile_options": dict(compare.COMPILE_OPTIONS), "classes": None},
+                   "compile_options": dict(compare.COMPILE_OPTIONS),
+                   "classes": None if scope == "layer" else 3},
         "environment": {"device": device, "device_name": device_name, "num_threads": 1},
         "checks": {}, "kernels": {}, "measurements": measurements,
     }
@@ -153,6 +191,23 @@ def test_a_known_device_gets_both_bandwidths():
     assert "FP32, published" in compare.render_table(rep)
 
 
+def test_a_training_step_is_set_against_its_floor():
+    """`gatlib compare --scope model` on CUDA prints its step against the step's floor."""
+    rep = _report(scope="model")
+    fl = floor.step_floor("gat", floor.report_shape(rep), 3)
+    lo, hi = fl.bytes_lo / 1e6 * 1e3, fl.bytes_hi / 1e6 * 1e3  # ms at 1 MB/s, bytes only
+    line = next(line for line in compare.render_table(rep).splitlines() if "train_step" in line
+                and "copy" in line)
+    cells = re.split(r"\s{2,}", line.strip())
+    assert cells[:3] == ["GATConv", "train_step", "1e-06 TB/s copy"]
+    assert cells[-4:] == [f"{1.36 / lo:.1f} / {1.36 / hi:.1f}", "-",
+                          f"{0.272 / lo:.1f} / {0.272 / hi:.1f}",
+                          f"{0.136 / lo:.1f} / {0.136 / hi:.1f}"]
+    # a model report that names no classes has no floor
+    rep["config"]["classes"] = None
+    assert floor.report_rows(rep) == []
+
+
 def test_cpu_reports_print_no_floor():
     rep = _report(device="cpu", device_name="Some CPU")
     assert floor.report_rows(rep) == []
@@ -174,10 +229,10 @@ def test_floor_table_script_renders_the_recorded_runs(tmp_path):
     result = tmp_path / "selftest.json"
     result.write_text(json.dumps(_selftest_result(_report())))
     # the made-up device is unknown: only the copy it measured is a bandwidth
-    assert script.render([result]).startswith("no CUDA layer pass")
+    assert script.render([result]).startswith("no CUDA pass")
     md = script.render([result], ["tiny"], "copy")
     row = next(line for line in md.splitlines() if line.startswith("| tiny"))
     assert [c.strip() for c in row.strip("|").split("|")] == [
         "tiny", "GATConv", "forward", "0.14 / 0.15", "1.4", "10.0 / 9.2", "0.3", "2.0 / 1.8",
         "0.1", "1.0 / 0.9"]  # PyG, gatlib, compiled gatlib; compiled PyG was not measured
-    assert script.render([result], ["other"], "copy").startswith("no CUDA layer pass")
+    assert script.render([result], ["other"], "copy").startswith("no CUDA pass")

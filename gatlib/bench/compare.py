@@ -66,8 +66,8 @@ Steps, per layer type:
    gatlib against eager gatlib) and the per-round ratios, whose spread says how
    much the machine's load moved the numbers.
 
-On CUDA (``--scope layer``) the report also sets every pass against its
-bandwidth floor (:mod:`gatlib.bench.floor`): the bytes a fused implementation
+On CUDA the report also sets every pass (a layer's, or the model's training
+step) against its bandwidth floor (:mod:`gatlib.bench.floor`): the bytes a fused implementation
 must move (lo: every tensor once; hi: a gathered row once per edge), the floor's
 time at the device's published peak bandwidth and at a device-to-device copy
 measured at the start of the run (``report["bandwidth"]``), and each side's

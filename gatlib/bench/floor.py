@@ -1,4 +1,5 @@
-r"""The bandwidth floor of one layer pass: the bytes a fused implementation must move.
+r"""The bandwidth floor of one layer pass or training step: the bytes a fused
+implementation must move.
 
 What a GPU report sets each measured time against (issue 29, item 5). A layer
 pass is modelled as the kernels a fused implementation needs — the projection
@@ -99,6 +100,18 @@ Transformer (``root_weight``: a skip ``r = x·W_skip`` added to the output):
   ``attend.dst`` (with the edge-id map), ``grad e [E, HC]`` written by
   ``attend.dst``.
 
+The training step of ``gatlib compare --scope model`` (:func:`step_floor`):
+conv1 ``Layer(F, C, heads=H)`` forward and backward without ``grad x`` (the
+features take no gradient), an ELU (``elu``: read ``h [N, HC]``, write ``y``;
+``elu.backward``: read ``grad y`` and ``h``, write ``grad h``), conv2
+``Layer(HC, K, heads=1)`` forward and backward with ``grad x`` (``K`` classes),
+the cross-entropy (``cross_entropy``: read the logits ``[N, K]`` and the int64
+labels, write ``lse [N]·a``; ``cross_entropy.backward``: read them and ``lse``,
+write ``grad logits [N, K]``) and Adam (``adam``: read each of the ``P``
+parameters, its gradient and its two moments, write the parameter and the
+moments: ``7·P·s``). ``P`` is PyG's parameters of the two layers
+(:func:`num_parameters`).
+
 **Bandwidth** (:func:`bandwidths`): NVIDIA's published peak memory bandwidth
 of the device (:data:`DEVICES`, looked up by the CUDA device name) and a
 device-to-device copy measured in the same run (:func:`measure_copy`); an
@@ -106,6 +119,7 @@ unknown device (or a MIG slice) has the measured one only, and no GEMM peak.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -115,6 +129,7 @@ import torch
 
 LAYERS = ("gat", "gatv2", "transformer")
 PASSES = ("forward", "forward+backward")
+STEP = "train_step"  # gatlib compare --scope model
 
 
 # ---------------------------------------------------------------------------
@@ -402,6 +417,48 @@ def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
     return Floor(layer, pass_, sh, kernels)
 
 
+def num_parameters(layer: str, in_channels: int, heads: int, channels: int) -> int:
+    """PyG's parameters of ``Layer(in_channels, channels, heads=heads)`` (default options,
+    heads concatenated or one head): GATConv ``lin`` (no bias), ``att_src``,
+    ``att_dst``, ``bias``; GATv2Conv ``lin_l``, ``lin_r`` (with biases), ``att``,
+    ``bias``; TransformerConv four linears with biases."""
+    F, HC = in_channels, heads * channels
+    return {"gat": F * HC + 3 * HC, "gatv2": 2 * (F * HC + HC) + 2 * HC,
+            "transformer": 4 * (F * HC + HC)}[layer]
+
+
+def step_floor(layer: str, shape: Shape, num_classes: int) -> Floor:
+    """The kernels of one training step of ``gatlib compare --scope model``'s 2-layer model
+    (see the module docstring): ``shape`` is conv1's call; conv2 runs on the same graph
+    from ``H·C`` inputs to ``num_classes`` channels of one head."""
+    sh1 = dataclasses.replace(shape, input_grad=False)
+    HC, s, a = sh1.heads * sh1.channels, sh1.dtype_bytes, sh1.acc_bytes
+    sh2 = dataclasses.replace(sh1, in_channels=HC, heads=1, channels=num_classes,
+                              input_grad=True)
+    N, K = sh1.num_dst, num_classes
+
+    def named(prefix: str, fl: Floor) -> List[Kernel]:
+        return [dataclasses.replace(k, name=f"{prefix}.{k.name}") for k in fl.kernels]
+
+    conv1 = named("conv1", layer_floor(layer, "forward+backward", sh1))
+    conv2 = named("conv2", layer_floor(layer, "forward+backward", sh2))
+    n_fwd1, n_fwd2 = (len(layer_floor(layer, "forward", sh).kernels) for sh in (sh1, sh2))
+    elu = Kernel("elu").read("h [N, HC]", N * HC * s).write("y [N, HC]", N * HC * s)
+    elu_bwd = Kernel("elu.backward").read("grad y [N, HC]", N * HC * s).read(
+        "h [N, HC]", N * HC * s).write("grad h [N, HC]", N * HC * s)
+    loss = Kernel("cross_entropy").read("logits [N, K]", N * K * s).read(
+        "labels [N]", N * 8).write("lse [N]", N * a)
+    loss_bwd = Kernel("cross_entropy.backward").read("logits [N, K]", N * K * s).read(
+        "labels [N]", N * 8).read("lse [N]", N * a).write("grad logits [N, K]", N * K * s)
+    P = (num_parameters(layer, sh1.in_channels, sh1.heads, sh1.channels)
+         + num_parameters(layer, HC, 1, num_classes))
+    adam = Kernel("adam").read("parameters, gradients, 2 moments", 4 * P * s).write(
+        "parameters, 2 moments", 3 * P * s)
+    kernels = [*conv1[:n_fwd1], elu, *conv2[:n_fwd2], loss, loss_bwd, *conv2[n_fwd2:], elu_bwd,
+               *conv1[n_fwd1:], adam]
+    return Floor(layer, STEP, shape, kernels)
+
+
 # ---------------------------------------------------------------------------
 # Device bandwidth and GEMM peaks
 # ---------------------------------------------------------------------------
@@ -533,11 +590,25 @@ def report_shape(report: Dict) -> Shape:
 
 
 def applies(report: Dict) -> bool:
-    """Floors are for CUDA runs of one layer (``--scope layer``) that recorded their graph
-    (a comparison that failed early leaves a report without it)."""
+    """Floors are for CUDA runs that recorded their graph (a comparison that failed early
+    leaves a report without it): of one layer (``--scope layer``) or of the 2-layer
+    model's training step (``--scope model``, which records its classes)."""
     c = report.get("config") or {}
-    return (c.get("device") == "cuda" and c.get("scope", "layer") == "layer"
-            and "graph" in report)
+    scope = c.get("scope", "layer")
+    return (c.get("device") == "cuda" and "graph" in report
+            and (scope == "layer" or (scope == "model" and bool(c.get("classes")))))
+
+
+def pass_floor(report: Dict, layer: str, pass_: str) -> Optional[Floor]:
+    """The floor of one measured (layer, pass) of a report, ``None`` for a pass it does
+    not model."""
+    if layer not in LAYERS:
+        return None
+    if pass_ in PASSES:
+        return layer_floor(layer, pass_, report_shape(report))
+    if pass_ == STEP:
+        return step_floor(layer, report_shape(report), report["config"]["classes"])
+    return None
 
 
 def _num(x: float) -> str:
@@ -560,20 +631,19 @@ def _context(report: Dict):
 
 
 def report_floors(report: Dict) -> List[Dict]:
-    """Per (layer, pass, bandwidth) of a CUDA layer report: ``layer``, ``pass``,
+    """Per (layer, pass, bandwidth) of a CUDA report: ``layer``, ``pass``,
     ``bandwidth`` (label), ``floor`` (:class:`Floor`), ``seconds`` (lo, hi) and
     ``median_s`` (by implementation; ``None`` where not measured)."""
     if not applies(report):
         return []
     bws, _, peak = _context(report)
-    shape = report_shape(report)
     medians = {(m["layer"], m["impl"], m["pass"]): (m.get("time") or {}).get("median_s")
                for m in report["measurements"]}
     out = []
     for layer, pass_ in dict.fromkeys((m["layer"], m["pass"]) for m in report["measurements"]):
-        if layer not in LAYERS or pass_ not in PASSES:
+        fl = pass_floor(report, layer, pass_)
+        if fl is None:
             continue
-        fl = layer_floor(layer, pass_, shape)
         for label, bw in bws:
             out.append({"layer": layer, "pass": pass_, "bandwidth": label, "floor": fl,
                         "seconds": fl.seconds(bw, peak[0] if peak else None),
@@ -605,6 +675,6 @@ def report_note(report: Dict) -> str:
             else "no copy bandwidth measured in this run")
     gemm = (f"GEMMs at {peak[0] / T:,.0f} TFLOP/s ({peak[1]}, published)" if peak else
             "GEMM peak unknown: the floors count bytes only")
-    return (f"Bandwidth floor of one layer (gatlib.bench.floor): lo moves every tensor once, "
+    return (f"Bandwidth floor of each pass (gatlib.bench.floor): lo moves every tensor once, "
             f"hi reads a gathered row from memory once per edge; {where}; {copy}; {gemm}. "
             f"Cells: median time ÷ floor, lo / hi (1.0 = at the floor)")
