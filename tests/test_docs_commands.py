@@ -307,7 +307,7 @@ def test_the_gpu_run_commands_parse():
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print"],
                          capture_output=True, text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 28, out  # the self-test once per kind (6) in parts 1 and 2
+    assert len(lines) == 29, out  # the self-test once per kind (6) in parts 1 and 2
     for line in lines:
         (words,) = split_commands(line)
         program, argv = invocation(words)
