@@ -5,8 +5,8 @@ Usage::
     python benchmarks/floor_table.py benchmarks/results/selftest_h100.json --graph arxiv-like
 
 Reads ``gatlib selftest`` JSONs (their comparisons) and ``gatlib compare`` JSONs
-(CUDA: one layer, or the 2-layer model's training step) and prints, per (graph, layer, pass), the floor that
-:mod:`gatlib.bench.floor` computes from the graph and configuration the JSON
+(CUDA: one layer, or the 2-layer model's training step) and prints, per (graph,
+layer, pass), the floor that :mod:`gatlib.bench.floor` computes from the graph and configuration the JSON
 records, at the device's published peak bandwidth (``--bandwidth published``)
 or at the copy bandwidth the run measured (``--bandwidth copy``, only in runs
 made since the floor was added), beside gatlib's and PyG's median times

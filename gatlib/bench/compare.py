@@ -67,8 +67,8 @@ Steps, per layer type:
    much the machine's load moved the numbers.
 
 On CUDA the report also sets every pass (a layer's, or the model's training
-step) against its bandwidth floor (:mod:`gatlib.bench.floor`): the bytes a fused implementation
-must move (lo: every tensor once; hi: a gathered row once per edge), the floor's
+step) against its bandwidth floor (:mod:`gatlib.bench.floor`): the bytes a
+fused implementation must move (lo: every tensor once; hi: a gathered row once per edge), the floor's
 time at the device's published peak bandwidth and at a device-to-device copy
 measured at the start of the run (``report["bandwidth"]``), and each side's
 median time divided by it.
