@@ -233,18 +233,27 @@ def triton_on_cpu(tally: Tally):
     — the kernels are Triton's compiled ones, bound and specialised by its real
     launcher against a stand-in sm_90 driver
     (:func:`gatlib.bench.triton_compile.stand_in_driver`)."""
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        tally.triton[fn.name] += 1
+        return True  # skip the compile, and so the launch: nothing is cached
+
+    with _launch_path_on_cpu(hook, "counting Triton launches"):
+        yield
+
+
+@contextlib.contextmanager
+def _launch_path_on_cpu(hook, what: str):
+    """Inside: Triton's real launch path against the stand-in driver, with CPU tensors
+    admitted and ``hook`` as Triton's ``jit_cache_hook`` (called where a launch would
+    compile; returning true skips that compile and launch)."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # (read when triton was first imported)
-        raise RuntimeError("counting Triton launches needs Triton's launch path, which "
-                           "TRITON_INTERPRET=1 replaces: unset it")
+        raise RuntimeError(f"{what} needs Triton's launch path, which TRITON_INTERPRET=1 "
+                           "replaces: unset it")
     from triton import knobs
 
     from gatlib import introspect
 
     from .triton_compile import stand_in_driver
-
-    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
-        tally.triton[fn.name] += 1
-        return True  # skip the compile, and so the launch: nothing is cached
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
@@ -317,15 +326,7 @@ def triton_warm_on_cpu(launched: collections.Counter):
     every later one takes Triton's cached path, as a warmed GPU run does — its
     argument binding and specialisation, the cache key, the binary's launch call —
     and is counted into ``launched``. The stand-ins leave the cache on exit."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("timing Triton's launch path needs it, which TRITON_INTERPRET=1 "
-                           "replaces: unset it")
-    from triton import knobs
     from triton.runtime import driver
-
-    from gatlib import introspect
-
-    from .triton_compile import stand_in_driver
 
     placed = []
 
@@ -335,13 +336,10 @@ def triton_warm_on_cpu(launched: collections.Counter):
         placed.append((cache, key))
         return True  # this launch is skipped; the next finds the stand-in
 
-    previous = knobs.runtime.jit_cache_hook
-    knobs.runtime.jit_cache_hook = hook
     try:
-        with stand_in_driver(), introspect.triton_admits_cpu_tensors():
+        with _launch_path_on_cpu(hook, "timing Triton's launch path"):
             yield
     finally:
-        knobs.runtime.jit_cache_hook = previous
         for cache, key in placed:
             if isinstance(cache.get(key), _StandInBinary):
                 del cache[key]
