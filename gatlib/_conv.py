@@ -320,7 +320,10 @@ class _StackedLinear(torch.autograd.Function):
             # g in [rows, G * F_out] order, no [G, rows, F_in] stack of products
             gx = g.transpose(0, 1).reshape(x.size(0), groups * out_f) @ w.reshape(-1, in_f)
         if ctx.needs_input_grad[1]:
-            if torch.is_grad_enabled():  # double backward: out= is not differentiable
+            # double backward: out= is not differentiable; compiled or exported:
+            # dynamo before torch 2.13 fixes the sizes of an out= product's operands,
+            # so each new node count recompiled (up to the recompile limit, then eager)
+            if torch.is_grad_enabled() or torch.compiler.is_compiling():
                 parts = [torch.bmm(g.transpose(1, 2), xs).reshape(-1)]
                 gflat = torch.cat(parts + ([g.sum(1).reshape(-1)] if biased else []))
             else:

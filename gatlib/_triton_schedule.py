@@ -186,7 +186,7 @@ def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Sc
     dev = ptrs[0].device
     M = _schedule_sizes(n, num_edges, split)[0]  # room for every schedule's items
     p = torch.empty(K, n + 2, dtype=torch.long, device=dev)  # each ptr, then its room's
-    p[:, n + 1] = num_edges - 1
+    p[:, -1] = num_edges - 1  # (column n + 1: an index that is a size would fix that size when compiled)
     for k, (q, nk) in enumerate(zip(ptrs, sizes, strict=True)):
         p[k, :nk + 1] = q
         if nk < n:
@@ -234,10 +234,12 @@ def _rows_aligned(rows: Tensor, dtype: torch.dtype) -> List[Tensor]:
     """The rows of ``rows`` ``[R, M]`` in ``dtype``, each starting on 16 bytes as a tensor
     of its own would: Triton specialises a kernel on its pointers' 16-byte alignment,
     and rows that started wherever ``M`` put them would compile kernels anew for graphs
-    of other sizes."""
+    of other sizes. Each row has room past its end, even where ``M`` is a multiple of
+    the step: with some rows padded and others not, ``torch.compile`` guards on which
+    (a recompile whenever a new graph's ``M`` changes side)."""
     step = 16 // dtype.itemsize
     M = rows.size(1)
-    out = rows.new_empty(rows.size(0), -(-M // step) * step, dtype=dtype)
+    out = rows.new_empty(rows.size(0), (M // step + 1) * step, dtype=dtype)
     out[:, :M] = rows
     return list(out[:, :M])
 

@@ -271,6 +271,39 @@ def test_neighbor_loader_batches_recompile_a_bounded_number_of_times():
     assert len(compiles) <= 3, compiles
 
 
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+@pytest.mark.parametrize("layer", LAYERS)
+def test_new_graph_sizes_compile_twice(layer, backend):
+    """A compiled layer's training call on graphs of 8 sizes (new node and edge counts
+    every call, as mini-batches; all on one side of every size rule): dynamo compiles
+    the first sizes, then once more with them dynamic, and the dynamic graph holds for
+    every later size. Each of these once fixed a size in the graph, so that every new
+    one recompiled up to dynamo's limit and then ran eager: torch 2.11's dynamo at an
+    ``out=`` product in the projection backward of GATv2Conv and TransformerConv
+    (``tests/test_older_torch.py`` runs this file there); the Triton schedule, at an
+    index of its last column and at rows padded only where ``M`` was not aligned."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    torch.manual_seed(0)
+    conv = getattr(gatlib, layer)(F_IN, 4, heads=2, backend=backend)
+    compiles = []
+
+    def count(gm, example_inputs):  # counts dynamo's compiles; runs the captured graph
+        compiles.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(conv, backend=count, fullgraph=True)
+    for i in range(8):
+        n, e = 40 + 23 * i, 90 + 61 * i + 9 * i * i  # (from the 4th, room for split rows)
+        x = torch.randn(n, F_IN, requires_grad=True)
+        with gatlib.record_kernels() as log:
+            compiled(x, random_graph(n, e, seed=i)).sum().backward()
+        assert log == [backend, f"{backend}.backward"], (i, log)
+    torch._dynamo.reset()
+    assert len(compiles) == 2, compiles
+
+
 # ---------------------------------------------------------------------------
 # CUDA graphs: a warmed step reads nothing back to the host
 # ---------------------------------------------------------------------------
