@@ -40,6 +40,7 @@ from . import _fused_cpu
 from . import _record
 from . import _validate as V
 from ._core import EdgeScore
+from ._layout import at_least
 from ._plan import GraphPlan, as_plan
 from ._record import record_kernels  # noqa: F401  (gatlib.record_kernels)
 
@@ -229,6 +230,12 @@ class TritonKernel(Kernel):
             reason = "torch.jit.trace of the Triton kernels has not been tried"
         if reason is None and call.edge_weight is not None:
             reason = "the Triton kernels take no edge weights (explainer edge masks)"
+        if reason is None and torch.compiler.is_exporting() and any(
+                isinstance(s, torch.SymInt) for s in (call.plan.num_edges, call.plan.num_dst)):
+            # (the schedule's sizes are integer arithmetic on the node and edge counts whose
+            # guards export's solver cannot prove for every size: docs/compile.md)
+            reason = ("torch.export with free node or edge counts cannot trace the Triton kernels' "
+                      "work schedule: export with static sizes, or with backend='torch'")
         if reason is None:
             from . import _triton
 
@@ -296,7 +303,9 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         compiled passes not buildable here: no C++ compiler).
         #         Under torch.jit.trace: "torch", whose trace is aten ops that
         #         torch.jit.save can write (a fused kernel records as one Python
-        #         op, which replays in this process only).
+        #         op, which replays in this process only). Under torch.export a
+        #         node or edge count left free takes "fused" (the size rule's large
+        #         side: the program holds for every size, _layout.at_least).
         #   CUDA: "triton" — on an H100 (benchmarks/results/selftest_h100.md,
         #         benchmarks/NOTES.md) 96/96 kernel checks against the reference,
         #         a 2-layer training step faster than PyG's on the arxiv-like graph
@@ -305,10 +314,12 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         path"; docs/benchmarks.md);
         #         where it cannot run (no triton, torch.func
         #         vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
-        #         over 1024 channels, non-float dtypes): "torch".
+        #         over 1024 channels, non-float dtypes, torch.export with a node
+        #         or edge count left free): "torch".
         #   Other devices: "torch".
         if dev == "cpu":
-            small = call.plan.num_edges * call.score.heads * call.value.shape[2] < FUSED_CPU_MIN_ENTRIES
+            small = not at_least(call.plan.num_edges * call.score.heads * call.value.shape[2],
+                                 FUSED_CPU_MIN_ENTRIES)
             order = ("torch",) if small or torch.jit.is_tracing() else ("fused", "torch")
         else:
             order = ("triton", "torch") if dev == "cuda" else ("torch",)

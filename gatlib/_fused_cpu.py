@@ -56,7 +56,7 @@ from . import _blocks as B
 from . import _native, _record
 from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads,
                     score_heads)
-from ._layout import Layout
+from ._layout import Layout, at_least
 from ._plan import GraphPlan
 from ._scores import KINDS
 
@@ -368,7 +368,7 @@ def _recomputes_alpha(kind: str, num_edges: int, heads: int) -> bool:
     """Whether backward recomputes ``alpha`` from the saved ``lse`` (GAT, whose
     scores are cheap to recompute, on graphs of :data:`RECOMPUTE_MIN_ENTRIES` or
     more edges times heads) instead of saving it."""
-    return kind == "gat" and num_edges * heads >= RECOMPUTE_MIN_ENTRIES
+    return kind == "gat" and at_least(num_edges * heads, RECOMPUTE_MIN_ENTRIES)
 
 
 # On small graphs the recomputation's few extra ops cost more than the memory saves

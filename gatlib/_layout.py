@@ -73,10 +73,30 @@ class Layout:
         return self._csc()[2]
 
 
+def at_least(size, threshold: int) -> bool:
+    """``size >= threshold``, for a choice made by a size alone (an index dtype, whether
+    to fold, the fused kernel or the reference): every place gatlib decides by size.
+
+    Under ``torch.export``, a size the exported program leaves free (a ``Dim`` of
+    the node or edge count) takes the large side without a guard: the program must
+    hold for every size in its range, and a guard would narrow that range to one
+    side of ``threshold`` (export then fails: "Constraints violated"). The large
+    side serves small graphs too (int64 indices, the fused kernel); where the
+    range lies wholly below ``threshold`` the small side stays. Eager calls and
+    ``torch.compile`` decide on the size (compile's guard recompiles a graph that
+    crosses it).
+    """
+    if torch.compiler.is_exporting():  # (a free size reads as an int under strict export)
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return not statically_known_true(size < threshold)
+    return size >= threshold
+
+
 def index_dtype(*bounds: int) -> torch.dtype:
     """int32 when every index and count below ``max(bounds)`` fits, else int64."""
     for b in bounds:  # (a loop: torch.compile traces no max(..., default=))
-        if b >= 2**31 - 1:
+        if at_least(b, 2**31 - 1):
             return torch.int64
     return torch.int32
 
@@ -84,7 +104,7 @@ def index_dtype(*bounds: int) -> torch.dtype:
 def layout_dtype(num_edges: int, num_src: int, num_dst: int) -> torch.dtype:
     """The index dtype of a :class:`Layout`: int64 for a small graph (fewer than
     :data:`SMALL_EDGES` edges), else :func:`index_dtype` (int32 where it fits)."""
-    if num_edges < SMALL_EDGES:
+    if not at_least(num_edges, SMALL_EDGES):
         return torch.int64
     return index_dtype(num_edges, num_src, num_dst)
 
@@ -173,7 +193,7 @@ def _sorted_looped_layout(looped_ei: Tensor, num_src: int, num_dst: int, n: int)
 def _with_csc(ptr, src_csr, dst_csr, perm, num_src, num_dst) -> Layout:
     """The layout of a CSR with its CSC view (:func:`_csc_of`), which on a small
     graph (:data:`SMALL_EDGES`) is derived only when first read."""
-    csc = _csc_of(src_csr, dst_csr, num_src) if src_csr.numel() >= SMALL_EDGES else None
+    csc = _csc_of(src_csr, dst_csr, num_src) if at_least(src_csr.numel(), SMALL_EDGES) else None
     return Layout(ptr=ptr, src=src_csr, dst=dst_csr, perm=perm, num_src=num_src, num_dst=num_dst,
                   csc=csc)
 

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from . import _blocks as B
 from . import _native
+from ._layout import at_least
 if TYPE_CHECKING:  # (annotations only: the module needs nothing from the plan)
     from ._layout import Layout
 
@@ -102,7 +103,7 @@ def folds(x: Tensor, heads: int, channels: int) -> bool:
     """Whether the attention vectors are folded into the weights for input ``x``
     (see :func:`gat_node_terms`): where the projection is no narrower than ``x``
     and has at least :data:`FOLD_MIN_ENTRIES` entries."""
-    return heads * channels >= x.size(-1) and x.size(0) * heads * channels >= FOLD_MIN_ENTRIES
+    return heads * channels >= x.size(-1) and at_least(x.size(0) * heads * channels, FOLD_MIN_ENTRIES)
 
 
 def gat_projected_terms(h_src: Tensor, h_dst: Tensor, att: Tensor) -> Tuple[Tensor, Tensor]:
