@@ -111,7 +111,7 @@ class GraphPlan:
         rows = num_dst + 1 if sink else num_dst
         self._layout_fn = layout_fn if layout_fn is not None else (
             lambda: build_layout(ei[0], ei[1], num_src, rows))
-        self._loops: Dict[Tuple[int, bool], GraphPlan] = {}
+        self._loops: Dict[Tuple[Optional[int], bool], GraphPlan] = {}
         self._base_ei: Optional[Tensor] = None  # the edges before with_self_loops added loops
         self._derived: Dict[Hashable, Any] = {}
 
@@ -205,18 +205,22 @@ class GraphPlan:
             raise ValueError(f"num_nodes must be in [0, {min(self.num_src, self.num_dst)}] "
                              f"(self-loops need both a source and a destination); got {n}")
         # (one twin per form: the compiled one has a sink, see _drop_and_add_loops; an
-        # eager twin serves compiled calls too, its edge count read from its shape)
-        looped = self._loops.get((n, False))
+        # eager twin serves compiled calls too, its edge count read from its shape. The
+        # default count is keyed as None: a count as a dict key would fix it in a
+        # compiled graph, which then recompiled for every new plan's size.)
+        key = None if num_nodes is None else n
+        looped = self._loops.get((key, False))
         if looped is None and torch.compiler.is_compiling():
-            looped = self._loops.get((n, True))
+            looped = self._loops.get((key, True))
         if looped is None:
-            looped = self._looped(n, *_normal(_drop_and_add_loops, self._ei, n, self.num_dst))
+            looped = self._looped(n, *_normal(_drop_and_add_loops, self._ei, n, self.num_dst), key=key)
         return looped
 
-    def _looped(self, n: int, keep: Tensor, looped_ei: Tensor, sink: bool) -> "GraphPlan":
+    def _looped(self, n: int, keep: Tensor, looped_ei: Tensor, sink: bool,
+                key: Optional[int]) -> "GraphPlan":
         """The plan of ``looped_ei`` (:func:`_drop_and_add_loops` of this plan's edges),
-        kept on this plan. It holds this plan's edge list and layout builder, not
-        this plan: no reference cycle, so both are freed as soon as they are dropped."""
+        kept on this plan under ``(key, sink)``. It holds this plan's edge list and layout
+        builder, not this plan: no reference cycle, so both are freed as soon as they are dropped."""
         num_src, num_dst = self.num_src, self.num_dst
         base_ei, base_layout, base_fn = self._ei, self._layout, self._layout_fn
         compressed = self._layout_fn_sorted  # a sorted EdgeIndex's or an adjacency's own CSR/CSC
@@ -236,7 +240,7 @@ class GraphPlan:
         looped = GraphPlan._owned(looped_ei, num_src, num_dst, layout, sink, self._kept)
         looped._base_ei = base_ei
         # atomic: concurrent callers get one plan
-        return self._loops.setdefault((n, sink), looped) if self._keeps() else looped
+        return self._loops.setdefault((key, sink), looped) if self._keeps() else looped
 
     def to(self, device: torch.device | str) -> "GraphPlan":
         """This plan's graph on ``device`` (layouts are rebuilt there when used)."""
@@ -373,7 +377,8 @@ def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.devi
         n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
         keep, looped_ei, sink = _drop_and_add_loops(ei, n, num_dst)
         if layout_fn is not None:  # the input's own CSR/CSC: loops merge into its layout
-            return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(n, keep, looped_ei, sink)
+            return GraphPlan._owned(ei, num_src, num_dst, layout_fn)._looped(
+                n, keep, looped_ei, sink, key=None if loop_nodes is None else n)
         # a plain edge list: its looped twin is sorted directly (see GraphPlan._looped),
         # and nothing else reads the plan without loops: it is not made
         rows = num_dst + 1 if sink else num_dst

@@ -271,9 +271,10 @@ def test_neighbor_loader_batches_recompile_a_bounded_number_of_times():
     assert len(compiles) <= 3, compiles
 
 
+@pytest.mark.parametrize("as_plan", [False, True], ids=["edge_index", "plan"])
 @pytest.mark.parametrize("backend", ["fused", "triton"])
 @pytest.mark.parametrize("layer", LAYERS)
-def test_new_graph_sizes_compile_twice(layer, backend):
+def test_new_graph_sizes_compile_twice(layer, backend, as_plan):
     """A compiled layer's training call on graphs of 8 sizes (new node and edge counts
     every call, as mini-batches; all on one side of every size rule): dynamo compiles
     the first sizes, then once more with them dynamic, and the dynamic graph holds for
@@ -281,7 +282,8 @@ def test_new_graph_sizes_compile_twice(layer, backend):
     one recompiled up to dynamo's limit and then ran eager: torch 2.11's dynamo at an
     ``out=`` product in the projection backward of GATv2Conv and TransformerConv
     (``tests/test_older_torch.py`` runs this file there); the Triton schedule, at an
-    index of its last column and at rows padded only where ``M`` was not aligned."""
+    index of its last column and at rows padded only where ``M`` was not aligned; a new
+    ``GraphPlan``'s self-loop'ed twin, kept under its node count as a dict key."""
     if backend == "triton":
         pytest.importorskip("triton")
     torch.manual_seed(0)
@@ -296,9 +298,9 @@ def test_new_graph_sizes_compile_twice(layer, backend):
     compiled = torch.compile(conv, backend=count, fullgraph=True)
     for i in range(8):
         n, e = 40 + 23 * i, 90 + 61 * i + 9 * i * i  # (from the 4th, room for split rows)
-        x = torch.randn(n, F_IN, requires_grad=True)
+        x, graph = torch.randn(n, F_IN, requires_grad=True), random_graph(n, e, seed=i)
         with gatlib.record_kernels() as log:
-            compiled(x, random_graph(n, e, seed=i)).sum().backward()
+            compiled(x, gatlib.GraphPlan(graph, num_nodes=n) if as_plan else graph).sum().backward()
         assert log == [backend, f"{backend}.backward"], (i, log)
     torch._dynamo.reset()
     assert len(compiles) == 2, compiles
