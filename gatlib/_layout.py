@@ -74,8 +74,9 @@ class Layout:
 
 
 def at_least(size, threshold: int) -> bool:
-    """``size >= threshold``, for a choice made by a size alone (an index dtype, whether
-    to fold, the fused kernel or the reference): every place gatlib decides by size.
+    """``size >= threshold``, for a choice made by a graph's size alone (an index dtype,
+    whether to fold, the fused kernel or the reference): each such choice in code that
+    ``torch.compile`` and ``torch.export`` trace goes through here.
 
     Under ``torch.export``, a size the exported program leaves free (a ``Dim`` of
     the node or edge count) takes the large side without a guard: the program must
