@@ -10,10 +10,18 @@ of the graph (benchmarks/NOTES.md, "Compiled row passes").
 
 The source is compiled with ``torch.utils.cpp_extension`` the first time a
 fused CPU call asks for it (seconds; later processes load the cached build) with
-``-march=native``: the build directory is keyed by the CPU's instruction-set
-flags, so a cache shared between machines never runs code built for another.
-Where it cannot be built (no C++ compiler or ninja), :func:`unavailable` says
-why and the fused CPU kernel reports itself unsupported with that reason.
+``-march=native``: the cache folder is keyed by the source, the CPU's
+instruction-set flags and torch's version, so a cache shared between machines
+never runs code built for another. Where it cannot be built (no C++ compiler or
+ninja), :func:`unavailable` says why and the fused CPU kernel reports itself
+unsupported with that reason.
+
+A build runs in a folder of its own process and is published by renaming that
+folder to the cache folder, which is atomic: a process killed mid-build leaves
+only its private folder behind (removed by a later build once it is an hour
+old), never a half-built cache or a lock that later processes would wait on
+forever (``cpp_extension``'s own lock file, which a SIGKILL leaves behind).
+Two processes that start at once both build; the first to publish wins.
 """
 from __future__ import annotations
 
@@ -23,6 +31,9 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
+import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -32,32 +43,74 @@ SOURCE = Path(__file__).with_name("csrc") / "fused_cpu.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
+# A private build folder older than this is a killed process's leftover.
+STALE_BUILD_SECONDS = 3600
+
+
 def _cpu_key() -> str:
-    """A short hash of what the compiled code depends on besides its source:
-    the CPU's instruction sets, torch's and Python's versions."""
+    """A short hash of what the compiled code depends on: its source, the CPU's
+    instruction sets, torch's and Python's versions and the flags. A published
+    build is never rebuilt, so a changed source must change the folder."""
     flags = platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             flags += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags += platform.processor()
-    text = f"{flags}|{torch.__version__}|{sys.version_info[:2]}|{' '.join(FLAGS)}"
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest() if SOURCE.is_file() else ""
+    text = f"{source}|{flags}|{torch.__version__}|{sys.version_info[:2]}|{' '.join(FLAGS)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def build_directory() -> Path:
-    """Where the extension is built and cached (``$GATLIB_CACHE`` or
-    ``~/.cache/gatlib``, then ``native/<key>``)."""
+    """Where the built extension is cached (``$GATLIB_CACHE`` or
+    ``~/.cache/gatlib``, then ``native/<key>``); it exists only once complete."""
     root = os.environ.get("GATLIB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gatlib")
     return Path(root) / "native" / _cpu_key()
+
+
+def _library(directory: Path) -> Optional[Path]:
+    found = sorted(directory.glob("*.so"))
+    return found[0] if found else None
+
+
+def _remove_stale_builds(final: Path) -> None:
+    """Remove the private build folders of ``final`` left by processes that died
+    mid-build (older than :data:`STALE_BUILD_SECONDS`; a live build takes seconds)."""
+    for old in final.parent.glob(f".{final.name}.build-*"):
+        try:
+            if time.time() - old.stat().st_mtime > STALE_BUILD_SECONDS:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # removed by another process meanwhile
+            pass
+
+
+def _build(final: Path) -> None:
+    """Compile and load the extension in a private folder, then publish it as ``final``."""
+    from torch.utils import cpp_extension
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_builds(final)
+    private = Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=final.parent))
+    try:
+        cpp_extension.load(name="gatlib_cpu", sources=[str(SOURCE)], extra_cflags=list(FLAGS),
+                           extra_ldflags=["-fopenmp"], build_directory=str(private),
+                           is_python_module=False, verbose=False)
+        try:
+            os.rename(private, final)  # atomic; fails if another process published first
+        except OSError:
+            if _library(final) is None:
+                warnings.warn(f"gatlib: {final} is in the way of the fused CPU kernel's build "
+                              "cache (it holds no built library); remove it, or every process "
+                              "builds the kernel anew", RuntimeWarning, stacklevel=3)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)  # (gone if published)
 
 
 @functools.lru_cache(maxsize=None)
 def _load() -> Optional[str]:
     """Build (or load the cached build of) the extension once per process;
     ``None`` on success, else why it failed."""
-    from torch.utils import cpp_extension
-
     path = os.environ.get("PATH", "")
     if shutil.which("ninja") is None:
         try:  # the `ninja` wheel's binary, where ninja is not on PATH (a venv not activated)
@@ -67,11 +120,12 @@ def _load() -> Optional[str]:
         except ImportError:
             return "building it needs ninja (pip install ninja)"
     try:
-        directory = build_directory()
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name="gatlib_cpu", sources=[str(SOURCE)], extra_cflags=list(FLAGS),
-                           extra_ldflags=["-fopenmp"], build_directory=str(directory),
-                           is_python_module=False, verbose=False)
+        final = build_directory()
+        built = _library(final)
+        if built is not None:
+            torch.ops.load_library(str(built))
+        else:
+            _build(final)
     except Exception as exc:  # a compiler error, a missing compiler: reported, not raised here
         return f"its compiled passes ({SOURCE.name}) failed to build: {str(exc).strip()[:2000]}"
     finally:

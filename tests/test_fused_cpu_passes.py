@@ -3,6 +3,12 @@ against the same computation written with torch ops on the edge list: float32
 and float64, int32 and int64 indices, destinations without in-edges, a hub, and
 on enough rows that they run over several threads (with the same result for
 any thread count). How the dispatcher treats a build that fails is at the end."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -256,3 +262,57 @@ def test_without_the_passes_the_fused_kernel_is_unsupported_by_name(monkeypatch)
         gatlib.GATConv(8, 16, heads=4)(x, ei)
     assert log == ["fused"]
 
+
+
+# A user's first fused call, as a script: it builds the passes (in the cache folder
+# that GATLIB_CACHE names) and runs a GATConv forward on them.
+FIRST_CALL = """
+import torch, gatlib
+g = torch.Generator().manual_seed(0)
+ei = torch.randint(0, 2000, (2, 20000), generator=g)
+with gatlib.record_kernels() as log:
+    out = gatlib.GATConv(32, 16, heads=3, backend="fused")(torch.randn(2000, 32, generator=g), ei)
+assert log == ["fused"] and out.shape == (2000, 48) and bool(out.isfinite().all()), log
+print("first call ok")
+"""
+
+
+def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(tmp_path):
+    """A process SIGKILLed while it compiles the passes (an out-of-memory kill, a
+    notebook restart) must not leave a lock that makes every later process wait
+    forever: the next process builds and runs. A leftover private build folder an
+    hour old is removed by the next build."""
+    env = {**os.environ, "GATLIB_CACHE": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-c", FIRST_CALL], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    try:  # killed once its build has started (ninja's build file written)
+        while not list(tmp_path.rglob("build.ninja")):
+            assert first.poll() is None, "the first process ended before its build started"
+            assert time.monotonic() < deadline, "the build did not start within 120 s"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        first.wait()
+    assert first.returncode == -signal.SIGKILL
+    assert not list((tmp_path / "native").glob("*/*.so")), "a killed build was published"
+    (left,) = [p for p in (tmp_path / "native").iterdir()]  # its private folder
+    an_hour_ago = time.time() - 2 * 3600
+    os.utime(left, (an_hour_ago, an_hour_ago))
+
+    # a build takes seconds; a process that waits on the dead one never returns
+    second = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert second.returncode == 0 and "first call ok" in second.stdout, second.stderr[-3000:]
+    assert not left.exists()
+    (published,) = list((tmp_path / "native").iterdir())
+    assert not published.name.startswith(".") and list(published.glob("*.so"))
+
+    # a later process loads the published build and compiles nothing
+    no_build = ("import torch.utils.cpp_extension as c\n"
+                "def load(*a, **k): raise AssertionError('built again')\nc.load = load\n")
+    third = subprocess.run([sys.executable, "-c", no_build + FIRST_CALL], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert third.returncode == 0 and "first call ok" in third.stdout, third.stderr[-3000:]
+    assert list((tmp_path / "native").iterdir()) == [published]

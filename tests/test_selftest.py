@@ -250,10 +250,23 @@ def test_the_output_layer_check_passes_and_can_fail(kind, monkeypatch):
     """The GPU checks' output-layer call (one head of 40 channels, run here on the
     interpreter) computes the reference on the check graph, whose hub rows are split;
     with the gradient pieces of split rows dropped it fails, at the hub (node 0, which
-    receives 300 edges and sends 300)."""
+    receives 300 edges and sends 300), whose rows were never written: NaN, not what
+    the allocator handed out (the check's right answer, when the buffer of the call
+    before was reused: it passed so after other tests)."""
     pytest.importorskip("triton")
     plan, _ = selftest.check_graph(selftest.NUM_NODES, 4 * (selftest.NUM_NODES - 21), 0, "cpu")
     assert selftest.output_layer_check(kind, torch.device("cpu"), plan) is None
     _skip_gradient_merge(monkeypatch)
     detail = selftest.output_layer_check(kind, torch.device("cpu"), plan)
     assert detail is not None and "grad " in detail and "(row 0)" in detail, detail
+    assert "max abs error nan" in detail, detail
+
+
+def test_unwritten_memory_reads_as_nan_inside_the_block_only():
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    with selftest.unwritten_memory_is_nan():
+        assert bool(torch.empty(1000).isnan().all())
+        assert bool(torch.ones(3).new_empty(5, 7).isnan().all())
+    assert (torch.are_deterministic_algorithms_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory) == before

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gatlib
 from gatlib import EdgeScore, graph_attention
+from gatlib.bench.selftest import unwritten_memory_is_nan
 
 HAS_SCATTER = importlib.util.find_spec("torch_scatter") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -159,12 +160,14 @@ def run(backend, score, value, edge_index, n_dst, value_edge=None, *, expect=Non
     """``(out [N_dst, H*C], alpha, grads of every leaf)`` of one call on ``backend``.
 
     The loss goes through both outputs, so alpha's own gradient path is checked
-    too. ``expect`` (default: ``backend``) must be the kernel that ran —
-    forward and, for fused kernels, backward — or the test fails.
+    too. Memory a kernel leaves unwritten reads as NaN, not as whatever an earlier
+    test left there (``unwritten_memory_is_nan``). ``expect`` (default: ``backend``)
+    must be the kernel that ran — forward and, for fused kernels, backward — or the
+    test fails.
     """
     ins = [t for t in (value, value_edge, *score.tensors()) if t is not None and t.requires_grad]
     ins = list(dict.fromkeys(ins))
-    with gatlib.record_kernels() as log:
+    with gatlib.record_kernels() as log, unwritten_memory_is_nan():
         out, alpha = graph_attention(score, value, edge_index, n_dst, value_edge=value_edge,
                                      backend=backend, return_attention=True, **kw)
         grads = ()

@@ -176,15 +176,41 @@ def _score(kind: str, t: Dict[str, Tensor]):
     return EdgeScore.dot(t["dst"], t["src"], t.get("edge"))  # query per dst, key per src
 
 
+@contextlib.contextmanager
+def unwritten_memory_is_nan():
+    """Inside the block every new ``torch.empty`` tensor is filled with NaN (integers
+    with their largest value): PyTorch's ``fill_uninitialized_memory`` under
+    deterministic mode (warnings only, no op refused). A kernel that leaves rows of
+    its output unwritten then returns NaN there, whatever the allocator hands out;
+    without it, a buffer of the size just freed can hold the previous call's right
+    answer, and a check of a broken kernel pass by chance."""
+    import warnings
+
+    was, warn_only = (torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deterministic", category=UserWarning)
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def _run(backend: str, kind: str, inputs: Dict[str, Tensor], plan, weights: Dict[str, Tensor],
          alpha: bool, p: float, backward: bool = True) -> Tuple[List[str], Dict[str, Tensor]]:
     """``(kernel log, {quantity: tensor})`` of one call and its backward: ``out``,
     ``alpha`` (if returned) and ``grad <input>`` of every input. The loss is
-    ``sum(out * w_out) + sum(alpha * w_alpha)``, so alpha's gradient path counts."""
+    ``sum(out * w_out) + sum(alpha * w_alpha)``, so alpha's gradient path counts.
+    Unwritten output memory reads as NaN (:func:`unwritten_memory_is_nan`)."""
     import gatlib
 
     leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
-    with gatlib.record_kernels() as log, torch.set_grad_enabled(backward):
+    with gatlib.record_kernels() as log, torch.set_grad_enabled(backward), \
+            unwritten_memory_is_nan():
         res = gatlib.graph_attention(_score(kind, leaves), leaves["value"], plan, NUM_NODES,
                                      value_edge=leaves.get("value_edge"), dropout=p,
                                      training=p > 0, backend=backend, return_attention=alpha,
