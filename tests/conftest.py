@@ -51,8 +51,9 @@ def pytest_report_header(config):
     return f"test order: {config.getoption('--test-order')}"
 
 
-# Environment variables that pytest and torch (inductor's first compile) set themselves.
-OWN_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_")
+# Environment variables that pytest, torch (inductor's first compile) and ogb's imports
+# (`outdated`, and the OpenMP settings of its dependencies) set themselves.
+OWN_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "OUTDATED_IGNORE", "KMP_")
 
 
 def _global_state():

@@ -37,9 +37,15 @@ from .recipes import LOADERS, MODELS
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    import torch
+
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser(argv).parse_args(argv)
-    return args.func(args)
+    threads = torch.get_num_threads()
+    try:
+        return args.func(args)
+    finally:  # --threads is this command's: a caller in the same process keeps its own
+        torch.set_num_threads(threads)
 
 
 def _parser(argv: List[str]) -> argparse.ArgumentParser:

@@ -986,7 +986,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "agreement, time and peak memory, of a layer or of a 2-layer model's "
                     "training step.")
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    threads = torch.get_num_threads()
+    try:
+        return run(parser.parse_args(argv))
+    finally:  # --threads is this command's: a caller in the same process keeps its own
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,20 @@ int64_t grain(int64_t rows, int64_t edges, int64_t width) {
   return std::max<int64_t>(1, (int64_t(1) << 15) / per_row);
 }
 
+// at::parallel_for inlines its body twice, in its OpenMP region and (on one thread)
+// in the caller, and the compiler may vectorise the two copies' reductions in another
+// order: results would then depend on the thread count. Every pass runs its body
+// through one out-of-line copy instead.
+template <typename F>
+__attribute__((noinline)) void run_rows(const F& f, int64_t begin, int64_t end) {
+  f(begin, end);
+}
+
+template <typename F>
+void for_rows(int64_t n, int64_t grain, const F& f) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) { run_rows(f, begin, end); });
+}
+
 template <typename T>
 inline void axpy(T* __restrict y, const T* __restrict x, T a, int64_t n) {
 #pragma omp simd
@@ -107,7 +121,7 @@ template <typename T, typename I>
 void softmax_aggregate_impl(const I* ptr, const I* col, T* e, const T* drop, const T* v, T* out,
                             T* lse, int64_t R, int64_t E, int64_t H, int64_t C, int64_t HV) {
   const int64_t HC = H * C, VC = HV * C, vh = HV == 1 ? 0 : C;
-  at::parallel_for(0, R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
+  for_rows(R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
     std::vector<T> m(H), s(H);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t k0 = ptr[r], k1 = ptr[r + 1];
@@ -169,7 +183,7 @@ template <typename T, typename I>
 void spmm_impl(const I* ptr, const I* col, const I* pos, const T* w, const T* dense, T* out,
                int64_t R, int64_t E, int64_t H, int64_t C, int64_t HD, int64_t HO) {
   const int64_t DC = HD * C, OC = HO * C, dh = HD == 1 ? 0 : C, oh = HO == 1 ? 0 : C;
-  at::parallel_for(0, R, grain(R, E, H * C), [&](int64_t r0, int64_t r1) {
+  for_rows(R, grain(R, E, H * C), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* o = out + r * OC;
       std::fill(o, o + OC, T(0));
@@ -208,7 +222,7 @@ template <typename T, typename I>
 void sddmm_impl(const I* ptr, const I* col, const I* pos, const T* a, const T* b, T scale, T* out,
                 int64_t R, int64_t E, int64_t H, int64_t C, int64_t HB) {
   const int64_t HC = H * C, BC = HB * C, bh = HB == 1 ? 0 : C;
-  at::parallel_for(0, R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
+  for_rows(R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* ar = a + r * HC;
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
@@ -250,7 +264,7 @@ template <typename T, typename I>
 void sddmm_spmm_impl(const I* ptr, const I* col, const I* pos, const T* w, const T* g, const T* v,
                      T* dot_out, T* dv, int64_t R, int64_t E, int64_t H, int64_t C, int64_t HV) {
   const int64_t HC = H * C, VC = HV * C, vh = HV == 1 ? 0 : C;
-  at::parallel_for(0, R, grain(R, E, 2 * HC), [&](int64_t r0, int64_t r1) {
+  for_rows(R, grain(R, E, 2 * HC), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* vr = v + r * VC;
       T* o = dv != nullptr ? dv + r * VC : nullptr;
@@ -300,7 +314,7 @@ void gatv2_score_impl(const I* ptr, const I* col, const int64_t* wpos, const T* 
                       const T* w, const T* att, T slope, T* e, int64_t R, int64_t E, int64_t H,
                       int64_t C) {
   const int64_t HC = H * C;
-  at::parallel_for(0, R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
+  for_rows(R, grain(R, E, HC), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* yr = y + r * HC;
       for (int64_t k = ptr[r]; k < ptr[r + 1]; ++k) {
@@ -363,7 +377,7 @@ void gatv2_grad_impl(const I* ptr, const I* col, const I* pos, const int64_t* wp
     bounds[c] = std::lower_bound(ptr, ptr + R, I(E * c / chunks)) - ptr;
   bounds[chunks] = R;
   std::vector<T> datt_parts(datt != nullptr ? size_t(chunks) * HC : 0, T(0));
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  for_rows(chunks, 1, [&](int64_t c0, int64_t c1) {
    for (int64_t chunk = c0; chunk < c1; ++chunk) {
     T* da = datt != nullptr ? datt_parts.data() + chunk * HC : nullptr;
     for (int64_t r = bounds[chunk]; r < bounds[chunk + 1]; ++r) {
@@ -450,7 +464,7 @@ std::tuple<Tensor, Tensor, Tensor> gatv2_grad(const Tensor& ptr, const Tensor& c
 // per head, in place of dalpha.
 template <typename T, typename I>
 void softmax_backward_impl(const I* ptr, const T* alpha, T* d, int64_t R, int64_t E, int64_t H) {
-  at::parallel_for(0, R, grain(R, E, H), [&](int64_t r0, int64_t r1) {
+  for_rows(R, grain(R, E, H), [&](int64_t r0, int64_t r1) {
     std::vector<T> delta(H);
     for (int64_t r = r0; r < r1; ++r) {
       std::fill(delta.begin(), delta.end(), T(0));
@@ -481,7 +495,7 @@ Tensor softmax_backward(const Tensor& ptr, const Tensor& alpha, Tensor d) {
 template <typename T, typename I>
 void segment_sum_impl(const I* ptr, const I* pos, const T* x, T* out, int64_t R, int64_t E,
                       int64_t H) {
-  at::parallel_for(0, R, grain(R, E, H), [&](int64_t r0, int64_t r1) {
+  for_rows(R, grain(R, E, H), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* o = out + r * H;
       std::fill(o, o + H, T(0));
