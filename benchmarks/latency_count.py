@@ -14,8 +14,8 @@ and tiles) are shared by the programs their register cap lets share an SM, over
 ``--sms`` SMs; the count is the sum over blocks divided by that. It assumes the
 kernels are bound by the latency of these chains, not by bandwidth: on an H100 it
 ordered the forward's schedules at 256 channels as the timings did where the
-programs per SM went from 2 to 4, and not beyond (benchmarks/NOTES.md, "Lanes
-before edges at rows of 128 channels"). ``--variant NAME=VALUE[,NAME=VALUE]`` sets
+programs per SM went from 2 to 4, and not beyond (docs/design.md, "Lanes before
+edges"). ``--variant NAME=VALUE[,NAME=VALUE]`` sets
 ``gatlib.introspect.triton_tiles``' arguments (``default``: the library's own).
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Where the time of one fused-CPU layer forward+backward goes (benchmarks/NOTES.md).
+"""Where the time of one fused-CPU layer forward+backward goes (docs/design.md,
+"Compiled CPU row passes").
 
     python benchmarks/profile_fused_cpu.py --layer gat --threads 1
 

@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # (annotations only: the module needs nothing from the plan)
 
 # Transient per-edge blocks ([chunk, H, C] in the compute dtype) stay this small:
 # large enough that Python overhead per block is noise, small enough to stay in
-# cache and under glibc's mmap threshold (see benchmarks/NOTES.md).
+# cache and under glibc's mmap threshold (never swept: docs/design.md, "Edge blocks
+# and threads on CPU").
 CHUNK_BYTES = 1 << 20
 # Below this many edges per thread, a second thread is not worth starting.
 MIN_PART_EDGES = 4096
@@ -84,9 +85,8 @@ def for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None],
     torch ops: that thread's OpenMP thread count is set to 1 through the OpenMP
     runtime, which touches no other thread and no process-wide setting. One
     OpenMP region per op and block instead would be thousands of regions a pass,
-    each waiting for every thread: GATv2 forward+backward on the arxiv-like graph
-    measured faster this way than with multi-threaded ops (benchmarks/NOTES.md,
-    v3). Parts never share a destination row, so ``fn`` may update rows of
+    each waiting for every thread (docs/design.md, "Edge blocks and threads on
+    CPU"). Parts never share a destination row, so ``fn`` may update rows of
     ``[N_dst, ...]`` outputs in place; anything indexed by source needs one
     accumulator per ``part``. Without a known OpenMP runtime, one part
     runs on the calling thread.
@@ -138,9 +138,9 @@ def add_row_sums(out: Tensor, x: Tensor, lay: Layout, e0: int, e1: int) -> None:
         return
     i0 = int(lay.dst[e0])
     # the block's rows are few and adjacent: index_add_ into them stays in cache
-    # (measured faster than segment_reduce on edge blocks); with int64 indices:
-    # with int32 ones (a large layout's) index_add_ ran several times slower,
-    # conversion included (benchmarks/NOTES.md, "int32 indices in the edge blocks")
+    # (faster than segment_reduce), with int64 indices: with a large layout's int32
+    # ones index_add_ is several times slower, conversion included (docs/design.md,
+    # "Edge blocks and threads on CPU")
     out[i0:int(lay.dst[e1 - 1]) + 1].index_add_(0, (lay.dst[e0:e1] - i0).long(), x)
 
 

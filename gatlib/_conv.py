@@ -243,10 +243,9 @@ def project(x: Tensor, *lins) -> List[Tensor]:
     one to gather the parameters, for all of them, where separate calls
     launch one each per layer both ways and autograd adds their input gradients
     up one at a time — and each output is a contiguous block, as the attention
-    kernels take it (a column slice of one wide product would have to be copied).
-    A TransformerConv's query, key, value and skip in a Cora-sized 2-layer
-    training step: 19 fewer launches (benchmarks/NOTES.md, "Launches, second
-    round"). Any other layer, or a sparse ``x``, is called as itself."""
+    kernels take it (a column slice of one wide product would have to be copied;
+    docs/design.md, "Fewer launches per step"). Any other layer, or a sparse
+    ``x``, is called as itself."""
     lins = list(lins)
     if (len(lins) < 2 or x.layout != torch.strided or not all(map(_plain, lins))
             or len({tuple(lin.weight.shape) for lin in lins}) > 1

@@ -278,11 +278,9 @@ def check_backend_name(backend) -> str:
     return backend
 
 
-# "auto" on CPU runs the reference below this many [E, H, C] entries (see select_kernel):
-# on NeighborLoader subgraphs (H = 4, C = 64) the fused operators overtook the
-# reference between 119K entries (the reference 17% faster) and 461K (the fused
-# kernel 4-15% faster), and the two runs split at 234K (docs/benchmarks.md,
-# "a new small graph"; entries counted with the self-loops, as here).
+# "auto" on CPU runs the reference below this many [E, H, C] entries, counted with the
+# self-loops (see select_kernel): below it, on NeighborLoader subgraphs, the fused
+# operators' fixed cost outweighs what they save (docs/design.md, "Which kernel auto runs").
 FUSED_CPU_MIN_ENTRIES = 1 << 18
 
 
@@ -291,14 +289,13 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
     check_backend_name(backend)
     dev = call.device.type
     if backend == "auto":
-        # The rule (measurements in benchmarks/NOTES.md and docs/benchmarks.md):
-        #   CPU:  "fused" — several times faster than PyG's forward+backward on the
-        #         arxiv-like graph at a small fraction of its memory (NOTES, "CPU
-        #         fused path") — from FUSED_CPU_MIN_ENTRIES [E, H, C] entries;
-        #         below, "torch": on NeighborLoader's small subgraphs the
-        #         reference is faster, the fused kernel's layouts and operator
-        #         calls costing more than its memory saving is worth (NOTES,
-        #         "Operators"). "torch" also where fused cannot run
+        # The rule (its measurements: docs/design.md, "Which kernel auto runs"):
+        #   CPU:  "fused" — several times faster than PyG's on the arxiv-like
+        #         graph at a small fraction of its memory — from
+        #         FUSED_CPU_MIN_ENTRIES [E, H, C] entries; below, "torch": on
+        #         NeighborLoader's small subgraphs the reference is faster, the
+        #         fused kernel's layouts and operator calls costing more than its
+        #         memory saving is worth. "torch" also where fused cannot run
         #         (torch.func vmap/jvp, forward-mode AD, non-float dtypes, its
         #         compiled passes not buildable here: no C++ compiler).
         #         Under torch.jit.trace: "torch", whose trace is aten ops that
@@ -306,12 +303,9 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         op, which replays in this process only). Under torch.export a
         #         node or edge count left free takes "fused" (the size rule's large
         #         side: the program holds for every size, _layout.at_least).
-        #   CUDA: "triton" — on an H100 (benchmarks/results/selftest_h100.md,
-        #         benchmarks/NOTES.md) 96/96 kernel checks against the reference,
-        #         a 2-layer training step faster than PyG's on the arxiv-like graph
-        #         at a small fraction of its memory, and about as fast on Cora,
-        #         where both are launch-bound, at a fraction of it (NOTES, "GPU
-        #         path"; docs/benchmarks.md);
+        #   CUDA: "triton" — checked against the reference on an H100, its
+        #         2-layer training step faster than PyG's on the arxiv-like graph
+        #         at a small fraction of its memory; no size rule (none measured);
         #         where it cannot run (no triton, torch.func
         #         vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
         #         over 1024 channels, non-float dtypes, torch.export with a node
@@ -413,11 +407,9 @@ def graph_attention(
 
 
 # Whether a compiled graph may run GAT's in-kernel terms (EdgeScore.gat_projected,
-# the Triton kernels' KIND 3). Not yet: on an H100 (torch 2.11, Triton 3.6) the
-# compiled 2-layer GAT step whose second layer ran them gave conv1's weight
-# gradient outside compare's tolerance of eager PyG's (eager gatlib's within it),
-# then an illegal memory access, while compiled steps with the node terms (KIND 0) agreed
-# (benchmarks/NOTES.md, "Compiled GAT with in-kernel terms"). Compiled calls take the
+# the Triton kernels' KIND 3). Not yet: a compiled GAT step with them disagreed with
+# eager PyG's gradients on a GPU, where compiled steps with the node terms (KIND 0)
+# agreed (docs/design.md, "Compiled GAT takes the node terms"). Compiled calls take the
 # node terms, two [N, H] products outside the kernels, until a GPU run of
 # `gatlib selftest`'s compiled-step check passes with this set.
 _PROJECTED_UNDER_COMPILE = False
@@ -431,7 +423,7 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     caller built and checked: what the layers call, having checked their inputs
     once (going through the public function again, its plan check and keyword
     handling, measurably slowed a GATConv call on a NeighborLoader subgraph;
-    benchmarks/NOTES.md, "Fourth round"). ``bias``: a layer's output bias, added
+    docs/design.md, "Per-call cost on small graphs"). ``bias``: a layer's output bias, added
     to the combined heads — by the kernel as it stores each row where it can
     (:attr:`Kernel.adds_bias`; the heads concatenated or one, the bias one row of
     them in the values' dtype): one launch and one pass over ``out`` fewer each

@@ -371,9 +371,9 @@ def _recomputes_alpha(kind: str, num_edges: int, heads: int) -> bool:
     return kind == "gat" and at_least(num_edges * heads, RECOMPUTE_MIN_ENTRIES)
 
 
-# On small graphs the recomputation's few extra ops cost more than the memory saves
-# (measured on GATConv forward+backward: benchmarks/NOTES.md, "Second round");
-# below 2^16 entries the weights are at most 256 KiB.
+# On small graphs the recomputation's few extra ops cost more than the memory saves;
+# below 2^16 entries the weights are at most 256 KiB (docs/design.md, "GAT recomputes
+# its weights in backward").
 RECOMPUTE_MIN_ENTRIES = 1 << 16
 
 

@@ -5,8 +5,7 @@ Attending the inputs leaves one ``[N, H, K]`` tensor and one matrix per head,
 aggregation, ``W_h``; the Transformer's query mapped into input space before it,
 ``W_k^h``): as many flops as one ``[N, F] @ [F, H*C]`` projection. Written as an
 einsum, PyTorch runs it as a batched product over heads-first copies of ``a``
-and of the result; on CPU that took about twice the projection's time
-(benchmarks/NOTES.md, "Input-space aggregation"). :class:`_PerHeadMM` instead
+and of the result, about twice the projection's time. :class:`_PerHeadMM` instead
 runs one matrix product per head, reading and writing each head's columns in
 place (a BLAS product takes a row stride), forward and backward.
 
@@ -14,10 +13,9 @@ Where it cannot run (``torch.compile`` tracing, ``torch.func`` transforms,
 autocast, mixed dtypes), :func:`per_head_mm_ops` writes the same products in
 differentiable ops, one ``mm`` per head and a concatenation, not the einsum:
 compiled, the einsum's weight gradient became one batched product reducing over
-all ``N`` rows, which cuBLAS ran on 32x32 tiles in 5.95 ms of a 27 ms GAT
-training step on an H100, where eager's per-head products took 1.3 ms
-(benchmarks/NOTES.md, "The GAT step on an H100 after lanes before edges").
-All three are tested against each other (``tests/test_input_space.py``).
+all ``N`` rows, several times slower than the per-head products (docs/design.md,
+"Per-head products"). All three are tested against each other
+(``tests/test_input_space.py``).
 """
 from __future__ import annotations
 

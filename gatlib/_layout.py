@@ -29,9 +29,9 @@ class Layout:
 
     On a small graph the CSC view is derived from the CSR when it is first read
     (``csc_ptr``, ``csc_edge``, ``csc_dst``); otherwise it comes with the layout
-    (``csc``). A small graph's fused kernel never reads it, and sorting it was a
+    (``csc``). A small graph's fused kernel never reads it, and sorting it is a
     sizeable part of the plan a NeighborLoader subgraph builds on every call
-    (benchmarks/NOTES.md).
+    (docs/design.md, "Small graphs: int64 layouts and a lazy CSC").
     """
 
     ptr: Tensor  # [N_dst + 1]
@@ -112,9 +112,9 @@ def layout_dtype(num_edges: int, num_src: int, num_dst: int) -> torch.dtype:
 
 # Below this many edges a graph is small: its layout's indices are int64 and its
 # CSC view is derived only when first read. int32 halves a large layout, but
-# index_add_ with int32 indices measured several times slower than with int64
-# (benchmarks/NOTES.md, "Second round"), and converting costs more ops per call
-# than a small graph's memory is worth. A large graph's CSC view is built with its
+# index_add_ with int32 indices is several times slower than with int64, and
+# converting costs more ops per call than a small graph's memory is worth
+# (docs/design.md, "Small graphs: int64 layouts and a lazy CSC"). A large graph's CSC view is built with its
 # CSR, while little else is in memory, not in the first backward pass (at
 # ogbn-products' scale its sort needs ~2.5 GB).
 SMALL_EDGES = 1 << 16

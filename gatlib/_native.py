@@ -6,7 +6,7 @@ thread that owns the row: the weighted sum with its softmax, the sampled dot
 products, both products of the aggregation's backward in one walk, and GATv2's
 score and gradient. Written with torch ops instead, each was several passes
 over ``[E, H]`` or ``[E, H, C]`` blocks, or an MKL product over a per-head copy
-of the graph (benchmarks/NOTES.md, "Compiled row passes").
+of the graph (docs/design.md, "Compiled CPU row passes").
 
 The source is compiled with ``torch.utils.cpp_extension`` the first time a
 fused CPU call asks for it (seconds; later processes load the cached build) with
@@ -21,7 +21,8 @@ folder to the cache folder, which is atomic: a process killed mid-build leaves
 only its private folder behind (removed by a later build once it is an hour
 old), never a half-built cache or a lock that later processes would wait on
 forever (``cpp_extension``'s own lock file, which a SIGKILL leaves behind).
-Two processes that start at once both build; the first to publish wins.
+Two processes that start at once both build; the first to publish wins
+(docs/design.md, "The CPU passes' build cache").
 """
 from __future__ import annotations
 

@@ -230,9 +230,8 @@ class GraphPlan:
             # nothing: the way when that layout exists already or comes from the
             # input's own compressed structure. A plain edge list is sorted directly,
             # even when it is destination-sorted: building its base layout (whose CSC
-            # needs a sort anyway) and then merging measured slower at every size
-            # tried, 60 edges to 2.4M (benchmarks/NOTES.md, "Small graphs: the
-            # per-call cost").
+            # needs a sort anyway) and then merging is slower at every size
+            # (docs/design.md, "Self-loops sorted with the edges").
             if sink or (base_layout is None and not compressed):
                 return _sorted_looped_layout(looped_ei, num_src, num_dst + 1 if sink else num_dst, n)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)

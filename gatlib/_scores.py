@@ -68,8 +68,8 @@ def gat_node_terms(x: Tensor, weight: Tensor, att: Tensor, h: Optional[Tensor] =
     Computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
     (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
     an ``[N, H, C]`` projection reduced over ``C`` — whole passes over an
-    ``[N, H, C]`` tensor forward and backward, a large part of GATConv's time on
-    the arxiv-like graph (benchmarks/NOTES.md, v3) — and edge features never
+    ``[N, H, C]`` tensor forward and backward (docs/design.md, "GAT's attention
+    folded into the weights") — and edge features never
     become ``[E, H, C]``. Where the projection ``h = W x`` exists anyway and is
     narrower than ``x`` (``H*C < F``: Cora's 1,433 features), reducing
     ``h`` is the cheaper side: the fold's backward would write another ``[N, F]``
@@ -91,8 +91,7 @@ def gat_node_term_pair(x: Tensor, weight: Tensor, att_a: Tensor, att_b: Tensor,
     if h is not None and not folds(x, H, C):
         # both as one [2, N, H] (each half contiguous, as the kernels take them): one
         # product and one reduction, forward and per input in backward, not two
-        # (a Cora-sized GAT step: 6 fewer kernel launches; benchmarks/NOTES.md,
-        # "Launches per call and per step")
+        # (docs/design.md, "Fewer launches per step")
         return gat_projected_terms(h, h, torch.cat([att_a, att_b]))  # att [2, H, C]
     att = torch.stack([att_a, att_b]).view(2, H, C, 1)
     w = (weight.view(1, H, C, -1) * att).sum(2)  # [2, H, F]
@@ -117,9 +116,8 @@ def gat_projected_terms(h_src: Tensor, h_dst: Tensor, att: Tensor) -> Tuple[Tens
 
 
 # Below this many projected entries (N*H*C) GATConv reduces the projection
-# instead of folding: on forward+backward of one GATConv (H=4, C=64, 128 features)
-# over NeighborLoader subgraphs, reducing measured faster up to 858 nodes and
-# folding from 6,098 nodes on (benchmarks/NOTES.md, "Second round").
+# instead of folding: the fold's few extra ops cost more than they save on small
+# inputs (docs/design.md, "GAT's attention folded into the weights").
 FOLD_MIN_ENTRIES = 1 << 18
 
 

@@ -234,9 +234,8 @@ def _operator(name: str, fake):
     budget checks (tests/test_triton_compile.py). As ``triton_op``s, whose kernels
     inductor compiles itself, compiled calls ran other binaries: inductor (torch
     2.11-2.13) passes no launch's ``maxnreg`` to the compiler, compiles with
-    ``debug=True`` and fixes integer arguments of value 1 as constants (ptxas, sm_90:
-    the dst backward at 256 channels took 80 registers where its cap is 64; NOTES,
-    "Compiled calls launch the eager kernels")."""
+    ``debug=True`` and fixes integer arguments of value 1 as constants
+    (docs/design.md, "Compiled calls launch the eager kernels")."""
     def define(fn):
         op = torch.library.custom_op(f"gatlib::{name}", fn, mutates_args=())
         op.register_fake(fake)
@@ -676,7 +675,8 @@ def _draw_seed(device: torch.device) -> Tensor:
     kernels from device memory: no host sync, ``torch.manual_seed`` makes fused
     dropout reproducible, and a captured CUDA graph should draw a new seed per
     replay (PyTorch's generator advances its Philox offset on the device under
-    capture; ``gatlib selftest --device cuda`` checks it; it did on an H100)."""
+    capture; ``gatlib selftest --device cuda`` checks it: docs/design.md, "Dropout and
+    determinism")."""
     return torch.randint(0, 2**31 - 1, (1,), device=device)
 
 

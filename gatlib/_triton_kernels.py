@@ -28,9 +28,8 @@ _PER_CALL = ("E", "H", "CK", "CV", "P_SLOTS")
 # torch.compile ever trace the kernels (torch.library.wrap_triton; the operators are
 # opaque to it now, _triton._operator), its analysis of what a kernel writes follows a
 # store's address back through the calls it came from and takes every pointer a helper
-# was given as written. The lanes' rows and slots, loaded by a helper, made every
-# schedule array "written" by every row kernel, and AOT autograd's partitioner refused
-# the compiled step (benchmarks/NOTES.md, "The H100 again"). The helpers below take
+# was given as written, and AOT autograd's partitioner then refused the compiled step
+# (docs/design.md, "Compiled calls launch the eager kernels"). The helpers below take
 # loaded values only.
 @triton.jit
 def _block_count(lo, hi, H, BLOCK_R: tl.constexpr):
@@ -222,8 +221,7 @@ def _fwd_items(
         l_i = tl.zeros([BLOCK_R], ACC)
         # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
         # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
-        # which spilled at wide C (ptxas, sm_90; benchmarks/NOTES.md, "GATv2's forward
-        # accumulator"). tests/test_triton_compile.py holds the kernels to no spills.
+        # which spilled at wide C (docs/design.md, "No spills at the users' shapes").
         acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
         for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
             pos = off + tl.arange(0, BLOCK_E)[None, :]
@@ -626,10 +624,9 @@ def _bwd_dst_items(
         # With SLOTS the dot kind's query gradient keeps one partial per edge slot of
         # the tile, summed over the slots after the loop: a sum over the edge axis,
         # which spans warps, at every step goes through shared memory at a barrier.
-        # On an H100 (C = 256) that made the dot kind's dst backward faster and GAT's
-        # and GATv2's no faster, whose per-slot partials spilled at some shapes
-        # (benchmarks/NOTES.md, "Each row kernel its own schedule; accumulators per
-        # edge slot"; the launcher's rule: _triton_schedule._slot_sums)
+        # Only the dot kind's: GAT's and GATv2's gained nothing so and spilled at some
+        # shapes (docs/design.md, "Per-slot sums in the backward"; the launcher's rule:
+        # _triton_schedule._slot_sums)
         if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
             d_acc = tl.zeros([BLOCK_R], ACC)
         elif KIND == 2 and SLOTS:
@@ -979,8 +976,8 @@ def _bwd_src_items(
         ckm = ck < CK
         ck3 = ck[None, None, :]
         # With SLOTS one partial per edge slot of the tile, summed over the slots after
-        # the loop (as the dst kernel's dot kind's; all three kinds' src backward ran
-        # faster so on an H100 at C = 256; at C = 128 GATv2's spilled). GAT's scalar
+        # the loop (as the dst kernel's dot kind's; docs/design.md, "Per-slot sums in the
+        # backward"). GAT's scalar
         # always: a per-step sum into an [R] accumulator failed Triton 3.6's compiler
         # at C <= 4 (TritonGPUOptimizeThreadLocality). GATv2's value is its scorer's
         # x_src (SUM_SRC): per slot, both its gradients go into dv_acc, one tile-sized

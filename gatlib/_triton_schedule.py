@@ -24,107 +24,60 @@ from ._layout import Layout, index_dtype
 from ._plan import GraphPlan
 from ._triton_kernels import _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel, _merge_kernel
 
-# Longest run of edges one work item handles; longer rows are split.
+# The kernels' tiling. Each constant's measurement (or its absence) is in docs/design.md;
+# none came from an autotuner, and those marked there as not timed on a GPU are guesses.
+
+# Longest run of edges one work item handles; longer rows are split and merged
+# (docs/design.md, "Degree buckets and split rows").
 _SPLIT = 256
-# Elements of the [BLOCK_R, BLOCK_E, BLOCK_C] tile a program holds per step and
-# the most lanes per program. 1024 (8 per thread at 4 warps) keeps the kernels
-# at ~70-150 registers on sm_90 without spills — several [R, E, C] temporaries
-# and 64-bit pointer tiles are live at once; 4096 spilled (ptxas, C=8). The
-# CPU interpreter pays per program and per op, not per element: it gets few
-# wide programs instead.
+# Elements of the [BLOCK_R, BLOCK_E, BLOCK_C] tile a program holds per step, and the most
+# lanes per program, below _WIDE channels: it compiles without spills, where 4096 spilled
+# (docs/design.md, "Edge tiles and resident programs"). The CPU interpreter
+# pays per program and per op, not per element: it gets few wide programs instead.
 _TILE, _MAX_ROWS = 1024, 16
-# Rows of _WIDE channels or more (8-warp programs, _warps) take a 2x larger tile:
-# 1024 left them 4 edges per step at C = 256, too few gathers in flight to cover
-# memory latency. On an H100 every kind's forward ran faster the larger the tile;
-# 2048 is the largest that ptxas fits in the register cap without spilling
-# (benchmarks/NOTES.md, "The H100 again"; tests/test_triton_compile.py's budget).
+# Rows of _WIDE channels or more (8-warp programs, _warps): a larger tile puts more
+# gathers in flight; 2048 is the largest that fits the register cap without spilling
+# (same entry).
 _TILE_WIDE, _WIDE = 2048, 128
-# ... but the forward's and the dst backward's at rows of _WIDE_FWD channels or more:
-# 1024. With registers for 4 programs per SM (_RESIDENT_FWD) both ran faster than
-# at 2048 with 2 (the dst backward: 1) on an H100 for every score kind: more
-# independent work items in flight per SM, each still pipelined; the src backward
-# ran slower at that setting and keeps the 2048 tile. At 128 channels the forward
-# spills under that cap (8 more edges per step), at 256 and more it does not
-# (ptxas, sm_80/sm_90; benchmarks/NOTES.md, "Compiled GAT with in-kernel terms; the
-# forward at 4 programs per SM", "Each row kernel its own schedule").
+# ... but the forward's schedule (the forward and the dst backward, _fwd_schedule) at rows
+# of _WIDE_FWD channels or more: 1024 with registers for 4 programs per SM (_RESIDENT_FWD),
+# more independent work items in flight per SM (same entry).
 _TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
-# ... and the forward's schedule below _WIDE_FWD channels splits its tile into lanes
-# before edges: at most _EDGES_WIDE edges per step from _WIDE channels (4 lanes of the
-# 2048 tile), _EDGES_NARROW below (4 lanes of the 1024 tile at 64 channels, up to
-# _MAX_ROWS at 16 and fewer), but GAT from given node terms below _WIDE
-# (_edges_first). Before, a lane took as many edges as the tile held, up to 16 at 64
-# channels and more. A lane's item is a chain of dependent loads (the item, its
-# indices, the rows) that the pipeliner does not overlap across items, and a few
-# programs are resident per SM: one lane per program left as few chains in flight
-# per SM, and most items (14.7 edges on average on the arxiv-like graph) fill one
-# step. A count of dependent latencies per SM (benchmarks/latency_count.py) put 4
-# lanes of 4 edges at 0.47x the one lane's at 128 and at 64 channels. On an H100 the
-# forward ran 2.5x faster so at 128 channels and 1.7-2.6x at an output layer's 40
-# classes, the dst backward 1.5-2.1x (NOTES, "The GAT step on an H100 after lanes
-# before edges").
+# ... and below _WIDE_FWD channels the tile is lanes before edges: at most _EDGES_WIDE edges
+# per step from _WIDE channels, _EDGES_NARROW below, so that a program runs several items'
+# chains of dependent loads at once (docs/design.md, "Lanes before edges").
 _EDGES_WIDE = _EDGES_NARROW = 4
-# ... and GAT from given node terms below _WIDE: None, the tile's edges (_edges_first)
+# ... but GAT from given node terms below _WIDE: None, the tile's edges (_edges_first;
+# docs/design.md, "Compiled GAT takes the node terms").
 _EDGES_NODE_TERMS: Optional[int] = None
-# The src backward's schedule (and the dst backward's of GAT from projected rows, whose
-# parameters' partials share its rows) below _WIDE_FWD: at most _EDGES_SRC edges per
-# step where its rows are at least _EDGES_SRC_FROM channels wide. Its blocks are the
-# same chains of dependent loads as the forward's (items, indices, gathered rows), and
-# the count put 4 lanes of 4 edges at 0.47x one lane of 16 at 64 and at 128 channels,
-# as for the forward. Narrower rows (GAT's scalar terms of a first layer: 16 lanes of
-# up to 64 edges) already hold many lanes. Where the count failed for this kernel was
-# programs per SM at 256 channels, not lanes (NOTES, "Lanes before edges at rows of 128
-# channels"; "Lanes in the src backward").
+# The src backward's lanes (and the dst backward's of GAT from projected rows, whose
+# parameters' partials share its rows) below _WIDE_FWD: at most _EDGES_SRC edges per step
+# from _EDGES_SRC_FROM channels; narrower rows already hold many lanes ("Lanes before edges").
 _EDGES_SRC, _EDGES_SRC_FROM = 4, 8
 _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
-# Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages).
-# Unpipelined, each step waits for its edges' indices, then for their gathered
-# rows: two memory latencies per step, and only the tile's bytes in flight (on the
-# H100 the forward ran faster with every larger tile up to 8192 elements, but
-# tiles above 2048 spill). With 2 stages Triton's pipeliner issues the next step's
-# gathers and the indices of the one after as asynchronous copies into shared
-# memory (cp.async) while a step computes: one wait per step, for loads issued a
-# step earlier, the next tile held in shared memory, not registers. 3 stages (two
-# steps of gathers ahead) spilled at C = 128 and 256 with edge features, dropout or GATv2's
-# backward; 1 compiles the loops unpipelined. Calls with edge features keep 1
-# (_stages). (benchmarks/NOTES.md, "Pipelined edge loops";
-# tests/test_triton_compile.py holds the copies and the budget.)
+# Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages): with
+# 2 the next step's indices and gathers are issued as cp.async copies while a step computes;
+# calls with edge features keep 1 (_stages) (docs/design.md, "Pipelined edge loops").
 _STAGES = 2
-# Programs per launch of a row kernel (they loop over their blocks of lanes, _programs):
-# as many per SM as its compiled binary fits there at once (_fit: its registers, shared
-# memory and warps), at most _MAX_PROGRAMS_PER_SM, so that the grid is one wave. Before,
-# 4 per SM whatever fitted: a program that did not fit started when another had run
-# all its blocks. At the output layer's rows of 40 channels nearly every kernel takes
-# 121-163 registers of 4 warps, 3 programs per SM (ptxas, sm_90), so its 4th program
-# per SM ran alone after the other three: about 2x one program's time where one wave of
-# 3 takes 1.33x, if chains of loads, not the SM's throughput, bind it (benchmarks/
-# NOTES.md, "Lanes in the src backward; a grid of one wave"). 4 is the most any H100
-# run kept resident: more per SM where a binary fits them are untimed (a sweep sets
-# _PROGRAMS_PER_SM, None: the binary's fit). The merge kernel keeps _PROGRAMS_MERGE per
-# SM; the CPU interpreter runs programs one after another, so a few wide ones.
+# Programs per launch of a row kernel (they loop over their blocks of lanes, _programs): as
+# many per SM as its compiled binary fits (_fit), at most _MAX_PROGRAMS_PER_SM, so that the
+# grid is one wave; a sweep may fix _PROGRAMS_PER_SM (docs/design.md, "A grid of one wave").
+# The merge kernel keeps _PROGRAMS_MERGE per SM; the CPU interpreter runs programs one after
+# another, so a few wide ones.
 _PROGRAMS_PER_SM: Optional[int] = None
 _MAX_PROGRAMS_PER_SM, _PROGRAMS_MERGE, _PROGRAMS_INTERPRETER = 4, 4, 2
-# The forward's and the dst backward's lanes at values of one head that every head
-# shares (ONE_V: a layer aggregating its inputs, _conv._input_space): a lane per item
-# with all its heads (_lane_heads), not per (item, head). The H lanes of an item gathered the same source
-# rows, each its own chain of dependent loads, and the blocks of lanes were H times as
-# many: on an H100 the input-space GAT forward (H = 3, rows of 128 channels) took 4.41
-# ms where the output layer's call (one head, the same graph's edges at 4 lanes of 4)
-# took 1.91 (benchmarks/NOTES.md, "The GAT step on an H100 after lanes before edges").
+# The forward's and the dst backward's lanes at values of one head that every head shares
+# (ONE_V: a layer aggregating its inputs): a lane per item with all its heads (_lane_heads),
+# so that a source row is gathered once for all heads, not once per head (docs/design.md,
+# "Every head of an item in one lane").
 _HEADS_IN_LANE = True
-# A row kernel's blocks load their successor's edge ranges (start, length) before their
-# own edge loop and carry them into the next trip (the kernels' AHEAD). A block began
-# with a load of its items, then of its first edges' indices, then of the rows they
-# gather: a chain the pipeliner, which works inside one block's edge loop, does not
-# overlap, so each block paid the items' latency. Where the launch's register cap is
-# below 255, which at the users' shapes is every forward and src backward at rows of
-# _AHEAD_FROM channels or more and the dst backward's there but where it keeps one
-# program's registers, the carried values cost no program per SM and spilled only in
-# GATv2's src backward at 256 channels (_items_ahead; ptxas, sm_90). Where the binary's
-# own count sets the programs per SM (cap 255) they took up to 29 more registers and 22
-# of 160 specialisations fitted a program fewer per SM (benchmarks/NOTES.md, "Items a
-# block ahead").
+# A row kernel's blocks load their successor's edge ranges before their own edge loop
+# (the kernels' AHEAD), so that a block's chain of loads starts at its indices; from
+# _AHEAD_FROM channels under a register cap below 255 (_items_ahead; docs/design.md,
+# "Items a block ahead").
 _ITEMS_AHEAD, _AHEAD_FROM = True, 128
-# (item length above which, edge-tile width) — longest bucket first.
+# (item length above which, edge-tile width) — longest bucket first
+# (docs/design.md, "Degree buckets and split rows").
 _BUCKETS = ((16, 64), (4, 16), (-1, 4))
 
 # ---------------------------------------------------------------------------
@@ -306,18 +259,9 @@ def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
 
 # Programs of a row kernel that its register cap lets share an SM at the least
 # (_max_registers; a launch runs as many as its binary fits, _per_sm): two; the dst
-# backward, which holds the scorer's tiles and the gradients' at once, one (uncapped: at
-# 8 warps with edge features, dropout and returned weights it spilled 16-32 bytes on
-# sm_80 under 128).
-# Fewer resident programs are fewer independent work items in flight per SM: at
-# C = 256 the kernels take 101-175 registers (two programs per SM, one for the dst
-# backward) where the first H100 run's took 32-48 (five to eight) and ran its
-# forward faster; with the 1024 tile in 2 stages they fit 64 without spilling
-# (ptxas, sm_90; benchmarks/NOTES.md, "Pipelined edge loops on the H100"). On the
-# H100 the forward and the dst backward ran faster with 4 (and the 1024 tile,
-# _TILE_WIDE_FWD), the src backward slower (benchmarks/triton_sweep.py's fourth
-# variant field sets all three alike, and --profile times each kernel): those two
-# take 4 at rows of _WIDE_FWD channels.
+# backward, which holds the scorer's tiles and the gradients' at once, one (uncapped: it
+# spilled under a cap); the forward's schedule at rows of _WIDE_FWD channels, four
+# (docs/design.md, "Edge tiles and resident programs").
 _RESIDENT, _RESIDENT_HEAVY, _RESIDENT_FWD = 2, 1, 4
 
 
@@ -328,18 +272,15 @@ def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
     (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
     :data:`_RESIDENT_FWD` for the forward and the dst backward at rows of
     :data:`_WIDE_FWD` channels or more (:func:`_fwd_schedule`) — but for ``heavy``
-    calls (:func:`_heavy`), which spilled under that cap at C = 256 (ptxas, sm_80
-    and sm_90): they keep their kernel's count; at most 255. The dst backward with every
-    head of an item in one lane (``heads``, ``_bwd_dst_heads_items``), but for heavy
-    calls: :data:`_RESIDENT`. Uncapped it took 150-168 registers at 128 channels (sm_90,
-    float32), one 8-warp program per SM where a lane per head's 103-116 let two share
-    one; under 128 it does not spill but with dropout (84 bytes, bfloat16).
+    calls (:func:`_heavy`), which spilled under that cap: they keep their kernel's
+    count; at most 255. The dst backward with every head of an item in one lane
+    (``heads``, ``_bwd_dst_heads_items``), but for heavy calls: :data:`_RESIDENT`
+    (uncapped it fits one 8-warp program per SM at 128 channels).
 
     Without an explicit cap ptxas picks a register count itself and at some shapes
-    spills 8-60 bytes per thread to stay at a count it prefers (e.g. 56 or 168, with
-    255 allowed); with one it takes what the kernel needs up to the cap and none of
-    the shapes users run spills (ptxas, sm_80 and sm_90; benchmarks/NOTES.md, "No
-    spills at the shapes users run"). tests/test_triton_compile.py holds both."""
+    spills to stay at a count it prefers; with one it takes what the kernel needs up
+    to the cap, and none of the shapes users run spills (docs/design.md, "No spills at
+    the users' shapes"). tests/test_triton_compile.py holds both."""
     resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
     if _fwd_schedule(kernel, kind) and width >= _WIDE_FWD and not heavy:
         resident = _RESIDENT_FWD
@@ -350,9 +291,8 @@ def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
 
 def _warps(width: int, acc) -> int:
     """Warps per program: 8 for tiles of wide rows (>= 128 channels) or float64,
-    whose temporaries spill at 4 warps (ptxas, sm_90: GATv2's forward with edge
-    features spilled 2 KB per thread at C = 128 and 3.8 KB in float64 at C = 64;
-    none at 8 warps); else 4. See benchmarks/results/triton_compile.md."""
+    whose temporaries spill at 4 warps; else 4 (docs/design.md, "No spills at the
+    users' shapes")."""
     return 8 if width >= 128 or acc == tl.float64 else 4
 
 
@@ -452,13 +392,11 @@ def _edges_first(width: int, forward: bool, kind: Optional[int]) -> Optional[int
     below; of the src backward's :data:`_EDGES_SRC` from :data:`_EDGES_SRC_FROM`.
 
     GAT from given node terms (``kind`` 0) keeps the tile's edges below :data:`_WIDE`
-    in every kernel: with 4 lanes in its forward and dst backward there, its compiled
-    2-layer step on an H100 (the output layer's rows of 64 channels) gave conv1's
-    weight gradient 2.32e-4 off eager PyG's (tolerance 1e-4), where the other kinds'
-    steps agreed; not explained without a GPU (benchmarks/NOTES.md, "The GAT step on
-    an H100 after lanes before edges"). At 128 channels its 4 lanes agreed.
-    ``introspect.triton_tiles(edges_node_terms=4)`` sets them back, for a GPU run to
-    tell whether that schedule is what disagreed. The interpreter: few wide programs."""
+    in every kernel: with 4 lanes there its compiled training step disagreed with
+    eager PyG's, where the other kinds' agreed (docs/design.md, "Compiled GAT takes the
+    node terms"). ``introspect.triton_tiles(edges_node_terms=4)`` sets them back, for a
+    GPU run to tell whether that schedule is what disagreed. The interpreter: few wide
+    programs."""
     if width >= _WIDE_FWD or _interpreted():
         return None
     if kind == 0 and width < _WIDE:
@@ -512,10 +450,9 @@ def _lane_heads(kind: int, H: int, one_k: bool, one_v: bool, share_v: bool,
     (``one_v``); no per-edge feature (``has_edge``); GAT from node terms (``kind`` 0),
     or the dot product whose key is that value (``one_k``, ``share_v``) — but the dot
     kind's dst backward at rows of :data:`_WIDE_FWD` channels or more (``width``): its
-    ``[R, HP, C]`` query gradient spilled under that schedule's 4-program cap (ptxas,
-    sm_90: 16-32 bytes), and at the one program per SM it fits uncapped, one item per
-    block, the count (``benchmarks/latency_count.py``) puts it behind 4 programs of a
-    lane per head."""
+    ``[R, HP, C]`` query gradient spilled under that schedule's 4-program cap, and at
+    the one program per SM it fits uncapped the latency count puts it behind 4 programs
+    of a lane per head (docs/design.md, "Every head of an item in one lane")."""
     if not _HEADS_IN_LANE or H == 1 or not one_v or has_edge:
         return 0
     if kind == 2 and dst_backward and width >= _WIDE_FWD:
@@ -528,8 +465,7 @@ def _lane_heads(kind: int, H: int, one_k: bool, one_v: bool, share_v: bool,
 def _items_ahead(width: int, max_registers: int, kernel=None, kind: Optional[int] = None) -> bool:
     """``AHEAD`` of a row ``kernel`` of score ``kind`` at rows of ``width`` channels under
     a register cap of ``max_registers`` (:data:`_ITEMS_AHEAD`) — but GATv2's src
-    backward at :data:`_WIDE_FWD` channels, which spilled 12 bytes per thread under its
-    cap of 128 (ptxas, sm_90, float32)."""
+    backward at :data:`_WIDE_FWD` channels, which spilled so under its cap of 128."""
     if kernel is _bwd_src_kernel and kind == 1 and width >= _WIDE_FWD:
         return False
     return _ITEMS_AHEAD and width >= _AHEAD_FROM and max_registers < 255
@@ -538,8 +474,7 @@ def _items_ahead(width: int, max_registers: int, kernel=None, kind: Optional[int
 def _stages(consts: dict) -> int:
     """Pipelining stages of a row kernel's edge loops: :data:`_STAGES`, but 1 for
     calls with edge features (``HAS_EDGE``, ``HAS_VEDGE``), whose extra per-edge
-    stream's copies in flight spilled under the register cap at 2 stages (ptxas,
-    sm_90, C = 256: GAT's forward with dropout, GATv2's source backward)."""
+    stream's copies in flight spilled under the register cap at 2 stages."""
     return 1 if _has_edge(consts) else _STAGES
 
 
@@ -547,9 +482,8 @@ def _slot_sums(width: int) -> bool:
     """Whether the backward kernels keep their gradients' sums per edge slot of the
     tile (``SLOTS``: the src kernel's, the dst kernel's dot query gradient), summed
     once after the edge loop rather than across the tile's warps at every step: at
-    rows of :data:`_WIDE_FWD` channels or more, where the H100 ran them faster; at
-    128 GATv2's src backward spilled so (ptxas, sm_90; benchmarks/NOTES.md, "Each row
-    kernel its own schedule; accumulators per edge slot")."""
+    rows of :data:`_WIDE_FWD` channels or more, where they were timed faster; at 128
+    GATv2's src backward spilled so (docs/design.md, "Per-slot sums in the backward")."""
     return width >= _WIDE_FWD
 
 
@@ -560,16 +494,14 @@ def _has_edge(consts: dict) -> bool:
 
 def _heavy(consts: dict, kernel=None) -> bool:
     """The calls of ``kernel`` that spilled under the forward's schedule's 64 registers
-    at C = 256 (ptxas, sm_90): with attention dropout, the forward (GATv2: 24 bytes
-    per thread, 64 in bfloat16) and the dst backward (GATv2: 136, 408 with returned
-    weights), whose random stream's state and keep masks are live besides the tiles;
-    and the dst backward's with a per-edge feature stream (188 bytes, GATv2 with
-    dropout and weights) and with GAT's given node terms (KIND 0: 48 bytes, plain) —
-    but where a lane takes every head of its item (``HP``), only GAT's forward is."""
+    at C = 256 (ptxas): with attention dropout, the forward and the dst backward, whose
+    random stream's state and keep masks are live besides the tiles; and the dst
+    backward's with a per-edge feature stream and with GAT's given node terms (KIND 0)
+    — but where a lane takes every head of its item (``HP``), only GAT's forward is."""
     if consts.get("DROPOUT"):
         return True
     if consts.get("HP"):  # every head of an item in one lane: GAT's forward (its heads'
-        # [R, E, HP] terms besides the rows: 24-44 bytes under the forward's 64 at 256)
+        # [R, E, HP] terms besides the rows spilled under the forward's 64 at 256)
         return kernel is _fwd_kernel and consts.get("KIND") == 0
     return kernel is _bwd_dst_kernel and (_has_edge(consts) or consts.get("KIND") == 0)
 

@@ -215,8 +215,8 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
                                 f"{names[1]} out of range for the destination nodes")
         return
     # First over all indices (one reduction: cheaper than one per row on a small
-    # subgraph, benchmarks/NOTES.md, "Third round"); per row only where the whole
-    # range exceeds the smaller bound.
+    # subgraph, docs/design.md, "Per-call cost on small graphs"); per row only where
+    # the whole range exceeds the smaller bound.
     lo, hi = torch.aminmax(edge_index)
     lo, hi = (lo.item(), hi.item()) if edge_index.device.type == "cpu" else \
         torch.stack([lo, hi]).tolist()  # one host sync for both

@@ -655,9 +655,9 @@ class TransformerConv(_AttentionConv):
         terms to both), nor where the value's bias would need the sum of a row's
         weights and that sum is not one: attention dropout in effect or an
         explainer's edge mask (unless the values have no bias); nor with the
-        values' own dropout, which needs them projected. (On an H100 its input-space
-        forward ran slower than the projected one, but the training step ran faster:
-        benchmarks/NOTES.md, "Each row kernel its own schedule".)"""
+        values' own dropout, which needs them projected. On CUDA too: there its
+        input-space training step is the faster one (docs/design.md, "Input-space
+        aggregation")."""
         train = self.training
         biased = self.lin_value.bias is not None
         return (self.lin_edge is None

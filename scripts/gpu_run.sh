@@ -31,7 +31,7 @@
 #   log_3.txt, timeout_s 240 (part 4 or part 1 in a later lease, at most 570 s)
 #
 # Then copy the files from $OUT into benchmarks/results/ and write down the commit they ran on
-# (benchmarks/NOTES.md): the device machine's copy of the repository may carry other git metadata.
+# (in that folder's README.md): the device machine's copy of the repository may carry other git metadata.
 # The device machine has torch, PyG and Triton but no package registry and no ../shared, so gatlib
 # runs from this checkout (PYTHONPATH=.) and Cora's raw files travel in .planetoid. Each step has
 # its own time limit, so a step that overruns leaves the others' results; all output goes to

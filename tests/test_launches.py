@@ -27,8 +27,8 @@ pytest.importorskip("triton")
 # Kernel launches (Triton + ATen) of one forward+backward layer call on the
 # Cora-sized graph, (layer, heads, channels) -> budget, given a GraphPlan
 # ("gatlib") or the [2, E] tensor ("gatlib_tensor": a new plan in every call).
-# Today's counts (benchmarks/NOTES.md, "Launches per call and per step", has them
-# before and after).
+# Today's counts (docs/design.md, "Fewer launches per step", says what took them
+# down).
 LAYER_BUDGET = {
     "gatlib": {("gat", 3, 256): 8, ("gat", 8, 8): 8, ("gatv2", 3, 256): 11,
                ("gatv2", 8, 8): 11, ("transformer", 3, 256): 11, ("transformer", 8, 8): 11},

@@ -1,9 +1,8 @@
 """The compile and export tests under an older torch: the one the lent GPU machine runs (torch
 2.11, with Triton 3.6). Dynamo before torch 2.13 cannot trace code that 2.13 does (``find_spec``,
 ``id()``, ``torch.amp.is_autocast_available``, a function's truth value): on the H100 gatlib broke
-the graph at every layer while this suite, on 2.13, passed (benchmarks/NOTES.md, "The H100
-again"). ``scripts/setup_env.sh`` makes the second venv (``GATLIB_SECOND_TORCH=none`` leaves it
-out, and skips these tests)."""
+the graph at every layer while this suite, on 2.13, passed. ``scripts/setup_env.sh`` makes the
+second venv (``GATLIB_SECOND_TORCH=none`` leaves it out, and skips these tests)."""
 import os
 import subprocess
 import sys

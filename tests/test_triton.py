@@ -888,7 +888,7 @@ def test_kernel_arguments_do_not_shadow_the_launch_binder():
     kernel argument of the same name cannot be launched on a GPU. An argument
     called ``params`` made every real launch of the four main kernels fail,
     unseen by the interpreter, which binds no arguments (found by compiling the
-    kernels without a GPU: benchmarks/NOTES.md, "Compiled without a GPU").
+    kernels without a GPU).
     tests/test_triton_compile.py runs the real binder; this is its fast guard."""
     binder_locals = {"params", "specialization", "options", "backend", "specialize_impl",
                      "JITCallable"}

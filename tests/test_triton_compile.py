@@ -336,8 +336,8 @@ def test_a_compiled_step_launches_the_eager_kernels(tmp_path):
 
     As ``triton_op``s the kernels were compiled by inductor (torch 2.11-2.13), which
     passes no ``maxnreg`` to the compiler: compiled calls ran uncapped binaries, not
-    the ones the compile budget holds (NOTES, "Compiled calls launch the eager
-    kernels"). GATConv's output layer runs with ``compiled_gat_terms_in_kernel``, so
+    the ones the compile budget holds (docs/design.md, "Compiled calls launch the
+    eager kernels"). GATConv's output layer runs with ``compiled_gat_terms_in_kernel``, so
     that both steps form its terms in the kernels (compiled calls take the node terms
     by default: another kind)."""
     probe = textwrap.dedent("""
