@@ -98,6 +98,8 @@ def test_command_line_names_modules_and_scripts():
     module = str(ROOT / "gatlib" / "bench" / "compare.py")
     assert (report.command_line([module, "--graph", "cora", "--json", "a b.json"])
             == "python -m gatlib.bench.compare --graph cora --json 'a b.json'")
+    tool = str(ROOT / "tools" / "launches.py")  # (run from the checkout, not installed)
+    assert report.command_line([tool, "--json", "x.json"]) == "python -m tools.launches --json x.json"
     script = str(ROOT / "benchmarks" / "triton_bench.py")
     assert report.command_line([script]) == "python benchmarks/triton_bench.py"
     assert report.command_line(["/usr/local/bin/gatlib", "bench"]) == "gatlib bench"

@@ -68,14 +68,17 @@ def environment(device: torch.device | str) -> Dict[str, Any]:
         (python, torch, torch_geometric, gatlib, triton, torch_scatter,
         torch_sparse, pyg_lib, ogb, cuda; ``None`` where not installed),
         ``git_sha`` and ``git_dirty`` (whether the ``gatlib`` package —
-        library and harness, untracked files included — differs from that
-        commit; both ``None`` outside a git checkout) and ``platform``.
+        library and harness — or the checkout's ``tools/``, untracked files
+        included, differ from that commit; both ``None`` outside a git
+        checkout) and ``platform``.
     """
     from .. import __version__
 
     device = torch.device(device)
     sha = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--", ".") if sha is not None else None
+    # the package and, in a checkout, the developer instruments beside it (tools/
+    # writes results too; a path that is not there matches nothing)
+    status = _git("status", "--porcelain", "--", ".", "../tools") if sha is not None else None
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "gatlib": __version__, "cuda": torch.version.cuda}
     versions.update({dist: _version(dist) for dist in _DISTRIBUTIONS})
@@ -95,8 +98,9 @@ def environment(device: torch.device | str) -> Dict[str, Any]:
 
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
     """``argv`` (default ``sys.argv``) as a command to paste into a shell:
-    a module of this package as ``python -m gatlib.bench.compare``, a script of
-    the checkout as ``python benchmarks/x.py``, anything else (the ``gatlib``
+    a module of this package or of the checkout's ``tools/`` as
+    ``python -m gatlib.bench.compare`` or ``python -m tools.launches``, a script
+    of the checkout as ``python benchmarks/x.py``, anything else (the ``gatlib``
     console script) by its name."""
     argv = list(sys.argv if argv is None else argv)
     prog = Path(argv[0]).resolve() if argv else Path("python")
@@ -105,7 +109,7 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
     except ValueError:
         exe = prog.name
     else:
-        if rel.parts[:1] == (_PACKAGE.name,):
+        if len(rel.parts) > 1 and (_ROOT / rel.parts[0] / "__init__.py").is_file():  # a package
             parts = rel.with_suffix("").parts
             exe = "python -m " + ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
         else:
