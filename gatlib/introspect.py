@@ -1,7 +1,7 @@
 """What tools and tests that inspect gatlib's kernels may read: not a user API.
 
 The benchmark harness (:mod:`gatlib.bench`: the compile table of
-``gatlib.bench.triton_compile``, the launch counts of ``gatlib.bench.launches``,
+``tools.triton_compile``, the launch counts of ``tools.launches``,
 ``gatlib selftest``) and the tests look at the kernels themselves — their
 Triton jit functions, constants, the per-graph schedule, the dispatcher's
 kernel objects. They read them here, under public names, and never through the
@@ -261,7 +261,7 @@ def triton_admits_cpu_tensors() -> Iterator[None]:
     the block. The kernels then go through Triton's compiled launch path: that
     needs a current (stand-in) GPU target and a ``jit_cache_hook`` that skips
     every compile and launch — the caller's to set up
-    (``gatlib.bench.launches.triton_on_cpu`` does both)."""
+    (``tools.launches.triton_on_cpu`` does both)."""
     from unittest import mock
 
     with mock.patch.object(_dispatch, "_interpreting", lambda: True), \

@@ -2,7 +2,7 @@
 compiled GATConv training call, without a GPU (tests/test_compile.py runs this
 in a subprocess: Triton's real launch path, which ``TRITON_INTERPRET=1`` replaces).
 
-The layer runs on CPU tensors through :func:`gatlib.bench.launches.triton_on_cpu`
+The layer runs on CPU tensors through :func:`tools.launches.triton_on_cpu`
 (launches bound and skipped); the compiled call is traced by AOT autograd and run, its
 graphs calling gatlib's operators, which launch the kernels at run time. Prints
 one JSON object: ``{"eager": [KIND, ...], "compiled": [KIND, ...]}`` of the row
@@ -18,7 +18,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 import gatlib
 from gatlib import _triton, introspect
-from gatlib.bench.launches import Tally, triton_on_cpu
+from tools.launches import Tally, triton_on_cpu
 
 
 def main() -> None:

@@ -2,9 +2,16 @@
 import os
 import random
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The developer instruments (tools/) are run from a checkout, not installed: tests
+# import them from the repository root, wherever pytest was started.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter (numpy
 # emulation). The variable must be set before triton is first imported.
@@ -54,12 +61,15 @@ def pytest_report_header(config):
 # Environment variables that pytest, torch (inductor's first compile) and ogb's imports
 # (`outdated`, and the OpenMP settings of its dependencies) set themselves.
 OWN_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "OUTDATED_IGNORE", "KMP_")
+# The packages whose module constants a test must leave as it found them: the
+# library and harness, and the developer instruments the tests import.
+OWN_PACKAGES = ("gatlib", "tools")
 
 
 def _global_state():
     """What a test could change for the tests after it: torch's switches, the
     environment, and every plain value (number, string, tuple, None) at the top of
-    a gatlib module (its tunable constants)."""
+    a gatlib or tools module (its tunable constants)."""
     from torch.utils import deterministic
 
     state = {"torch threads": torch.get_num_threads(),
@@ -70,7 +80,7 @@ def _global_state():
                                      deterministic.fill_uninitialized_memory),
              "os.environ": {k: v for k, v in os.environ.items() if not k.startswith(OWN_ENV)}}
     for name, module in list(sys.modules.items()):
-        if name == "gatlib" or name.startswith("gatlib."):
+        if name in OWN_PACKAGES or name.startswith(tuple(p + "." for p in OWN_PACKAGES)):
             for attr, value in vars(module).items():
                 if isinstance(value, (bool, int, float, str, tuple, type(None))) \
                         and not attr.startswith("__"):
@@ -93,7 +103,7 @@ def _restore(before):
     os.environ.update(before["os.environ"])
     for key, value in before.items():
         module, _, attr = key.rpartition(".")
-        if module in sys.modules and key.startswith("gatlib"):
+        if module in sys.modules and key.startswith(OWN_PACKAGES):
             setattr(sys.modules[module], attr, value)
 
 

@@ -1,8 +1,9 @@
 """The commands the README and the docs show still work as written, at least as far as their
 argument parsing: every ``gatlib ...`` (also ``.venv/bin/gatlib``, under ``torchrun
---no-python``), ``python -m gatlib.bench.X ...`` and ``python benchmarks/X.py ...`` command parses
-with its program's real argparse parser, without running the job. Also: the README's test command
-is the one CI runs, the README stays short and names no commit hash, and relative links resolve.
+--no-python``), ``python -m gatlib.bench.X ...``, ``python -m tools.X ...`` and
+``python benchmarks/X.py ...`` command parses with its program's real argparse parser, without
+running the job. Also: the README's test command is the one CI runs, the README stays short and
+names no commit hash, and relative links resolve.
 """
 from __future__ import annotations
 
@@ -77,8 +78,8 @@ def split_commands(snippet: str) -> List[List[str]]:
 
 
 def invocation(words: List[str]) -> Optional[Tuple[str, List[str]]]:
-    """(program, argv) when ``words`` run gatlib, a gatlib.bench module or a benchmark script,
-    a shell script or pytest; else None."""
+    """(program, argv) when ``words`` run gatlib, a gatlib.bench module, a developer instrument
+    (``tools.X``) or a benchmark script, a shell script or pytest; else None."""
     while words and ENV_ASSIGNMENT.match(words[0]):
         words = words[1:]
     if not words or words[0].endswith("/"):  # a folder in a file tree, not a program
@@ -98,7 +99,8 @@ def invocation(words: List[str]) -> Optional[Tuple[str, List[str]]]:
         args = args if head == "pip" else args[2:]
         return ("pip", args[1:]) if args[:1] == ["install"] else None
     if re.fullmatch(r"python3?", head):
-        if args[:1] == ["-m"] and len(args) > 1 and (args[1] == "pytest" or args[1].startswith("gatlib.")):
+        if args[:1] == ["-m"] and len(args) > 1 and (args[1] == "pytest"
+                                                     or args[1].startswith(("gatlib.", "tools."))):
             return args[1], args[2:]
         if args and args[0].startswith("benchmarks/") and args[0].endswith(".py"):
             return args[0], args[1:]
@@ -120,7 +122,7 @@ def doc_commands(path: Path) -> List[Command]:
             continue
         for words in commands:
             inv = invocation(words)
-            if inv is not None and not (mention and inv[0].startswith(("gatlib", "pytest"))):
+            if inv is not None and not (mention and inv[0].startswith(("gatlib", "tools.", "pytest"))):
                 found.append(Command(doc, snippet.strip(), *inv))
     return found
 
@@ -129,7 +131,7 @@ COMMANDS = [c for path in DOCS for c in doc_commands(path)]
 
 
 def has_parser(program: str) -> bool:
-    return (program == "gatlib" or program.startswith("gatlib.bench.")
+    return (program == "gatlib" or program.startswith(("gatlib.bench.", "tools."))
             or program.startswith("benchmarks/") and program.endswith(".py"))
 
 
@@ -159,6 +161,8 @@ def parser_for(program: str, argv: List[str]) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(prog=f"python -m {program}")
         importlib.import_module(program).add_arguments(parser)
         return parser
+    if program == "tools.launches":  # (the repository root is on sys.path: conftest)
+        return importlib.import_module(program)._parser()
     if program.startswith("benchmarks/") and program.endswith(".py"):
         return _script(program).build_parser()
     raise AssertionError(f"no parser known for {program}: add it to parser_for")
@@ -166,10 +170,10 @@ def parser_for(program: str, argv: List[str]) -> argparse.ArgumentParser:
 
 @functools.lru_cache(maxsize=None)
 def _parse_triton_compile(argv: Tuple[str, ...]) -> Optional[str]:
-    """argparse's error for ``python -m gatlib.bench.triton_compile`` with ``argv``, or None."""
+    """argparse's error for ``python -m tools.triton_compile`` with ``argv``, or None."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    code = "import sys; from gatlib.bench.triton_compile import _parser; _parser().parse_args(sys.argv[1:])"
+    code = "import sys; from tools.triton_compile import _parser; _parser().parse_args(sys.argv[1:])"
     proc = subprocess.run([sys.executable, "-c", code, *argv], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     return proc.stderr if proc.returncode else None
@@ -178,7 +182,7 @@ def _parse_triton_compile(argv: Tuple[str, ...]) -> Optional[str]:
 def parse(command: Command) -> Optional[argparse.Namespace]:
     """``command``'s arguments parsed by its program's parser; a parse error fails with
     argparse's message."""
-    if command.program == "gatlib.bench.triton_compile":
+    if command.program == "tools.triton_compile":
         # It refuses to be imported under TRITON_INTERPRET=1 (conftest sets it): parse in a
         # process of its own.
         error = _parse_triton_compile(tuple(command.argv))
@@ -236,7 +240,7 @@ def test_commands_are_found():
     in_readme = [c for c in COMMANDS if c.doc == "README.md"]
     programs = {c.program for c in COMMANDS}
     assert len(in_readme) >= 10 and len(COMMANDS) >= 40, [str(c) for c in COMMANDS]
-    assert {"gatlib", "gatlib.bench.compare", "gatlib.bench.triton_compile", "pytest", "pip",
+    assert {"gatlib", "gatlib.bench.compare", "tools.triton_compile", "tools.launches", "pytest", "pip",
             "benchmarks/per_batch.py", "benchmarks/products_step.py",
             "benchmarks/run_accuracy.sh", "scripts/setup_env.sh"} <= programs, programs
     texts = [c.text for c in COMMANDS]

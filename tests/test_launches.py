@@ -1,5 +1,5 @@
 """The launch budget (issue 29, item 4): kernel launches of a layer call and of a
-Cora-sized training step, counted without a GPU by :mod:`gatlib.bench.launches`.
+Cora-sized training step, counted without a GPU by :mod:`tools.launches`.
 
 On a small graph a GPU step is launch-bound: each launch costs host time
 (~85 µs per gatlib launch on an H100 when the issue was written), so the count
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gatlib.bench import launches
+from tools import launches
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("triton")
@@ -41,7 +41,7 @@ LAYER_BUDGET = {
 STEP_BUDGET = {"gatlib": {"gat": 29, "gatv2": 34, "transformer": 34},
                "gatlib_tensor": {"gat": 155, "gatv2": 160, "transformer": 156}}
 # Value reads (syncs) per layer call on a new plan: the index check's two (one on
-# CUDA, see gatlib.bench.launches), the self-loops' (GAT layers) or whether the
+# CUDA, see tools.launches), the self-loops' (GAT layers) or whether the
 # edges are sorted already (TransformerConv), whether any row is split.
 NEW_PLAN_SYNCS = 4
 
@@ -52,7 +52,7 @@ def report(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    proc = subprocess.run([sys.executable, "-m", "gatlib.bench.launches", "--json", str(path)],
+    proc = subprocess.run([sys.executable, "-m", "tools.launches", "--json", str(path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0 and path.exists(), proc.stderr[-4000:]
     return json.loads(path.read_text())
@@ -174,14 +174,14 @@ def test_reads_without_an_aten_op_are_syncs():
 
 
 def test_host_time_launches_through_tritons_cached_path(report):
-    """``--host-time`` (gatlib.bench.launches.host_time) times a warmed step whose Triton
+    """``--host-time`` (tools.launches.host_time) times a warmed step whose Triton
     launches take Triton's cached path to stand-in binaries: every launch a step makes
     (the counted step's) reaches one, PyG's step makes none, and the stand-ins leave
     Triton's caches afterwards. No time is asserted (it is the machine's)."""
     code = (
         "import json\n"
         "from gatlib import introspect\n"
-        "from gatlib.bench import launches as L\n"
+        "from tools import launches as L\n"
         "g = L.cora_like()\n"
         "rows = [L.host_time(lib, 'gat', g, calls=2, repeats=1) for lib in ('gatlib', 'pyg')]\n"
         "left = sum(isinstance(v, L._StandInBinary) for fn in introspect.triton_kernels().values()\n"

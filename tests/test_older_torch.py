@@ -52,7 +52,7 @@ def test_small_and_wide_rows_compile_with_the_older_triton():
     _require_the_older_venv()
     script = (
         "import itertools, triton\n"
-        "from gatlib.bench import triton_compile as tc\n"
+        "from tools import triton_compile as tc\n"
         "cases = [tc.Case(k, d, c, e, e, e) for k, d, c, e in itertools.product(\n"
         "    tc.KINDS, ('float32', 'bfloat16'), (1, 2, 3, 4, 8), (False, True))]\n"
         "cases += [tc.Case(k, 'float32', 256, False, False, False) for k in tc.KINDS]\n"

@@ -5,7 +5,7 @@ skips what a real launch does first: the generated argument binder,
 specialisation, and the compiler. Here every specialisation the dispatcher
 launches (captured from its real forward and backward calls) is bound and
 compiled to a cubin for sm_80 and sm_90 with Triton's bundled ptxas
-(:mod:`gatlib.bench.triton_compile`), and its Triton IR is checked for 32-bit
+(:mod:`tools.triton_compile`), and its Triton IR is checked for 32-bit
 index arithmetic. This runs in a subprocess: this process has
 ``TRITON_INTERPRET=1`` (conftest), which the compiler must not see.
 """
@@ -39,7 +39,7 @@ def _run(args, **kw):
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("triton_compile") / "report.json"
-    proc = _run(["-m", "gatlib.bench.triton_compile", "--json", str(path)], timeout=3600)
+    proc = _run(["-m", "tools.triton_compile", "--json", str(path)], timeout=3600)
     assert path.exists(), proc.stderr[-4000:]
     return json.loads(path.read_text()), proc
 
@@ -209,7 +209,7 @@ def test_the_index_check_flags_32_bit_offsets(tmp_path):
     in 64 bits is not."""
     probe = textwrap.dedent("""
         import triton, triton.language as tl
-        from gatlib.bench.triton_compile import Spec, narrow_index_math, ttir
+        from tools.triton_compile import Spec, narrow_index_math, ttir
 
         @triton.jit
         def widened(x, n, C, BLOCK: tl.constexpr):
@@ -249,7 +249,8 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
         import gatlib
         from triton import knobs
         from gatlib import introspect
-        from gatlib.bench import triton_compile, selftest
+        from gatlib.bench import selftest
+        from tools import triton_compile
 
         keys = []
 
@@ -288,7 +289,7 @@ def test_the_grid_reads_the_binary_triton_compiles_for_the_launch(tmp_path):
     probe = textwrap.dedent("""
         import torch
         from gatlib import GraphPlan, _triton_kernels, _triton_schedule, introspect
-        from gatlib.bench import triton_compile
+        from tools import triton_compile
 
         launches = []
         cls = type(_triton_kernels._fwd_kernel)
@@ -349,7 +350,7 @@ def test_a_compiled_step_launches_the_eager_kernels(tmp_path):
         from triton import knobs
         import gatlib
         from gatlib import introspect
-        from gatlib.bench.launches import Tally, triton_on_cpu
+        from tools.launches import Tally, triton_on_cpu
 
         keys, calls, wrapped = [], set(), []
 

@@ -6,7 +6,7 @@ launch, on CPU tensors:
 
 * **Triton launches**: the layers run with ``backend="triton"`` on CPU tensors
   through Triton's real launch path under the stand-in NVIDIA driver of
-  :mod:`gatlib.bench.triton_compile`. Its ``jit_cache_hook`` counts every
+  :mod:`tools.triton_compile`. Its ``jit_cache_hook`` counts every
   launch attempt and skips the compile and the launch — so nothing is ever
   cached and the hook sees each launch, not each specialisation. The kernels'
   tiles and buckets are the GPU's (those of the compiled kernels, not the interpreter's),
@@ -63,7 +63,7 @@ default (torch.optim's ``_default_to_fused_or_foreach``), on CPU tensors it is
 not, and the per-parameter loop it would take instead is a different op
 sequence.
 
-``python -m gatlib.bench.launches --json benchmarks/results/launches_cpu_standin.json``
+``python -m tools.launches --json benchmarks/results/launches_cpu_standin.json``
 writes every count; ``tests/test_launches.py`` holds them to a budget.
 """
 from __future__ import annotations
@@ -232,7 +232,7 @@ def triton_on_cpu(tally: Tally):
     :func:`gatlib.introspect.triton_admits_cpu_tensors` lifts that for the block
     — the kernels are Triton's compiled ones, bound and specialised by its real
     launcher against a stand-in sm_90 driver
-    (:func:`gatlib.bench.triton_compile.stand_in_driver`)."""
+    (:func:`tools.triton_compile.stand_in_driver`)."""
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         tally.triton[fn.name] += 1
         return True  # skip the compile, and so the launch: nothing is cached
@@ -253,7 +253,7 @@ def _launch_path_on_cpu(hook, what: str):
 
     from gatlib import introspect
 
-    from .triton_compile import stand_in_driver
+    from tools.triton_compile import stand_in_driver
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
@@ -363,8 +363,8 @@ def cora_like(seed: int = 0) -> Graph:
     the undirected graph has about Cora's 10,556 edges; Cora's 1,433 features
     and 7 classes. (Launch counts depend on the graph only through whether it
     can have split rows: any graph of more than ``gatlib.introspect.TRITON_SPLIT`` edges.)"""
-    from . import synthetic
-    from .compare import with_self_loops
+    from gatlib.bench import synthetic
+    from gatlib.bench.compare import with_self_loops
 
     n, e, f = CORA["num_nodes"], CORA["num_edges"], CORA["num_features"]
     spec = synthetic.GraphSpec("cora-like", n, e // 2, f)
@@ -374,7 +374,7 @@ def cora_like(seed: int = 0) -> Graph:
 
 
 def _modules(layer: str, graph: Graph, heads: int, channels: int, scope: str) -> Dict:
-    from .compare import build_pair
+    from gatlib.bench.compare import build_pair
 
     return build_pair(layer, graph.x.size(1), heads, channels, "triton", torch.device("cpu"),
                       torch.float32, 0, scope, graph.num_classes)
@@ -383,7 +383,7 @@ def _modules(layer: str, graph: Graph, heads: int, channels: int, scope: str) ->
 def _graph_input(lib: str, layer: str, graph: Graph):
     import gatlib
 
-    from .compare import layer_edge_index
+    from gatlib.bench.compare import layer_edge_index
 
     ei = layer_edge_index(layer, graph.edge_index, graph.edge_index_loops)
     return gatlib.GraphPlan(ei, num_nodes=graph.x.size(0)) if lib == "gatlib" else ei
@@ -524,7 +524,7 @@ def table_rows(report: Dict) -> List[List[str]]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m gatlib.bench.launches",
+        prog="python -m tools.launches",
         description="Count the kernel launches (Triton and ATen) of a layer call and of a "
                     "Cora-sized training step, gatlib's and PyG's, on CPU (no GPU needed).")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every count here")
@@ -545,7 +545,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .report import command_line, environment, format_table, write_json
+    from gatlib.bench.report import command_line, environment, format_table, write_json
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -577,7 +577,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _main_host_time(args, layers: Sequence[str], libraries: Sequence[str]) -> int:
-    from .report import command_line, environment, format_table, write_json
+    from gatlib.bench.report import command_line, environment, format_table, write_json
 
     if args.calls < 1 or args.repeats < 1:
         raise ValueError(f"--calls and --repeats must be >= 1; got {args.calls}, {args.repeats}")

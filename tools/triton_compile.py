@@ -14,7 +14,7 @@ specialisation of arguments and the compiler. This module runs that path:
    sm_90 (H100) by ``triton.compile`` with the bundled ``ptxas``, whose
    resource report gives registers, spills and shared memory.
 
-``python -m gatlib.bench.triton_compile --json ... --table ...`` writes the
+``python -m tools.triton_compile --json ... --table ...`` writes the
 table kept in ``benchmarks/``; ``tests/test_triton_compile.py`` runs the same
 in the default test suite.
 """
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # must hold before triton is imported
-    raise RuntimeError("gatlib.bench.triton_compile needs Triton's compiler: unset TRITON_INTERPRET")
+    raise RuntimeError("tools.triton_compile needs Triton's compiler: unset TRITON_INTERPRET")
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -517,7 +517,7 @@ SUMMARY_HEADERS = ["kernel", "target", "specialisations", "compiled", "registers
 
 
 def render(report: Dict) -> str:
-    from .report import format_table
+    from gatlib.bench.report import format_table
 
     rows = report["rows"]
     lines = [
@@ -550,7 +550,7 @@ def render(report: Dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m gatlib.bench.triton_compile",
+        prog="python -m tools.triton_compile",
         description="Bind every specialisation of gatlib's Triton kernels with Triton's launch "
                     "binder and compile it for NVIDIA GPUs (no GPU needed).")
     parser.add_argument("--targets", default=",".join(TARGETS),
@@ -564,7 +564,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .report import command_line, environment, write_json
+    from gatlib.bench.report import command_line, environment, write_json
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -617,7 +617,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def format_summary(report: Dict) -> str:
-    from .report import format_table
+    from gatlib.bench.report import format_table
 
     return format_table(SUMMARY_HEADERS, summary_rows(report["rows"]), align="<<" + ">" * 7)
 
