@@ -1,9 +1,11 @@
 """Architecture rules: each piece of attention maths in its one home; no import cycles; the
-library imports nothing from the benchmark harness; kernels read the score's
-kind, not its class; provenance and result files are written in one place;
-the harness and benchmarks/ use public names only (gatlib.introspect for the kernels)."""
+library imports nothing from the benchmark harness, and the package nothing from the
+developer instruments (tools/, not installed); kernels read the score's kind, not its
+class; provenance and result files are written in one place; the harness, tools/ and
+benchmarks/ use public names only (gatlib.introspect for the kernels)."""
 import ast
 import io
+import os
 import re
 import subprocess
 import sys
@@ -16,6 +18,9 @@ import gatlib
 
 PKG = Path(gatlib.__file__).parent
 ROOT = PKG.parent
+# The developer instruments: a package of the checkout beside gatlib, not installed;
+# held to the harness's rules.
+TOOLS = ROOT / "tools"
 KERNELS = {"_fused_cpu.py", "_blocks.py", "_scores.py", "_triton.py", "_triton_kernels.py",
            "_triton_schedule.py"}
 
@@ -75,9 +80,9 @@ def enclosing(src):
     return out
 
 
-def misplaced_maths(modules):
-    """Lines of ``modules`` (``{name relative to gatlib/: source}``) that hold
-    attention maths outside its home (:data:`HOMES`)."""
+def misplaced_maths(modules, folder="gatlib"):
+    """Lines of ``modules`` (``{name relative to folder: source}``) that hold
+    attention maths outside its home (:data:`HOMES`: all in gatlib/)."""
     offenders = []
     for name, src in modules.items():
         where = enclosing(src)
@@ -85,10 +90,10 @@ def misplaced_maths(modules):
             for what, (pattern, homes) in HOMES.items():
                 if not re.search(pattern, code):
                     continue
-                home = homes.get(name, False)
+                home = homes.get(name, False) if folder == "gatlib" else False
                 if home is None or (home and where.get(no) in home):
                     continue
-                offenders.append(f"{what} at gatlib/{name}:{no} (in {where.get(no)}): {code.strip()}")
+                offenders.append(f"{what} at {folder}/{name}:{no} (in {where.get(no)}): {code.strip()}")
     return offenders
 
 
@@ -96,10 +101,14 @@ def package_sources():
     return {str(p.relative_to(PKG)): p.read_text() for p in sorted(PKG.rglob("*.py"))}
 
 
+def tool_files():
+    return sorted(TOOLS.glob("*.py"))
+
+
 def modules():
-    """{dotted module name: path} of every module in the package."""
+    """{dotted module name: path} of every module in the package and in tools/."""
     out = {}
-    for path in sorted(PKG.rglob("*.py")):
+    for path in [*sorted(PKG.rglob("*.py")), *tool_files()]:
         rel = path.relative_to(ROOT).with_suffix("")
         parts = list(rel.parts)
         if parts[-1] == "__init__":
@@ -131,6 +140,7 @@ def test_attention_maths_only_in_its_home():
     """Each score formula, the softmax and its segment reductions are written once,
     in their home (:data:`HOMES`); everything else calls them."""
     offenders = misplaced_maths(package_sources())
+    offenders += misplaced_maths({p.name: p.read_text() for p in tool_files()}, "tools")
     assert not offenders, "attention maths outside its home:\n" + "\n".join(offenders)
 
 
@@ -202,20 +212,66 @@ def test_no_import_cycles():
     assert not cycles, cycles
 
 
+def _is_tool(module: str) -> bool:
+    return module == "tools" or module.startswith("tools.")
+
+
+def _is_harness(module: str) -> bool:
+    return module.startswith("gatlib.bench") or _is_tool(module)
+
+
+def forbidden_imports(mods):
+    """``{module: [what it must not import]}``: the library (gatlib outside gatlib/bench)
+    imports neither the harness nor tools/; the harness does not import tools/ either
+    (it is installed, tools/ is not). tools/ may import both."""
+    out = {}
+    for m, p in mods.items():
+        if _is_tool(m):
+            out[m] = []
+            continue
+        bad = _is_tool if m.startswith("gatlib.bench") else _is_harness
+        out[m] = sorted(t for t in imports(m, p, mods) if bad(t))
+    return out
+
+
 def test_library_does_not_import_the_harness():
     mods = modules()
-    library = {m: p for m, p in mods.items() if not m.startswith("gatlib.bench")}
-    assert set(library) >= {"gatlib", "gatlib.layers", "gatlib.models", "gatlib._core",
-                            "gatlib._dispatch", "gatlib._fused_cpu", "gatlib._plan"}
-    offenders = {m: sorted(t for t in imports(m, p, mods) if t.startswith("gatlib.bench"))
-                 for m, p in library.items()}
-    assert not any(offenders.values()), offenders
-    # and at run time: using the library loads no harness module
+    library = {m for m in mods if not _is_harness(m)}
+    assert library >= {"gatlib", "gatlib.layers", "gatlib.models", "gatlib._core",
+                       "gatlib._dispatch", "gatlib._fused_cpu", "gatlib._plan"}
+    assert {"gatlib.bench.cli", "tools", "tools.launches", "tools.triton_compile"} <= set(mods)
+    offenders = forbidden_imports(mods)
+    assert not any(offenders.values()), {m: t for m, t in offenders.items() if t}
+    # and at run time: using the library loads no harness or tools module
     code = ("import sys, torch, gatlib, gatlib.models; "
             "x = torch.randn(4, 3); gatlib.GATConv(3, 2)(x, torch.tensor([[0, 1], [1, 2]])); "
-            "print(sorted(m for m in sys.modules if m.startswith('gatlib.bench')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            "print(sorted(m for m in sys.modules if m.startswith(('gatlib.bench', 'tools'))))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env)  # (tools/ importable, so that a stray import would load it)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+IMPORT_PROBES = {  # (module, source): what forbidden_imports must report
+    ("gatlib._probe", "from tools.launches import Tally"): ["tools.launches"],
+    ("gatlib._probe", "import tools"): ["tools"],
+    ("gatlib._probe", "from .bench import report"): ["gatlib.bench.report"],
+    ("gatlib._probe", "from gatlib.bench.compare import build_pair"): ["gatlib.bench.compare"],
+    ("gatlib.bench._probe", "from tools import triton_compile"): ["tools.triton_compile"],
+    ("gatlib.bench._probe", "from . import report"): [],
+    ("tools._probe", "from gatlib.bench import report\nfrom tools import launches"): [],
+}
+
+
+@pytest.mark.parametrize("probe", IMPORT_PROBES, ids=lambda p: f"{p[0]}: {p[1]}")
+def test_the_import_rule_sees_the_harness_and_tools(probe, tmp_path):
+    """The rule above can fail: a module of each part importing what it must not is flagged,
+    relative imports included, and what it may import is not."""
+    name, source = probe
+    path = tmp_path / "_probe.py"
+    path.write_text(source + "\n")
+    found = forbidden_imports({**modules(), name: path})[name]
+    assert found == IMPORT_PROBES[probe], found
 
 
 def test_kernels_do_not_import_the_switch():
@@ -228,7 +284,7 @@ def test_kernels_do_not_import_the_switch():
 def test_kernels_read_the_score_kind_not_its_class():
     """One score type: no isinstance/type dispatch on score classes anywhere."""
     offenders = []
-    for path in sorted(PKG.rglob("*.py")):
+    for path in [*sorted(PKG.rglob("*.py")), *tool_files()]:
         for no, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             if re.search(r"(isinstance\(|type\()[^)]*Score", code):
@@ -238,11 +294,12 @@ def test_kernels_read_the_score_kind_not_its_class():
 
 def test_provenance_and_tables_are_written_once():
     """Git commit, library versions, result JSON and tables come from
-    gatlib/bench/report.py: no other module of the package or benchmark script
-    computes them again."""
+    gatlib/bench/report.py: no other module of the package, tool or benchmark
+    script computes them again."""
     pattern = re.compile(r"rev-parse|importlib\.metadata|platform\.python_version|"
                          r"def (environment|write_json|format_table)\b")
-    files = [*PKG.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    files = [*PKG.rglob("*.py"), *tool_files(), *(ROOT / "benchmarks").glob("*.py")]
+    assert {"launches.py", "triton_compile.py"} <= {p.name for p in tool_files()}
     offenders = [f"{path.relative_to(ROOT)}:{no}"
                  for path in files if path.name != "report.py"
                  for no, line in enumerate(path.read_text().splitlines(), 1)
@@ -266,7 +323,9 @@ PRIVATE_TORCH_API = {
 
 
 def test_private_torch_api_only_where_listed():
-    """In the library; the benchmark harness (gatlib/bench) may read dynamo's counters."""
+    """In the library; the benchmark harness (gatlib/bench) and the developer
+    instruments (tools/, outside the package) may read dynamo's counters and
+    Triton's and torch's internals."""
     found = set()
     for path in sorted(p for p in PKG.rglob("*.py") if "bench" not in p.relative_to(PKG).parts):
         for no, line in enumerate(path.read_text().splitlines(), 1):
@@ -283,7 +342,10 @@ def test_private_torch_api_only_where_listed():
 # ---------------------------------------------------------------------------
 # Public names only outside the library
 # ---------------------------------------------------------------------------
-HARNESS = [*sorted((PKG / "bench").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+HARNESS = [*sorted((PKG / "bench").glob("*.py")), *tool_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]
+# The packages whose private names the harness, tools/ and benchmarks/ must not use
+# (tools/ is harness too: one tool does not read another's internals).
+OURS = ("gatlib", "tools")
 # getattr-like calls whose string argument names an attribute
 ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr", "object"}  # (mock.patch.object)
 
@@ -316,15 +378,16 @@ def _root(node):
 
 
 def private_uses(rel: str, source: str, library_private) -> list:
-    """Where ``source``, of ``rel`` (a module of gatlib/bench or a script of benchmarks/), uses
-    a private name of gatlib: imports a private gatlib module or name
+    """Where ``source``, of ``rel`` (a module of gatlib/bench or tools/, or a script of
+    benchmarks/), uses a private name of gatlib or tools: imports a private module or name
     (``from gatlib._x import``, ``from gatlib import _x``, ``import gatlib._x``,
-    ``from .._x import``, ``from .mod import _name``), reads a private attribute of
-    a gatlib module (``_triton.x``, ``measure._child_env``) or a private name the
+    ``from .._x import``, ``from .mod import _name``, ``from tools.mod import _name``),
+    reads a private attribute of a gatlib or tools module (``_triton.x``,
+    ``measure._child_env``, ``launches._StandInBinary``) or a private name the
     library defines on any object that is not another package's (``plan._layout``,
     ``getattr(m, "_tile")``); or, in benchmarks/, imports another script."""
     tree = ast.parse(source)
-    package = "gatlib.bench" if rel.startswith("gatlib/bench/") else None
+    package = {"gatlib/bench/": "gatlib.bench", "tools/": "tools"}.get(rel.rpartition("/")[0] + "/")
     scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} | {"benchmarks"}
     gatlib_names, foreign_names, found = set(), {"self", "cls"}, []
 
@@ -336,7 +399,7 @@ def private_uses(rel: str, source: str, library_private) -> list:
             for a in node.names:
                 parts = a.name.split(".")
                 bound = a.asname or parts[0]
-                if parts[0] == "gatlib":
+                if parts[0] in OURS:
                     gatlib_names.add(bound)
                     if any(map(_private, parts)):
                         flag(node, f"import {a.name}")
@@ -346,7 +409,7 @@ def private_uses(rel: str, source: str, library_private) -> list:
                     flag(node, f"a script imports another script: import {a.name}")
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                assert package, f"{rel}: a relative import outside gatlib/bench"
+                assert package, f"{rel}: a relative import outside gatlib/bench and tools/"
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
@@ -355,7 +418,7 @@ def private_uses(rel: str, source: str, library_private) -> list:
             bound = {a.asname or a.name for a in node.names}
             if package is None and parts[0] in scripts:
                 flag(node, f"a script imports another script: from {module} import ...")
-            if parts[0] != "gatlib":
+            if parts[0] not in OURS:
                 foreign_names |= bound
                 continue
             gatlib_names |= bound
@@ -375,12 +438,13 @@ def private_uses(rel: str, source: str, library_private) -> list:
 
 
 def test_the_harness_and_benchmarks_use_public_names_only():
-    """gatlib/bench and benchmarks/ see the library as its users do — gatlib,
+    """gatlib/bench, tools/ and benchmarks/ see the library as its users do — gatlib,
     gatlib.layers, gatlib.models — plus the kernels' documented introspection
     surface, gatlib.introspect; no script imports another script's helper, no
-    harness module another's private name. (The library's internals stay free
+    harness module or tool another's private name. (The library's internals stay free
     to change; tests/ may look inside.)"""
     library_private = library_private_names()
+    assert {"tools/launches.py", "tools/triton_compile.py"} <= {p.relative_to(ROOT).as_posix() for p in HARNESS}
     assert {"_layout", "_triton", "_dispatch", "_SPLIT", "_check_interpreter"} <= library_private
     offenders = [f for path in HARNESS
                  for f in private_uses(path.relative_to(ROOT).as_posix(), path.read_text(), library_private)]
@@ -388,10 +452,10 @@ def test_the_harness_and_benchmarks_use_public_names_only():
 
 
 def test_the_private_name_rule_catches_each_form():
-    """The rule above, on one line of each form it must flag, and on the
-    private names of other packages that the harness may use."""
+    """The rule above, on one line of each form it must flag (in gatlib/bench, tools/
+    and benchmarks/), and on the private names of other packages that they may use."""
     library_private = library_private_names()
-    bench, benchmarks = "gatlib/bench/probe.py", "benchmarks/probe.py"
+    bench, benchmarks, tool = "gatlib/bench/probe.py", "benchmarks/probe.py", "tools/probe.py"
     flagged = {
         "from gatlib._triton import attention": bench,
         "from gatlib import _triton": bench,
@@ -405,14 +469,26 @@ def test_the_private_name_rule_catches_each_form():
         "x = getattr(m, '_tile')": benchmarks,
         "import plan_cost": benchmarks,
         "from per_batch import main": benchmarks,
+        "from gatlib._plan import GraphPlan": tool,
+        "from gatlib.bench.compare import _helper": tool,
+        "from tools.triton_compile import _case_tensors": tool,
+        "from .triton_compile import _case_tensors": tool,
+        "from tools import launches\nlaunches._StandInBinary": tool,
+        "import tools.launches\ntools.launches._LOOK_INSIDE": benchmarks,
+        "from gatlib import introspect\nintrospect._triton": tool,
     }
-    allowed = ["import torch\ntorch._dynamo.reset()",
-               "from torch._dynamo.utils import counters",
-               "from triton.runtime import driver\ndriver._active = None",
-               "def f(func):\n    return func._schema.name",
-               "from gatlib import introspect\nintrospect.TRITON_SPLIT",
-               "from .compare import with_self_loops"]
-    for code, where in [*flagged.items(), *((c, bench) for c in allowed)]:
+    allowed = {"import torch\ntorch._dynamo.reset()": bench,
+               "from torch._dynamo.utils import counters": bench,
+               "from triton.runtime import driver\ndriver._active = None": bench,
+               "def f(func):\n    return func._schema.name": bench,
+               "from gatlib import introspect\nintrospect.TRITON_SPLIT": bench,
+               "from .compare import with_self_loops": bench,
+               "from torch._library.custom_ops import OPDEFS\nOPDEFS[n]._init_fn": tool,
+               "from gatlib.bench.compare import with_self_loops": tool,
+               "from tools.triton_compile import stand_in_driver": tool,
+               "from .triton_compile import stand_in_driver": tool,
+               "from tools import launches\nlaunches.triton_on_cpu": benchmarks}
+    for code, where in [*flagged.items(), *allowed.items()]:
         found = private_uses(where, code, library_private)
         assert bool(found) == (code in flagged), (code, found)
 
@@ -427,7 +503,7 @@ def test_only_the_plan_module_touches_the_plans_internals():
     internals |= {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and _private(n.name)}
     assert {"_layout", "_base_ei", "_owned", "_derived"} <= internals
     offenders = [f"{path.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}"
-                 for path in sorted(PKG.rglob("*.py")) if path.name != "_plan.py"
+                 for path in [*sorted(PKG.rglob("*.py")), *tool_files()] if path.name != "_plan.py"
                  for n in ast.walk(ast.parse(path.read_text()))
                  if isinstance(n, ast.Attribute) and n.attr in internals
                  and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
