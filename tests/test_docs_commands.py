@@ -277,6 +277,11 @@ def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= 300
 
 
+def test_decisions_are_short():
+    """One short entry per decision that stands: a record, not a lab notebook."""
+    assert len((ROOT / "docs" / "design.md").read_text().splitlines()) <= 400
+
+
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_commit_hashes(path):
     hits = [(n, m.group()) for n, line in enumerate(path.read_text().splitlines(), 1)
