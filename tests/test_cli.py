@@ -105,6 +105,7 @@ def test_compare_is_registered_and_delegates(monkeypatch, capsys):
     assert "usage: gatlib compare" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_entry_point():
     res = subprocess.run([sys.executable, "-m", "gatlib.bench.cli", "bench", "--help"],
                          capture_output=True, text=True, timeout=120)

@@ -109,6 +109,7 @@ def test_synthetic_graph_cache_roundtrip(tmp_path):
 
 
 # --- compare ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_compare_end_to_end_json(tmp_path, capsys):
     rc, rep = run_compare(tmp_path, "--layer", "all", "--no-memory")
     assert rc == 0
@@ -138,6 +139,7 @@ def test_compare_end_to_end_json(tmp_path, capsys):
     assert "TransformerConv" in out and f"gatlib kernels: GATConv {', '.join(rep['kernels']['gat'])};" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graph_input", ["plan", "tensor"])
 def test_graph_input_plan_or_tensor(tmp_path, monkeypatch, graph_input):
     """gatlib's layer gets a GraphPlan built once, or the tensor; PyG always the tensor."""
@@ -214,6 +216,7 @@ def _check_four_sides(rep, passes):
         assert set(compare_report.MEMORY_RATIOS) <= set(row)
 
 
+@pytest.mark.slow
 def test_model_scope_end_to_end(tmp_path, capsys, static_compile):
     """One training step of a 2-layer model, PyG's and gatlib's with the same weights,
     each eager and compiled; memory measured in fresh child processes, where the
@@ -239,6 +242,7 @@ def test_model_scope_end_to_end(tmp_path, capsys, static_compile):
     assert "gatlib compiled kernels: GATConv fused, fused.backward; torch.compile(" in out
 
 
+@pytest.mark.slow
 def test_layer_scope_four_sides(tmp_path, monkeypatch, static_compile):
     """--scope layer, the four sides; the compiled ones are torch.compile's modules (of
     the same objects as the eager sides') and get a graph input of their own. (The
@@ -304,6 +308,7 @@ def _bad_backend(scale):
     return backend
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale, status", [(1.5, "mismatch"), (None, "error")])
 def test_a_compiled_side_that_disagrees_or_fails_is_not_timed(tmp_path, monkeypatch, capsys,
                                                               scale, status):
@@ -323,6 +328,7 @@ def test_a_compiled_side_that_disagrees_or_fails_is_not_timed(tmp_path, monkeypa
     assert "torch.compile(gatlib.GATConv(backend='fused')) " in err and "Not timing it" in err
 
 
+@pytest.mark.slow
 def test_compile_mode_reaches_both_compiled_sides(tmp_path, monkeypatch):
     """--compile-mode goes to torch.compile for PyG's and gatlib's modules alike (each
     graph a backend compiled was given it) and into the report's options."""
@@ -390,6 +396,7 @@ def _tiny_spec(tmp_path, n=300, e=1000, f=8):
             "graph_input": "plan", "seed": 0, "threads": torch.get_num_threads()}
 
 
+@pytest.mark.slow
 def test_cpu_memory_is_measured_in_a_fresh_process(tmp_path):
     spec = {**_tiny_spec(tmp_path, 3000, 30_000, 32), "impl": "pyg"}
     res = measure.peak_rss_child(spec, tmp_path)
@@ -433,6 +440,7 @@ def _pyg_runs_out_of_memory(monkeypatch, exc):
     monkeypatch.setattr(compare, "make_pass", make_pass)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exc", [torch.OutOfMemoryError("CUDA out of memory."), MemoryError()])
 def test_out_of_memory_is_a_result(tmp_path, monkeypatch, capsys, exc):
     _pyg_runs_out_of_memory(monkeypatch, exc)
@@ -445,6 +453,7 @@ def test_out_of_memory_is_a_result(tmp_path, monkeypatch, capsys, exc):
     assert "OOM" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_peak_rss_reports_oom(tmp_path, monkeypatch):
     _pyg_runs_out_of_memory(monkeypatch, MemoryError())
     spec = _tiny_spec(tmp_path)
@@ -539,6 +548,7 @@ def test_cuda_without_a_gpu_exit_2(tmp_path):
     assert compare.main([*TINY, "--device", "cuda", "--data-dir", str(tmp_path)]) == 2
 
 
+@pytest.mark.slow
 def test_module_entry_point():
     res = subprocess.run([sys.executable, "-m", "gatlib.bench.compare", "--help"],
                          capture_output=True, text=True, timeout=120)
@@ -584,6 +594,7 @@ def test_compare_table_renders_a_report_and_judges_the_target(tmp_path):
     assert "target (forward+backward: ≥4.5x" in table.render([path])
 
 
+@pytest.mark.slow
 def test_compare_table_renders_compiled_sides(tmp_path, monkeypatch):
     """A schema 3 report (here compiled with a backend that runs the traced graphs as
     they are: cheap) gets a table of times, one of memory and one of first calls; the

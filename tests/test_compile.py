@@ -16,6 +16,8 @@ import gatlib
 
 from testing import LAYERS, NoHostSync, random_graph
 
+pytestmark = pytest.mark.slow  # inductor compiles: not in the fast lane
+
 N, N_DST, F_IN, D = 60, 25, 8, 3
 
 

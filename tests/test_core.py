@@ -109,6 +109,7 @@ def test_segment_softmax_huge_logits_and_groups():
 # ---------------------------------------------------------------------------
 # (b) gradcheck in float64 (the fused kernels' autograd functions have their own)
 # ---------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", kernels(exclude=("triton",)))
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradcheck_float64(kind, backend):

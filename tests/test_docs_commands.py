@@ -197,6 +197,7 @@ def parse(command: Command) -> Optional[argparse.Namespace]:
         pytest.fail(f"{command}\ndoes not parse:\n{stderr.getvalue()}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [c for c in COMMANDS if has_parser(c.program)], ids=str)
 def test_command_parses(command):
     args = parse(command)

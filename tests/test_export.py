@@ -40,6 +40,7 @@ def _gatlib_ops(ep):
                    if "gatlib" in str(node.target)})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 @pytest.mark.parametrize("layer", LAYERS)
 def test_one_exported_program_serves_every_graph_size(layer, strict):

@@ -77,6 +77,7 @@ def drop_input(E, H, p, weighted, g):
 # ---------------------------------------------------------------------------
 # (b) gradcheck and gradgradcheck in float64
 # ---------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("edge", [False, True], ids=["no_edge", "edge"])
 @pytest.mark.parametrize("p", [0.0, 0.4], ids=["no_dropout", "dropout"])
@@ -97,6 +98,7 @@ def test_gradcheck(blocks, kind, edge, p, weighted):
     assert "fused" in log and "fused.backward" in log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("edge", [False, True], ids=["no_edge", "edge"])
 @pytest.mark.parametrize("weighted", [False, True], ids=["", "edge_weights"])
@@ -117,6 +119,7 @@ def test_gradgradcheck(kind, edge, weighted):
     assert "fused.backward:reference" in log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, recompute", [("gat", False), ("gat", True), ("gatv2", False),
                                              ("dot", False)])  # (only GAT recomputes alpha)
 @pytest.mark.parametrize("edge", [False, True], ids=["no_edge", "edge"])

@@ -277,6 +277,7 @@ print("first call ok")
 """
 
 
+@pytest.mark.slow
 def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(tmp_path):
     """A process SIGKILLed while it compiles the passes (an out-of-memory kill, a
     notebook restart) must not leave a lock that makes every later process wait

@@ -100,6 +100,7 @@ def test_input_space_is_the_projected_path(layer, concat, backend, monkeypatch):
             torch.testing.assert_close(got[0][N_DST - 5:N_DST], alone)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
 def test_gradcheck_in_input_space(layer, backend):
@@ -164,6 +165,7 @@ def test_gat_attention_dropout_and_explainer_masks_stay_in_input_space(monkeypat
     assert_same(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
 def test_input_space_compiles_without_a_graph_break(layer):
     conv = make(layer, "fused").float()
@@ -174,6 +176,7 @@ def test_input_space_compiles_without_a_graph_break(layer):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", ["GATConv", "TransformerConv"])
 def test_input_space_compiled_on_the_triton_kernels(layer, monkeypatch):
     """A compiled training call of the input-space form on the Triton kernels (their

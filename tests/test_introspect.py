@@ -28,6 +28,7 @@ def test_dispatcher_kernels_are_the_dispatchers(monkeypatch):
     assert introspect.kernel("triton") is stand_in
 
 
+@pytest.mark.slow
 def test_importing_it_needs_no_triton():
     code = ("import sys; sys.modules['triton'] = None; import torch, gatlib.introspect as i; "
             "print(i.kernel('triton').available(torch.device('cpu')), 'gatlib._triton' in sys.modules)")

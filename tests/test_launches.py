@@ -21,6 +21,8 @@ import torch
 
 from tools import launches
 
+pytestmark = pytest.mark.slow  # the launch counter runs in a subprocess: not in the fast lane
+
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("triton")
 

@@ -183,6 +183,7 @@ def test_prepare_graph_adds_exactly_one_self_loop_per_node(cora):
     assert torch.equal(graph.edge_index[:, ~loops], cora.data.edge_index)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gat", "gatv2", "transformer"])
 def test_short_training_run_learns_cora(cora, model):
     """A few dozen epochs reach far above chance (1/7 = 14%) on the public split

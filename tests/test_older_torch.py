@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the compile tests again, under torch 2.11: not in the fast lane
+
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = os.environ.get("GATLIB_SECOND_TORCH", "none")
 PYTHON = ROOT / f".venv-torch{VERSION}" / "bin" / "python"

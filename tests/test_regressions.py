@@ -41,6 +41,7 @@ def conv(layer="GATConv", **kw):
 # ---------------------------------------------------------------------------
 # Graph inputs stay the caller's
 # ---------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", kernels())
 def test_layer_keeps_no_edge_index_alive(backend):
     """A mini-batch loop passes a new edge_index each time: none may outlive its
@@ -272,6 +273,7 @@ def _two_layer(module, layer):
     return Net()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", LAYERS)
 def test_compiled_training_step_breaks_no_more_than_pyg(layer):
     """torch.compile of a full-batch training step splits the graph no more often

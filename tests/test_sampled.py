@@ -133,6 +133,7 @@ def test_fake_products_needs_the_graph(products):
     assert float((lin(x[test]).argmax(-1) == y[test]).float().mean()) < 0.5
 
 
+@pytest.mark.slow
 def test_bench_neighbor_loader_learns_fake_products(products_dir, tmp_path):
     """`gatlib bench --loader neighbor`: PyG's products recipe, 10 epochs, above
     80% test accuracy (chance ~2%; features alone < 50%), the fused kernel on the
@@ -161,6 +162,7 @@ def test_bench_neighbor_loader_learns_fake_products(products_dir, tmp_path):
     assert report["test_acc"][0] > 80
 
 
+@pytest.mark.slow
 def test_shuffled_training_labels_stay_below_the_threshold(products):
     """The same run learning nothing real (training labels permuted) stays far
     below the 80% the test above asks for."""
@@ -194,6 +196,7 @@ def _torchrun(*args, timeout=240):
                           timeout=timeout, env=_subprocess_env(), cwd=TESTS)
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(products_dir, products, tmp_path):
     """2 processes with batches of 100 against 1 process with batches of 200,
     same seed, full neighbourhoods and no dropout (nothing random after
@@ -226,6 +229,7 @@ def test_two_processes_match_one(products_dir, products, tmp_path):
     assert one.history[-1]["loss"] < 0.8 * one.history[0]["loss"]  # it trained
 
 
+@pytest.mark.slow
 def test_torchrun_gatlib_bench(products_dir, tmp_path):
     """The documented command: `torchrun --nproc-per-node 2 --no-python gatlib
     bench ... --loader neighbor` trains, rank 0 alone prints the table and writes

@@ -28,6 +28,7 @@ def _selftest(tmp_path, *extra, monkeypatch=None):
     return rc, (json.loads(out.read_text()) if out.exists() else None)
 
 
+@pytest.mark.slow
 def test_selftest_end_to_end(tmp_path, capsys, monkeypatch):
     table = tmp_path / "selftest.md"
     rc, rep = _selftest(tmp_path, "--graphs", "synthetic:100:400:8", "--heads", "1",
@@ -98,6 +99,7 @@ def _reference_instead(monkeypatch):  # right numbers, but not from the Triton k
     monkeypatch.setitem(_dispatch.KERNELS, "triton", _dispatch.ReferenceKernel())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation, expect", [
     (_skip_split_merge, "max abs error"),
     (_skip_gradient_merge, "grad dst: max abs error"),
@@ -225,6 +227,7 @@ def test_selftest_is_registered(capsys):
     assert "usage: gatlib selftest" in out and "--graphs" in out and "--quick" in out
 
 
+@pytest.mark.slow
 def test_the_compiled_step_check_passes_and_can_fail():
     """The GPU checks' compiled training step (run here on the interpreter): the
     compiled model agrees with the eager one, and a compiled model whose output is
@@ -245,6 +248,7 @@ def test_the_compiled_step_check_passes_and_can_fail():
     assert where == "loss" or where.startswith(("conv1.", "conv2.")), detail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", selftest.KINDS)
 def test_the_output_layer_check_passes_and_can_fail(kind, monkeypatch):
     """The GPU checks' output-layer call (one head of 40 channels, run here on the

@@ -234,6 +234,7 @@ def forbidden_imports(mods):
     return out
 
 
+@pytest.mark.slow
 def test_library_does_not_import_the_harness():
     mods = modules()
     library = {m for m in mods if not _is_harness(m)}

@@ -153,6 +153,7 @@ def test_wide_channels_narrow_the_edge_tile(monkeypatch):
     compare(score, v, ei, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "dot", "gat_projected"])
 def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monkeypatch):
     """At wide rows the dst backward takes the forward's tile and the src backward a
@@ -222,6 +223,7 @@ def _small_graph():
                          [0, 0, 0, 0, 1, 1, 1, 2, 2, 0]], device=DEVICE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradcheck_float64(kind, monkeypatch):
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 3)  # rows of 4+ edges are merged pieces
@@ -306,6 +308,7 @@ def test_values_and_keys_of_one_head_are_read_in_place(form, slots, monkeypatch)
     assert all(c["SHARE_V"] == (form == "dot_key_is_value") for c in row_kernels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["gat", "dot_key_is_value"])
 def test_one_head_values_gradcheck(form, monkeypatch):
     """gradcheck (float64) of the one-head forms, split pieces and dropout included."""
@@ -528,6 +531,7 @@ def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
         assert [consts[f"E{g}"] for g in range(len(groups))] == [e for *_, e in groups]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form,C,fwd,src", [
     ("gat", 128, (4, 4, 3), (4, 4)), ("gatv2", 128, (4, 4, 3), (4, 4)),
     ("dot", 128, (4, 4, 3), (4, 4)), ("gat_one_head", 128, (4, 4, 3), (4, 4)),
@@ -609,6 +613,7 @@ def _lane_heads(monkeypatch):
     return hp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("H,dtype,gpu_tiles", [(3, torch.float64, False), (3, torch.float64, True),
                                                (5, torch.float32, False), (2, torch.float32, True)],
                          ids=["H3-float64", "H3-float64-gpu_tiles", "H5-float32",
@@ -681,6 +686,7 @@ AHEAD_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form,C", list(AHEAD_CASES), ids=[f"{f}-C{c}" for f, c in AHEAD_CASES])
 def test_blocks_load_their_successors_edge_ranges(form, C, monkeypatch):
     """The row kernels' programs load each next block's edge ranges while a block runs
@@ -869,6 +875,7 @@ def test_unsupported_calls_raise_with_the_reason():
 # ---------------------------------------------------------------------------
 # Property test over drawn graphs (fewer examples: the interpreter is slow).
 # ---------------------------------------------------------------------------
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=graphs(max_nodes=8, max_edges=25, max_hub=300), H=st.integers(1, 3),
        kind=st.sampled_from(KINDS), seed=st.integers(0, 2**16))
@@ -954,6 +961,7 @@ def test_projected_gat_is_the_reference(case, H, C, edge, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_projected_gat_gradcheck_and_second_order():
     ei = _small_graph()
     n = int(ei.max()) + 1
@@ -1065,6 +1073,7 @@ def test_output_bias_is_added_by_the_kernels(kind, case, monkeypatch):
         torch.testing.assert_close(res["triton"][0][:8], bias.detach().expand(8, -1), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gat", "gatv2", "gat_projected"])
 def test_output_bias_gradcheck_and_second_order(kind, monkeypatch):
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 3)  # rows of 4+ edges are merged pieces

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the compile table: every specialisation through ptxas: not in the fast lane
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_fwd_kernel", "_alpha_kernel", "_keep_kernel", "_bwd_dst_kernel", "_bwd_src_kernel",
            "_merge_kernel"}

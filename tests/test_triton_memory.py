@@ -114,6 +114,7 @@ def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_rows=0):
     return fwd, bwd, largest_temp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alpha", [False, True], ids=["out", "alpha"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch):
@@ -195,6 +196,7 @@ def test_values_of_one_head_are_not_copied_per_head(form, recorder):
 # (.item(), bool(), int()), or output sizes that depend on values
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
     """A training call (dropout, attention weights with a gradient, split hubs)
