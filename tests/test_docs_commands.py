@@ -161,8 +161,9 @@ def parser_for(program: str, argv: List[str]) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(prog=f"python -m {program}")
         importlib.import_module(program).add_arguments(parser)
         return parser
-    if program == "tools.launches":  # (the repository root is on sys.path: conftest)
-        return importlib.import_module(program)._parser()
+    if program.startswith("tools."):  # (the repository root is on sys.path: conftest)
+        module = importlib.import_module(program)
+        return (module._parser if hasattr(module, "_parser") else module.build_parser)()
     if program.startswith("benchmarks/") and program.endswith(".py"):
         return _script(program).build_parser()
     raise AssertionError(f"no parser known for {program}: add it to parser_for")
@@ -316,6 +317,6 @@ def test_the_gpu_run_commands_parse():
         (words,) = split_commands(line)
         program, argv = invocation(words)
         assert program in ("gatlib.bench.selftest", "gatlib.bench.compare",
-                           "benchmarks/triton_sweep.py", "benchmarks/input_space.py",
-                           "benchmarks/profile_step.py"), line
+                           "tools.triton_sweep", "benchmarks/input_space.py",
+                           "tools.profile_step"), line
         parse(Command("scripts/gpu_run.sh", line, program, argv))
