@@ -26,6 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+# The docs with results tables, whose reproduce commands name benchmarks/' scripts.
+RESULTS = {"README.md", "docs/benchmarks.md", "docs/distributed.md", "docs/gpu.md"}
 # Placeholders in commands, as `selftest_<gpu>.json`: a concrete value to parse with.
 PLACEHOLDERS = {"gpu": "h100"}
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
@@ -137,16 +139,12 @@ def has_parser(program: str) -> bool:
 
 def _script(path: str):
     """A benchmarks/ script imported from its file (benchmarks/ is not a package; its scripts
-    import each other by name)."""
+    import the package only: tests/test_structure.py)."""
     name = "_docs_" + Path(path).stem
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / path)
         module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.path.remove(str(ROOT / "benchmarks"))
+        spec.loader.exec_module(module)
         sys.modules[name] = module
     return sys.modules[name]
 
@@ -250,6 +248,27 @@ def test_commands_are_found():
     # The README's main job: setup, then the installed command behind an environment variable.
     main_job = [c for c in in_readme if c.program == "gatlib" and ".venv/bin/gatlib" in c.text]
     assert main_job and main_job[0].argv[:1] == ["bench"]
+
+
+def test_benchmarks_holds_the_tables_reproducers_only():
+    """benchmarks/ keeps the scripts that reproduce a results table (each run by a command
+    shown in RESULTS) and the renderers those scripts call; benchmarks/README.md has a row
+    for each. A script only design.md runs is an instrument: tools/. Every developer
+    instrument in tools/ has a command in the docs, which test_command_parses parses."""
+    shown = {c.program for c in COMMANDS if c.doc in RESULTS}
+    run = {p for p in shown if p.startswith("benchmarks/")}
+    for script in [p for p in run if p.endswith(".sh")]:
+        run |= set(re.findall(r"benchmarks/\w+\.(?:py|sh)", (ROOT / script).read_text()))
+    scripts = {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").iterdir()
+               if p.suffix in (".py", ".sh")}
+    assert {"benchmarks/run_accuracy.sh", "benchmarks/make_tables.py",
+            "benchmarks/compare_table.py"} <= scripts & run
+    assert not scripts - run, f"in benchmarks/ but reproducing no documented table: {scripts - run}"
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    assert all(f"| `{Path(s).name}` |" in index for s in scripts), "a script without its row"
+    tools = {f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__"}
+    assert {"tools.launches", "tools.triton_sweep"} <= tools
+    assert not tools - {c.program for c in COMMANDS}, tools - {c.program for c in COMMANDS}
 
 
 def test_a_bad_command_fails():
