@@ -5,7 +5,7 @@ The benchmark harness (:mod:`gatlib.bench`: the compile table of
 ``gatlib selftest``) and the tests look at the kernels themselves — their
 Triton jit functions, constants, the per-graph schedule, the dispatcher's
 kernel objects. They read them here, under public names, and never through the
-private modules (``tests/test_structure.py`` holds the harness and
+private modules (``tests/test_structure.py`` holds the harness, ``tools/`` and
 ``benchmarks/`` to that). Each name is a thin alias over the kernels' own
 object, looked up when called, so a test that patches a kernel module sees its
 patch here.
@@ -137,7 +137,7 @@ def triton_tiles(tile: Optional[int] = None, programs_per_sm: Optional[int] = No
     lane per item and head), and whether the row kernels' blocks load their successor's
     edge ranges at rows of 128 channels or more under a register cap (``items_ahead``: 1,
     the library's, or 0: each block its own) set to these (``None``: as they are), for schedule sweeps
-    (``benchmarks/triton_sweep.py``). Yields the values in force:
+    (``tools.triton_sweep``). Yields the values in force:
     ``tile``, ``tile_wide`` (the src backward's at rows of ``wide`` channels or more,
     and the others' below 256), ``tile_wide_fwd`` (the forward's and the dst
     backward's at rows of 256 channels or more), ``wide``, ``programs_per_sm``,
@@ -274,7 +274,7 @@ def compiled_gat_terms_in_kernel() -> Iterator[None]:
     """Inside: compiled GAT calls form their attention terms ``a·Wh`` in the Triton
     kernels where eager calls do (``EdgeScore.gat_projected``), instead of the node
     terms compiled calls take outside it (on an H100 such a compiled step went wrong:
-    docs/compile.md). A diagnosis (``benchmarks/profile_step.py
+    docs/compile.md). A diagnosis (``tools.profile_step
     --projected-under-compile``); calls compiled inside keep what they traced."""
     from unittest import mock
 

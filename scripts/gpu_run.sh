@@ -110,14 +110,14 @@ if [[ $PART == 1 || $PRINT == 1 ]]; then
   # tile with registers for 4, 3 or 2 programs per SM and at the 2048 tile with 3 or 2; each
   # variant compiles its kernels first; and each kernel's GPU time in a forward+backward at each
   # variant, from which each kernel's schedule is chosen (the kernels run one after another)
-  step 170 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot --variant default \
+  step 170 "$PY" -m tools.triton_sweep --kinds gat_projected gatv2 dot --variant default \
     --variant 1024:4:2:4 --variant 1024:4:2:3 --variant 1024:4:2:2 --variant 2048:4:2:3 \
     --variant 2048:4:2:2 --rep 200 --profile --json "$OUT/triton_sweep_arxiv-like_$gpu.json"
   # an output layer's call (one head of 40 classes: rows of 64 channels of 4 warps) at more
   # programs per SM: registers for 4 (cap 128; GATv2's backward spills 28-44 bytes there) at the
   # 1024 tile, for 5 (cap 102) at the 512 tile, against the library's (cap 255: 3-4 fit by
   # registers, ptxas, sm_90, and it launches as many as fit)
-  step 120 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
+  step 120 "$PY" -m tools.triton_sweep --heads 1 --channels 40 \
     --kinds gat gat_projected gatv2 dot --variant default --variant resident=4 \
     --variant 512:5:2:5 --rep 100 --profile --json "$OUT/triton_sweep_classes_occupancy_$gpu.json"
   step_arxiv
@@ -140,7 +140,7 @@ if [[ $PART == 2 || $PRINT == 1 ]]; then
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
-  step 120 "$PY" benchmarks/profile_step.py --layer transformer gat --graph cora \
+  step 120 "$PY" -m tools.profile_step --layer transformer gat --graph cora \
     --compile-mode reduce-overhead --json "$OUT/profile_step_cora_reduce-overhead_$gpu.json"
 fi
 if [[ $PART == 3 || $PRINT == 1 ]]; then
@@ -154,14 +154,14 @@ if [[ $PART == 3 || $PRINT == 1 ]]; then
   # 7-9 ms forward and backward (node terms compiled, projected rows eager), more than the whole
   # layer's hi floor (0.9 ms) eight times over, of a step of 22.8 ms whose target is 1.3x its
   # floor: those calls at more programs per SM, as in part 1
-  step 80 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
+  step 80 "$PY" -m tools.triton_sweep --heads 1 --channels 40 \
     --kinds gat gat_projected --variant default --variant resident=4 \
     --variant 512:5:2:5 --rep 100 --profile --json "$OUT/triton_sweep_classes_gat_occupancy_$gpu.json"
 fi
 if [[ $PART == 4 || $PRINT == 1 ]]; then
   # each kernel's time in the fused call at the library's schedule, with GATConv's and
   # TransformerConv's input-space calls (values and key of one head, F = 128)
-  step 100 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot gat_inputs \
+  step 100 "$PY" -m tools.triton_sweep --kinds gat_projected gatv2 dot gat_inputs \
     gat_inputs_data dot_inputs --variant default \
     --rep 200 --profile --json "$OUT/triton_sweep_default_arxiv-like_$gpu.json"
   # the schedules' A/B sweeps. The input-space calls, against the default above: with the
@@ -170,28 +170,28 @@ if [[ $PART == 4 || $PRINT == 1 ]]; then
   # every head of an item took one lane, each head's lane gathering the same source rows), and
   # with each block loading its own items (items_ahead=0: before, its predecessor loaded its
   # edge ranges)
-  step 110 "$PY" benchmarks/triton_sweep.py --kinds gat_inputs gat_inputs_data dot_inputs \
+  step 110 "$PY" -m tools.triton_sweep --kinds gat_inputs gat_inputs_data dot_inputs \
     --variant edges_src=16 --variant lane_heads=0 --variant items_ahead=0 \
     --rep 200 --profile --json "$OUT/triton_sweep_input_space_arxiv-like_$gpu.json"
   # the output layer's call (one head, 40 classes: rows of 64 channels), each kernel's time,
   # at the library's schedule, the src backward's before (and GAT from projected rows' dst
   # backward's, which shares it; GAT from node terms keeps the tile's edges both ways), and
   # the grid before one wave (4 programs per SM where its kernels fit 3: a second wave)
-  step 90 "$PY" benchmarks/triton_sweep.py --heads 1 --channels 40 \
+  step 90 "$PY" -m tools.triton_sweep --heads 1 --channels 40 \
     --kinds gat gat_projected gatv2 dot --variant default --variant edges_src=16 \
     --variant programs_per_sm=4 \
     --rep 100 --profile --json "$OUT/triton_sweep_classes_arxiv-like_$gpu.json"
   # the wide rows' calls (H = 3, C = 256: GATv2's forward was 12x its floor) with each block
   # loading its own items
-  step 60 "$PY" benchmarks/triton_sweep.py --kinds gat_projected gatv2 dot \
+  step 60 "$PY" -m tools.triton_sweep --kinds gat_projected gatv2 dot \
     --variant items_ahead=0 \
     --rep 200 --profile --json "$OUT/triton_sweep_items_ahead_arxiv-like_$gpu.json"
   # where GAT's arxiv-like step (the layer furthest from its target) spends its time, kernel by
   # kernel, against compiled PyG's (eager PyG runs too: the gradients' reference)
-  step 60 "$PY" benchmarks/profile_step.py --layer gat --impls pyg_compiled gatlib \
+  step 60 "$PY" -m tools.profile_step --layer gat --impls pyg_compiled gatlib \
     gatlib_compiled --json "$OUT/profile_step_gat_arxiv-like_$gpu.json"
   # compiled GAT disagreed with PyG (conv1's weight gradient 2.32e-4 off: the size of losing its
-  # output layer's hub rows' destination-term gradient, benchmarks/cut_terms.py) where its output
+  # output layer's hub rows' destination-term gradient, tools.cut_terms) where its output
   # layer (node terms, KIND 0, rows of 64 channels) ran 4 lanes of 4 edges and inductor compiled
   # the kernels itself. Compiled calls now launch the eager kernels; if part 2's arxiv-like step
   # still disagrees, with that schedule set back: eager KIND 0 at an output layer's shape on a
@@ -207,7 +207,7 @@ if [[ $PART == 4 || $PRINT == 1 ]]; then
   # do not run (gatlib._dispatch._PROJECTED_UNDER_COMPILE; as triton_ops it disagreed by the same
   # 2.32e-4, then hit an illegal memory access): each side's kernel times in one training step
   # and the weight gradient against eager PyG
-  step 150 "$PY" benchmarks/profile_step.py --layer gat --projected-under-compile \
+  step 150 "$PY" -m tools.profile_step --layer gat --projected-under-compile \
     --json "$OUT/profile_step_gat_arxiv-like_kind3_$gpu.json"
   # GATConv and TransformerConv attend their inputs where F < C (F = 128, C = 256 here): that
   # form against the projected one, forward and backward (what their rule decides on)

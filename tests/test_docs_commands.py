@@ -26,6 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+# The docs with results tables, whose reproduce commands name benchmarks/' scripts.
+RESULTS = {"README.md", "docs/benchmarks.md", "docs/distributed.md", "docs/gpu.md"}
 # Placeholders in commands, as `selftest_<gpu>.json`: a concrete value to parse with.
 PLACEHOLDERS = {"gpu": "h100"}
 SHELL_LANGS = {"", "bash", "sh", "shell", "console"}
@@ -137,16 +139,12 @@ def has_parser(program: str) -> bool:
 
 def _script(path: str):
     """A benchmarks/ script imported from its file (benchmarks/ is not a package; its scripts
-    import each other by name)."""
+    import the package only: tests/test_structure.py)."""
     name = "_docs_" + Path(path).stem
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / path)
         module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            sys.path.remove(str(ROOT / "benchmarks"))
+        spec.loader.exec_module(module)
         sys.modules[name] = module
     return sys.modules[name]
 
@@ -161,8 +159,9 @@ def parser_for(program: str, argv: List[str]) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(prog=f"python -m {program}")
         importlib.import_module(program).add_arguments(parser)
         return parser
-    if program == "tools.launches":  # (the repository root is on sys.path: conftest)
-        return importlib.import_module(program)._parser()
+    if program.startswith("tools."):  # (the repository root is on sys.path: conftest)
+        module = importlib.import_module(program)
+        return (module._parser if hasattr(module, "_parser") else module.build_parser)()
     if program.startswith("benchmarks/") and program.endswith(".py"):
         return _script(program).build_parser()
     raise AssertionError(f"no parser known for {program}: add it to parser_for")
@@ -252,6 +251,27 @@ def test_commands_are_found():
     assert main_job and main_job[0].argv[:1] == ["bench"]
 
 
+def test_benchmarks_holds_the_tables_reproducers_only():
+    """benchmarks/ keeps the scripts that reproduce a results table (each run by a command
+    shown in RESULTS) and the renderers those scripts call; benchmarks/README.md has a row
+    for each. A script only design.md runs is an instrument: tools/. Every developer
+    instrument in tools/ has a command in the docs, which test_command_parses parses."""
+    shown = {c.program for c in COMMANDS if c.doc in RESULTS}
+    run = {p for p in shown if p.startswith("benchmarks/")}
+    for script in [p for p in run if p.endswith(".sh")]:
+        run |= set(re.findall(r"benchmarks/\w+\.(?:py|sh)", (ROOT / script).read_text()))
+    scripts = {f"benchmarks/{p.name}" for p in (ROOT / "benchmarks").iterdir()
+               if p.suffix in (".py", ".sh")}
+    assert {"benchmarks/run_accuracy.sh", "benchmarks/make_tables.py",
+            "benchmarks/compare_table.py"} <= scripts & run
+    assert not scripts - run, f"in benchmarks/ but reproducing no documented table: {scripts - run}"
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    assert all(f"| `{Path(s).name}` |" in index for s in scripts), "a script without its row"
+    tools = {f"tools.{p.stem}" for p in (ROOT / "tools").glob("*.py") if p.stem != "__init__"}
+    assert {"tools.launches", "tools.triton_sweep"} <= tools
+    assert not tools - {c.program for c in COMMANDS}, tools - {c.program for c in COMMANDS}
+
+
 def test_a_bad_command_fails():
     """The check rejects what argparse rejects."""
     bad = Command("README.md", "gatlib bench --dataset cora --model gat --runz 10", "gatlib",
@@ -322,6 +342,6 @@ def test_the_gpu_run_commands_parse():
         (words,) = split_commands(line)
         program, argv = invocation(words)
         assert program in ("gatlib.bench.selftest", "gatlib.bench.compare",
-                           "benchmarks/triton_sweep.py", "benchmarks/input_space.py",
-                           "benchmarks/profile_step.py"), line
+                           "tools.triton_sweep", "benchmarks/input_space.py",
+                           "tools.profile_step"), line
         parse(Command("scripts/gpu_run.sh", line, program, argv))

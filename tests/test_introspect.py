@@ -3,7 +3,6 @@ kernels' own object (or calls it), and importing it needs no Triton."""
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -209,12 +208,10 @@ def test_triton_tiles_set_the_row_kernels_tile_and_restore_it(monkeypatch):
 
 @needs_triton
 def test_the_sweeps_variants_reach_triton_tiles():
-    """benchmarks/triton_sweep.py's TILE:PROGRAMS[:STAGES[:RESIDENT]] variants set what they
+    """tools.triton_sweep's TILE:PROGRAMS[:STAGES[:RESIDENT]] variants set what they
     name, and nothing else."""
-    spec = importlib.util.spec_from_file_location(
-        "triton_sweep", Path(__file__).parent.parent / "benchmarks" / "triton_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+    from tools import triton_sweep as sweep
+
     with sweep._tiles("default") as own:
         pass
     for variant, want in (("2048:8", {"tile": 2048, "programs_per_sm": 8}),

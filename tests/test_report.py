@@ -100,6 +100,6 @@ def test_command_line_names_modules_and_scripts():
             == "python -m gatlib.bench.compare --graph cora --json 'a b.json'")
     tool = str(ROOT / "tools" / "launches.py")  # (run from the checkout, not installed)
     assert report.command_line([tool, "--json", "x.json"]) == "python -m tools.launches --json x.json"
-    script = str(ROOT / "benchmarks" / "triton_bench.py")
-    assert report.command_line([script]) == "python benchmarks/triton_bench.py"
+    script = str(ROOT / "benchmarks" / "plan_cost.py")
+    assert report.command_line([script]) == "python benchmarks/plan_cost.py"
     assert report.command_line(["/usr/local/bin/gatlib", "bench"]) == "gatlib bench"

@@ -582,7 +582,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--triton-tiles", default=None,
                         metavar="TILE:PROGRAMS[:STAGES[:RESIDENT]] or NAME=VALUE[,NAME=VALUE]",
                         help="CUDA, Triton kernels: time them at this schedule variant "
-                             "(gatlib.introspect.triton_tiles; as benchmarks/triton_sweep.py's "
+                             "(gatlib.introspect.triton_tiles; as tools.triton_sweep's "
                              "--variant; default: the library's own)")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
@@ -647,7 +647,7 @@ def _config(args: argparse.Namespace) -> Dict:
 
 def triton_tiles_arguments(text: Optional[str]) -> Optional[Dict[str, int]]:
     """``--triton-tiles``' keyword arguments of ``introspect.triton_tiles`` (also
-    ``benchmarks/latency_count.py``'s ``--variant``):
+    ``tools.latency_count``'s ``--variant``):
     ``TILE:PROGRAMS[:STAGES[:RESIDENT]]`` or ``NAME=VALUE[,NAME=VALUE]`` (its
     arguments by name)."""
     if text is None:

@@ -1,7 +1,7 @@
 """Where the time of one fused-CPU layer forward+backward goes (docs/design.md,
 "Compiled CPU row passes").
 
-    python benchmarks/profile_fused_cpu.py --layer gat --threads 1
+    python -m tools.profile_fused_cpu --layer gat --threads 1
 
 Builds the arxiv-like graph (cached by gatlib.bench.synthetic) and its
 GraphPlan (checked and sorted once, as in training), runs two warm-up
@@ -21,7 +21,8 @@ LAYERS = {"gat": gatlib.GATConv, "gatv2": gatlib.GATv2Conv, "transformer": gatli
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.profile_fused_cpu",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--layer", choices=list(LAYERS), default="gat")
     p.add_argument("--graph", default="arxiv-like")
     p.add_argument("--heads", type=int, default=4)

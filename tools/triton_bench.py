@@ -16,7 +16,7 @@ from being purely memory bound.
 
 Usage (CUDA only; from the repository root)::
 
-    PYTHONPATH=. python benchmarks/triton_bench.py --out benchmarks/results/triton_bench.json
+    python -m tools.triton_bench --out benchmarks/results/triton_bench.json
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.triton_bench",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--graph", default="arxiv-like", choices=sorted(PRESETS))
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--channels", type=int, default=64, help="channels per head")
@@ -228,7 +229,7 @@ def run_case(kind, dtype, plan, args, device, bandwidth):
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("triton_bench.py needs a CUDA device (the Triton interpreter is for tests only)")
+        sys.exit("tools.triton_bench needs a CUDA device (the Triton interpreter is for tests only)")
     device = "cuda"
     torch.manual_seed(args.seed)
     ei, N = make_graph(args.graph, args.seed, device)

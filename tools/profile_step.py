@@ -15,9 +15,9 @@ runtime calls by their own CPU time (``host_ops``), and the Python functions of 
 few steps under ``cProfile`` by their own time (``host_python``; both profilers
 slow the host, so read the rankings, not the sums).
 
-Usage (CUDA only)::
+Usage (CUDA only; from the repository root)::
 
-    PYTHONPATH=. python benchmarks/profile_step.py --layer gat --json profile.json
+    python -m tools.profile_step --layer gat --json profile.json
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     from gatlib.bench.compare import ALL_IMPLS, COMPILE_MODES, LAYERS
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.profile_step",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--layer", nargs="+", default=["gat"], choices=list(LAYERS))
     p.add_argument("--graph", default="arxiv-like")
     p.add_argument("--compile-mode", default="default", choices=COMPILE_MODES,
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.impls = ["pyg", *(i for i in args.impls if i != "pyg")]
     if not torch.cuda.is_available():
-        sys.exit("profile_step.py needs a CUDA device")
+        sys.exit("tools.profile_step needs a CUDA device")
     from gatlib import introspect
     from gatlib.bench import compare as c
     from gatlib.bench import measure

@@ -1,6 +1,6 @@
 """What a lost gradient term does to the GAT step's checked gradient: a yardstick for a disagreement.
 
-    python benchmarks/cut_terms.py --json benchmarks/results/cut_terms_arxiv-like_cpu.json
+    python -m tools.cut_terms --json benchmarks/results/cut_terms_arxiv-like_cpu.json
 
 ``gatlib compare --scope model --layer gat`` checks one number per side: the norm-wise
 relative error of conv1's weight gradient against eager PyG's. Compiled GATConv on an
@@ -35,7 +35,8 @@ PIECE = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.cut_terms",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--graph", default="arxiv-like")
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--channels", type=int, default=256)

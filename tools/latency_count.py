@@ -1,7 +1,7 @@
 """An estimate, not a timing: the dependent memory latencies per SM of one launch of a
 Triton row kernel, under schedule variants, on a synthetic graph (CPU, no GPU).
 
-    python benchmarks/latency_count.py --widths 128 256 --variant default --variant edges_wide=16
+    python -m tools.latency_count --widths 128 256 --variant default --variant edges_wide=16
 
 Each block of lanes a program runs is a chain of dependent loads: its items (row,
 start, length), their indices, the rows they gather. In a pipelined edge loop (2
@@ -35,7 +35,8 @@ KERNELS = ("_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel")
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.latency_count",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--graph", default="arxiv-like", choices=sorted(PRESETS))
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--widths", type=int, nargs="+", default=[128, 256],
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def graph(name: str) -> GraphPlan:
-    """The graph ``benchmarks/triton_sweep.py`` times: the preset's edges and a self-loop
+    """The graph ``tools.triton_sweep`` times: the preset's edges and a self-loop
     per node."""
     spec = PRESETS[name]
     ei = power_law_edges(spec.num_nodes, spec.num_edges, exponent=spec.exponent,

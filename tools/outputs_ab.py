@@ -4,9 +4,9 @@ the check that a refactoring changed no result.
 Run it once per checkout (``--root`` the checkout whose ``gatlib`` is imported),
 then compare the two files::
 
-    python benchmarks/outputs_ab.py save --root /path/to/old --out old.pt
-    python benchmarks/outputs_ab.py save --root . --out new.pt
-    python benchmarks/outputs_ab.py compare old.pt new.pt
+    python -m tools.outputs_ab save --root /path/to/old --out old.pt
+    python -m tools.outputs_ab save --root . --out new.pt
+    python -m tools.outputs_ab compare old.pt new.pt
 
 The grid: GATConv, GATv2Conv and TransformerConv x every CPU backend (and the
 Triton kernels under ``TRITON_INTERPRET=1``, which this script sets) x edge
@@ -28,7 +28,8 @@ BACKENDS = ("torch", "scatter", "fused", "triton")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.outputs_ab",
+                                description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("save", help="compute the grid with the gatlib of --root and save it")
     s.add_argument("--root", required=True, help="the checkout whose gatlib is imported")

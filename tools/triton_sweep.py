@@ -14,12 +14,13 @@ register cap lets share an SM (every row kernel alike) before timing
 (``edges_wide=16``: the forward's schedule at rows of 128 channels as one lane of
 16 edges per step, as before it took 4 lanes of 4).
 Only the public API is used, so the same script times an older checkout's
-kernels: ``PYTHONPATH=<checkout> python benchmarks/triton_sweep.py`` (kinds and
-variants that checkout cannot run are skipped).
+kernels: ``PYTHONPATH=<checkout> python tools/triton_sweep.py`` (by its path: ``python
+-m`` puts the working directory, and so this checkout's gatlib, ahead of
+``PYTHONPATH``; kinds and variants that checkout cannot run are skipped).
 
-Usage (CUDA only)::
+Usage (CUDA only; from the repository root)::
 
-    PYTHONPATH=. python benchmarks/triton_sweep.py --variant default --variant 2048:4 --json sweep.json
+    python -m tools.triton_sweep --variant default --variant 2048:4 --json sweep.json
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ KINDS = ("gat", "gat_projected", "gatv2", "dot", "gat_inputs", "gat_inputs_data"
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.triton_sweep",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--graph", default="arxiv-like")
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--channels", type=int, default=256)
@@ -181,7 +183,7 @@ def _profile(kind, plan, N, H, C, dtype, device, F, runs=3):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("triton_sweep.py needs a CUDA device")
+        sys.exit("tools.triton_sweep needs a CUDA device")
     import gatlib
     from gatlib import GraphPlan
 
