@@ -415,8 +415,8 @@ def check_call(plan, n: int, inputs: Dict[str, Tensor], p: float = 0.5,
 # The layer of each score kind, whose compiled training step the GPU checks run
 # (GAT's with inputs wider than its projection: the in-kernel terms, when eager), its
 # output layer one head of 40 classes as OGB arxiv's: the rows of 64 channels where
-# compiled GAT's disagreed with PyG on an H100 (benchmarks/NOTES.md, "The GAT step on an
-# H100 after lanes before edges")
+# compiled GAT's disagreed with PyG on an H100 (docs/design.md, "Compiled GAT takes the
+# node terms"; benchmarks/results/h100_2026-11-27/)
 STEP_LAYERS = {"gat_projected": "GATConv", "gatv2": "GATv2Conv", "dot": "TransformerConv"}
 STEP_FEATURES, STEP_CLASSES = 64, 40
 # ... and its agreement: relative (norm-wise) error of the loss and of each gradient,

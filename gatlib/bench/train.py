@@ -91,8 +91,7 @@ def prepare_graph(dataset: NodeDataset, rcp: Recipe, device: torch.device | str,
     if (sparse_features and data.x.layout == torch.strided
             and data.x.count_nonzero() < _SPARSE_FEATURES * data.x.numel()):
         # Bag-of-words features (Planetoid: ~1% nonzero) as CSR make the first
-        # layer's matmul and the input dropout O(nnz): CPU epochs measured several
-        # times faster (benchmarks/NOTES.md).
+        # layer's matmul and the input dropout O(nnz) instead of O(nodes x features).
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
             data.x = data.x.to_sparse_csr()
