@@ -7,6 +7,7 @@ commands, so that a new developer-only module cannot slip in unnoticed.
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -97,3 +98,31 @@ def test_the_wheels_line_count_is_reported(wheel):
     counts = line_counts(wheel)
     print("\nwheel Python:", ", ".join(f"{k} {m} modules {n} lines" for k, (m, n) in counts.items()))
     assert counts["total"][1] == counts["library"][1] + counts["bench"][1] > 0
+
+
+PLANETOID_RAW = ROOT.parent / "shared" / "data" / "Planetoid"
+
+
+@pytest.mark.slow  # a fresh venv: torch and PyG installed by pip (a minute with pip's cache)
+@pytest.mark.skipif(not (PLANETOID_RAW / "Cora").is_dir(), reason="no ../shared/data/Planetoid")
+def test_the_main_jobs_setup_runs_the_main_job(tmp_path):
+    """The README's first command on a copy of the checkout: ``setup_env.sh`` with no
+    argument installs enough for the Cora job (the full suite's venv has more, so it
+    cannot tell), and nothing that compiles. Two epochs of one run stand for the job."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=_ignore)
+    setup = subprocess.run(["bash", "scripts/setup_env.sh"], cwd=src, capture_output=True,
+                           text=True, timeout=900)
+    assert setup.returncode == 0, setup.stdout[-2000:] + setup.stderr[-3000:]
+    python = src / ".venv" / "bin" / "python"
+    compiled = subprocess.run([python, "-c", "import importlib.util as u; print([m for m in "
+                               "('torch_scatter', 'torch_sparse', 'pyg_lib') if u.find_spec(m)])"],
+                              capture_output=True, text=True)
+    assert compiled.stdout.strip() == "[]", compiled.stdout + compiled.stderr
+    job = subprocess.run([src / ".venv" / "bin" / "gatlib", "bench", "--dataset", "cora",
+                          "--model", "gat", "--runs", "1", "--epochs", "2", "--device", "cpu",
+                          "--no-progress", "--data-dir", tmp_path / "data", "--json",
+                          tmp_path / "r.json"], cwd=src, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "GATLIB_PLANETOID_RAW": str(PLANETOID_RAW)})
+    assert job.returncode == 0, job.stdout[-2000:] + job.stderr[-3000:]
+    assert (tmp_path / "r.json").exists() and "test acc (%)" in job.stdout, job.stdout
