@@ -11,10 +11,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Integer kernel arguments that change from graph to graph (item ranges, sizes).
-# Triton specialises integer arguments on their value (== 1, divisible by 16)
-# by default, which would compile a new kernel for many a new mini-batch.
-_PER_CALL = ("E", "H", "CK", "CV", "P_SLOTS")
+# Integer kernel arguments that change from graph to graph (sizes). Triton specialises
+# integer arguments on their value (== 1, divisible by 16) by default, which would
+# compile a new kernel for many a new mini-batch. Heads and channels are fixed per
+# layer: compile-time constants (one compile per layer configuration), so row offsets
+# are known multiples (vector loads where rows are 16-byte aligned) and `lane // H`
+# is no runtime division.
+_PER_CALL = ("E", "P_SLOTS")
 
 
 # ---------------------------------------------------------------------------
@@ -408,7 +411,7 @@ def _fwd_heads_items(
 def _fwd_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
-    out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
+    out, out_b, lse, part_out, part_lse, seed, p_drop, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
@@ -462,7 +465,8 @@ def _fwd_kernel(
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _alpha_kernel(
-    csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha, H, CK,
+    csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha,
+    H: tl.constexpr, CK: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ONE_K: tl.constexpr,
     ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr,
 ):
@@ -484,7 +488,7 @@ def _alpha_kernel(
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
-def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
+def _keep_kernel(csr_eid, E, keep, seed, p_drop, H: tl.constexpr, BLOCK_K: tl.constexpr):
     """The dropout mask the fused kernels apply, as ``[E, H]`` in original order
     (the random stream is indexed by ``CSR position * H + head``)."""
     lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -495,10 +499,11 @@ def _keep_kernel(csr_eid, E, keep, seed, p_drop, H, BLOCK_K: tl.constexpr):
     tl.store(keep + eid * H + lane % H, kept.to(tl.int8), mask=m)
 
 
-@triton.jit(do_not_specialize=("H", "C"))
+@triton.jit
 def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, out, lse, bias,
-                  out_b, H, C, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, ACC: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                  out_b, H: tl.constexpr, C: tl.constexpr, SOFTMAX: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
     """One lane per (split row, head): combines the row's partial results, in
     slot order (deterministic, no atomics). ``SOFTMAX``: the forward's
     ``(out_p, lse_p)`` pieces by their weights ``exp(lse_p - lse)`` (and with
@@ -871,7 +876,7 @@ def _bwd_dst_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
-    seed, p_drop, H, CK, CV, part_att, part_bias, P_SLOTS,
+    seed, p_drop, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr, part_att, part_bias, P_SLOTS,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
     DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
@@ -1104,7 +1109,7 @@ def _bwd_src_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    P_SLOTS, H, CK, CV,
+    P_SLOTS, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
     SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
     ACC: tl.constexpr,

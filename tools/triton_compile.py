@@ -455,12 +455,18 @@ def compile_spec(spec: Spec, target: str) -> Dict:
             **_loads(kernel.asm["ptx"])}
 
 
+# a 128-bit load from global memory: four 32-bit or two 64-bit words
+_LOAD_128 = re.compile(r"ld\.global(?:\.\w+)*\.(?:v4\.[bfsu]32|v2\.[bfsu]64)\b")
+
+
 def _loads(ptx: str) -> Dict[str, int]:
     """``wide_loads``: loads of 64 or 128 bits from global memory, into registers
     (``ld.global.v2/v4``) or into shared memory (``cp.async`` of 8 or 16 bytes);
-    ``async_copies``: every ``cp.async`` (the pipelined loops' loads)."""
+    ``loads_128``: those of 128 bits; ``async_copies``: every ``cp.async`` (the
+    pipelined loops' loads)."""
     copies = [int(n, 0) for n in _ASYNC_COPY.findall(ptx)]
     return {"wide_loads": len(_WIDE_LOAD.findall(ptx)) + sum(n >= 8 for n in copies),
+            "loads_128": len(_LOAD_128.findall(ptx)) + sum(n == 16 for n in copies),
             "async_copies": len(copies)}
 
 
