@@ -23,30 +23,24 @@ so no ``[E, H, C]`` tensor is ever built or saved (the reference gathers
 of thousands. Work items are rows cut into pieces of at most ``_SPLIT`` edges
 (a hub becomes several items whose partial results — ``(out, lse)`` in the
 forward, plain sums in the backward — are merged afterwards by
-``_merge_kernel``, as in flash-decoding's split-K), sorted longest first (so
-the longest items start first and no hub is left running alone at the end),
-and bucketed by length: each bucket runs with its own edge-tile width (4, 16
-or 64, narrower for wide channels; buckets whose widths coincide run as one
-launch) and packs as many lanes per program as fit the register budget, so a
-block of similar-degree rows wastes few lanes and a program's loop runs as
-long as its longest item. The schedule is device tensors sized by the graph's
-node and edge counts alone, computed once per graph and kept on its
-:class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`); each launch
-has as many programs as its compiled binary fits on the SMs at once
-(:func:`_programs`) that loop over their blocks of lanes and read
-their bucket's bounds on the device, so no launch depends on a value read back
-to the host. The edge loops are software-pipelined
-(``_STAGES``): the next steps' index loads and gathers are issued as asynchronous
-copies into shared memory while a step computes; at wide rows the blocks also load
-their successor's edge ranges while they run (``_ITEMS_AHEAD``).
+``_merge_kernel``, as in flash-decoding's split-K), sorted longest first, so
+that a block's lanes hold items of like length and no hub is left running alone
+at the end. The schedule is device tensors sized by the graph's node and edge
+counts alone, computed once per graph and kept on its
+:class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`); each launch runs
+a fixed number of programs per SM that loop over their blocks of lanes and read
+the item count on the device, so no launch depends on a value read back to the
+host. The edge loops are software-pipelined. Each row kernel's tiling (lanes,
+edges per step, warps, programs per SM and their register cap, every head in a
+lane, blocks loading ahead) is a config ``triton.autotune`` times on the device
+(:mod:`gatlib._triton_schedule`).
 
 **Values of one head.** A value (or the dot kind's key) ``[N, 1, C]`` that every
 head shares — a layer aggregating its inputs, :func:`gatlib._conv._input_space` —
 is read in place, and the backward sums its per-head gradient over the heads. The
-forward and the dst backward then give a lane every head of its item
-(``_fwd_heads_items``, ``_bwd_dst_heads_items``; :func:`_triton_schedule._lane_heads`
-says where): each source row is gathered once for all heads, where a lane per
-(item, head) gathered it once per head.
+forward and the dst backward may then give a lane every head of its item
+(``LANE_HEADS``: ``_fwd_heads_items``, ``_bwd_dst_heads_items``): each source row is
+gathered once for all heads, where a lane per (item, head) gathers it once per head.
 
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
 channels are padded to a power of two and masked. Attention dropout draws
@@ -75,10 +69,9 @@ from . import _triton_schedule as TS
 from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads,
                     score_heads)
 from ._plan import GraphPlan
-from ._triton_kernels import (_alpha_kernel, _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel,
-                              _keep_kernel)
-from ._triton_schedule import (_att_partials, _lane_heads, _launch, _merge, _Plan, _plan, _slots,
-                               _Schedule, _schedule_sizes, _slot_sums, _tile, _tl_acc, _warps)
+from ._triton_kernels import _alpha_kernel, _fwd_kernel, _keep_kernel
+from ._triton_schedule import (_launch, _merge, _partial_rows, _Plan, _plan, _Schedule,
+                               _schedule_sizes, _slot_sums, _tl_acc, _warps)
 
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024
@@ -230,7 +223,7 @@ def _operator(name: str, fake):
     """Define ``gatlib::<name>``: a ``custom_op`` with the shapes-only ``fake``, which
     ``torch.compile``'s graphs call as one opaque operator, so that a compiled call
     launches the kernels an eager call launches: the same specialisations, warps and
-    register caps (:func:`gatlib._triton_schedule._max_registers`), which the compile
+    register caps (the configs of :mod:`gatlib._triton_schedule`), which the compile
     budget checks (tests/test_triton_compile.py). As ``triton_op``s, whose kernels
     inductor compiles itself, compiled calls ran other binaries: inductor (torch
     2.11-2.13) passes no launch's ``maxnreg`` to the compiler, compiles with
@@ -465,20 +458,18 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
     dummy = value
     consts = _consts(meta, s_dst, s_edge, value_edge)
     with _device(value):
-        _launch(_fwd_kernel, items, H, max(consts["BLOCK_CK"], consts["BLOCK_CV"]),
+        _launch("_fwd_kernel", items,
                 lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                 _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
-                out, _or(out_b, dummy), lse, part_out, part_lse, _or(seed, dummy), meta.p, H, CK,
-                CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None,
-                HP=_lane_heads(meta.kind, H, meta.one_k, meta.one_v, meta.share_v,
-                               s_edge is not None or value_edge is not None), **consts)
+                out, _or(out_b, dummy), lse, part_out, part_lse, _or(seed, dummy), meta.p,
+                H=H, CK=CK, CV=CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None, **consts)
         _merge(out, part_out, items, H, lse, part_lse, bias=bias, out_b=out_b)
         alpha = value.new_empty(0)  # (an operator returns tensors only)
         if meta.need_alpha:
             alpha = torch.empty(E, H, dtype=meta.alpha_dtype, device=dev)
             if E:
                 # independent (edge, head) lanes: as many as fill the tile
-                block_k = min(1024, max(1, _tile()[0] // consts["BLOCK_CK"]))
+                block_k = min(1024, max(1, 1024 // consts["BLOCK_CK"]))
                 _alpha_kernel[(triton.cdiv(E * H, block_k),)](
                     lay.src, lay.dst, plan.csr_eid, E, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
@@ -538,16 +529,12 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                            dtype=acc, device=dev) if d_dst is not None else None
     width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
     # the parameters' gradients (_partial_sums): one partial per lane of each program
-    # (a fixed number, whatever the graph), summed after the launches — in one
-    # buffer, by one launch, where they are one width. The dst kernel writes att's
-    # and bias's, the src kernel KIND 3's two vectors'; where both write, their
-    # schedules have the same lanes (_fwd_schedule), so every row is written.
+    # (a fixed number of rows, whatever the graph and the config: the kernels zero the
+    # rows they leave), summed after the launches — in one buffer, by one launch, where
+    # they are one width. The dst kernel writes att's and bias's, the src kernel KIND 3's
+    # two vectors'.
     names, one_width = _partial_sums(meta.kind, need, ins)
-    slots = _slots(dev, H)
-    rows = {_att_partials(width, H, dev, _bwd_src_kernel if n.startswith("att_")
-                          else _bwd_dst_kernel, meta.kind) for n in names}
-    assert len(rows) <= 1, rows  # (each row written: no zeros to fill)
-    rows = max(rows, default=0)
+    rows = _partial_rows(dev, H)
     if one_width:
         part_buf = torch.empty(len(names), rows, one_width, dtype=acc, device=dev)
         parts = dict(zip(names, part_buf.unbind(0), strict=True))
@@ -556,20 +543,16 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                  for n in names}
     part_att, part_bias = parts.get("att"), parts.get("bias")
     with _device(value):
-        _launch(_bwd_dst_kernel, items, H, width,
+        _launch("_bwd_dst_kernel", items,
                 lay.src, plan.csr_eid, lay.ptr, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                 _or(s_att, dummy), value, _or(value_edge, dummy), coef,
                 g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
                 _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
-                _or(part_dst, dummy), _or(seed, dummy), meta.p, H, CK, CV,
-                part_att=_or(part_att, dummy), part_bias=_or(part_bias, dummy), P_SLOTS=slots,
+                _or(part_dst, dummy), _or(seed, dummy), meta.p, _or(part_att, dummy),
+                _or(part_bias, dummy), rows, H=H, CK=CK, CV=CV,
                 DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                 NEED_EDGE=need_edge, NEED_DST=d_dst is not None, NEED_ATT=part_att is not None,
-                NEED_BIAS=part_bias is not None, SLOTS=_slot_sums(width),
-                HP=0 if part_att is not None or part_bias is not None else _lane_heads(
-                    meta.kind, H, meta.one_k, meta.one_v, meta.share_v,
-                    s_edge is not None or value_edge is not None, width, dst_backward=True),
-                **consts)
+                NEED_BIAS=part_bias is not None, SLOTS=_slot_sums(width), **consts)
         if d_dst is not None:
             _merge(d_dst, part_dst, items, H)
         need_value = need[4]
@@ -594,25 +577,19 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                 if need_value else None
             part_src = torch.empty(sitems.max_pieces, H, *([CK] if meta.kind else []),
                                    dtype=acc, device=dev) if d_src is not None else None
-            # the tile's rows are as wide as what the kernel gathers per edge: a value's
-            # gradient rows (CV), GATv2's and the dot kind's destination terms (CK), or
-            # for GAT's scalar terms alone (a first layer's inputs need no gradient)
-            # scalars, which take the narrow rows' lanes, not one lane of a wide tile;
-            # KIND 3 keeps the dst kernel's lanes (their parameters' partials share rows)
-            src_width = width if projected else max(
-                consts["BLOCK_CV"] if need_value else 1, consts["BLOCK_CK"] if meta.kind else 1)
-            _launch(_bwd_src_kernel, sitems, H, src_width,
+            src = dict(KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
+                       NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT="att_src" in parts,
+                       ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
+                       BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"],
+                       FULL_CV=consts["FULL_CV"])
+            _launch("_bwd_src_kernel", sitems,
                     lay.csc_edge, lay.csc_dst, plan.csc_eid, lay.src, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
                     _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
                     _or(part_src, dummy), _or(d_dst, dummy),
                     _or(parts.get("att_src"), dummy), _or(parts.get("att_dst"), dummy),
-                    slots, H, CK, CV,
-                    KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
-                    NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT="att_src" in parts,
-                    SLOTS=_slot_sums(src_width),
-                    ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
-                    BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"], FULL_CV=consts["FULL_CV"])
+                    rows, H=H, CK=CK, CV=CV, SLOTS=_slot_sums(TS._width("_bwd_src_kernel", src)),
+                    **src)
             if need_value:
                 _merge(d_value, part_value, sitems, H)
                 if meta.one_v:

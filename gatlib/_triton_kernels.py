@@ -17,7 +17,7 @@ import triton.language as tl
 # layer: compile-time constants (one compile per layer configuration), so row offsets
 # are known multiples (vector loads where rows are 16-byte aligned) and `lane // H`
 # is no runtime division.
-_PER_CALL = ("E", "P_SLOTS")
+_PER_CALL = ("E", "P_ROWS")
 
 
 # ---------------------------------------------------------------------------
@@ -35,20 +35,13 @@ _PER_CALL = ("E", "P_SLOTS")
 # (docs/design.md, "Compiled calls launch the eager kernels"). The helpers below take
 # loaded values only.
 @triton.jit
-def _block_count(lo, hi, H, BLOCK_R: tl.constexpr):
-    """``(item count, blocks of BLOCK_R lanes)`` of the items ``lo : hi`` (the
-    schedule's ``bounds`` of a group of buckets, loaded by the caller)."""
-    return hi - lo, tl.cdiv((hi - lo) * H, BLOCK_R).to(tl.int32)
-
-
-@triton.jit
-def _lane_items(blk, first, n_items, H, BLOCK_R: tl.constexpr):
+def _lane_items(blk, n_items, H, BLOCK_R: tl.constexpr):
     """``(lane, valid, item, head)`` of the lanes of block ``blk`` (lanes past the
     last item are empty). Index arithmetic is int64 from the block on: lane counts
     reach E·H > 2**31."""
     lane = (tl.zeros([BLOCK_R], tl.int64) + blk) * BLOCK_R + tl.arange(0, BLOCK_R)
     local = lane // H
-    return lane, local < n_items, first + local, lane % H
+    return lane, local < n_items, local, lane % H
 
 
 @triton.jit
@@ -62,22 +55,21 @@ def _lane_slots(valid, slot, length):
 
 
 @triton.jit
-def _store_partials(part, acc, W, P_SLOTS, R_BEFORE: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_W: tl.constexpr, ACC: tl.constexpr):
+def _store_partials(part, acc, W, P_ROWS, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+                    ACC: tl.constexpr):
     """Store this program's per-lane partials ``acc`` ``[BLOCK_R, BLOCK_W]`` of a parameter's
-    gradient into its rows of ``part`` (``[P_SLOTS * lanes, W]``, the caller sums every
-    row): a launch's group of buckets has ``P_SLOTS * BLOCK_R`` rows, the groups one after
-    another (``R_BEFORE`` lanes per program before this one). A launch runs at most
-    ``P_SLOTS`` programs (as many as fit the SMs: _triton_schedule._launch), so a program
-    also zeroes the rows of the programs ``pid + k * programs < P_SLOTS`` it stands for:
-    every row is written, whatever the launch's grid, and the buffer's size is not."""
+    gradient into rows ``pid * BLOCK_R :`` of ``part`` (``[P_ROWS, W]``; the caller sums
+    every row, row ``r`` into head ``r % H``) and zero the rows no program of this launch
+    writes: the buffer's size is the same for every config of the launch (its lanes and
+    programs per SM are tuned) and for every grid. A lane keeps one head over all its
+    blocks (the grid is a multiple of ``H``), so its row's head is the lane's."""
     w = tl.arange(0, BLOCK_W)[None, :]
     zero = tl.zeros([BLOCK_R], tl.int64)  # (row arithmetic in int64: rows * W of wide rows)
-    base = tl.arange(0, BLOCK_R) + (zero + P_SLOTS) * R_BEFORE
+    base = tl.arange(0, BLOCK_R)
     pid = tl.program_id(0)
     tl.store(part + (base + (zero + pid) * BLOCK_R)[:, None] * W + w, acc, mask=w < W)
     zeros = tl.zeros([BLOCK_R, BLOCK_W], ACC)
-    for v in range(pid + tl.num_programs(0), P_SLOTS, tl.num_programs(0)):
+    for v in range(pid + tl.num_programs(0), P_ROWS // BLOCK_R, tl.num_programs(0)):
         tl.store(part + (base + (zero + v) * BLOCK_R)[:, None] * W + w, zeros, mask=w < W)
 
 
@@ -185,24 +177,24 @@ def _fwd_items(
     HAS_BIAS: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
     DROPOUT: tl.constexpr, ACC: tl.constexpr,
-    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    first = tl.load(bounds + B_LO)
-    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     if AHEAD:  # the first block's edge ranges; each block then loads its successor's
-        lane0, valid0, it0, h0 = _lane_items(pid, first, n_items, H, BLOCK_R)
+        lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
         start_n = tl.load(item_start + it0, mask=valid0, other=0)
         length_n = tl.load(item_len + it0, mask=valid0, other=0)
     for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
+        lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
         if AHEAD:  # the next block's, in flight while this block runs its edges
             start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
                                                      n_items, H, BLOCK_R)
             start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
             length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
@@ -296,7 +288,7 @@ def _fwd_heads_items(
     csr_src, s_src, s_dst, value, bias, coef,
     out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
-    ACC: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr, STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr,
     HP: tl.constexpr, AHEAD: tl.constexpr,
 ):
@@ -308,8 +300,8 @@ def _fwd_heads_items(
     items, not ``BLOCK_R / H``. Scores, weights and the accumulator carry a head axis:
     ``[R, E, HP]`` and ``[R, HP, C]``. GAT from node terms (``KIND`` 0) or the dot
     product (2), without edge features."""
-    first = tl.load(bounds + B_LO)
-    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), 1, BLOCK_R)
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items, BLOCK_R).to(tl.int32)
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
@@ -317,15 +309,15 @@ def _fwd_heads_items(
     cm = c < CV
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
-        lane0, valid0, it0, head0 = _lane_items(pid, first, n_items, 1, BLOCK_R)
+        lane0, valid0, it0, head0 = _lane_items(pid, n_items, 1, BLOCK_R)
         start_n = tl.load(item_start + it0, mask=valid0, other=0)
         length_n = tl.load(item_len + it0, mask=valid0, other=0)
     for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, head = _lane_items(blk, first, n_items, 1, BLOCK_R)
+        lane, valid, it, head = _lane_items(blk, n_items, 1, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
         if AHEAD:
             start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
                                                         n_items, 1, BLOCK_R)
             start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
             length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
@@ -411,56 +403,29 @@ def _fwd_heads_items(
 def _fwd_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
-    out, out_b, lse, part_out, part_lse, seed, p_drop, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
+    out, out_b, lse, part_out, part_lse, seed, p_drop,
+    H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
-    DROPOUT: tl.constexpr, ACC: tl.constexpr,
-    B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
-    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr = 0,
-    AHEAD: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr, SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr,
+    ONE_V: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr, FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
+    HP: tl.constexpr,
+    # the tuned config (_triton_schedule: PER_SM sizes the grid only)
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
+    PER_SM: tl.constexpr,
 ):
-    # One launch over the schedule's buckets: groups [0, B1), [B1, B2), [B2, B3)
-    # of buckets, each with its own (BLOCK_R, BLOCK_E) tile; an empty group
-    # (equal bounds) compiles to nothing; the first group is never empty.
-    # HP > 0: every head of an item in one lane (_fwd_heads_items), HP heads padded
-    if HP > 0:
+    # LANE_HEADS: every head of an item in one lane (_fwd_heads_items, HP heads padded)
+    if LANE_HEADS:
         _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src, s_dst,
             value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
-            KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP,
+            KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, FULL_CV, HP,
             AHEAD)
-        if B2 > B1:
-            _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src,
-                s_dst, value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK,
-                CV, KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, B1, B2, R1, E1, STAGES, BLOCK_CV,
-                FULL_CV, HP, AHEAD)
-        if B3 > B2:
-            _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src,
-                s_dst, value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK,
-                CV, KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, B2, B3, R2, E2, STAGES, BLOCK_CV,
-                FULL_CV, HP, AHEAD)
     else:
         _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
-            p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-            ONE_K, ONE_V, DROPOUT, ACC,
-            0, B1, R0, E0, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
-        if B2 > B1:
-            _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-                s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
-                p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-                ONE_K, ONE_V, DROPOUT, ACC,
-                B1, B2, R1, E1, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
-        if B3 > B2:
-            _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-                s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out, part_lse, seed,
-                p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS, SHARE_V, SHARE_VE,
-                ONE_K, ONE_V, DROPOUT, ACC,
-                B2, B3, R2, E2, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
-
+            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out,
+            part_lse, seed, p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS,
+            SHARE_V, SHARE_VE, ONE_K, ONE_V, DROPOUT, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CK,
+            BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -510,7 +475,7 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
     slot order (deterministic, no atomics). ``SOFTMAX``: the forward's
     ``(out_p, lse_p)`` pieces by their weights ``exp(lse_p - lse)`` (and with
     ``HAS_BIAS`` ``out_b = out + bias``, ``bias`` ``[H * C]``); else sums."""
-    n = tl.load(bounds + 4)  # split rows (_Schedule.bounds: 0, the 3 bucket ends, splits)
+    n = tl.load(bounds + 1)  # split rows (_Schedule.bounds: items, split rows)
     c = tl.arange(0, BLOCK_C)[None, :]
     cm = c < C
     for blk in range(tl.program_id(0), tl.cdiv(n * H, BLOCK_R).to(tl.int32), tl.num_programs(0)):
@@ -555,20 +520,19 @@ def _bwd_dst_items(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
-    seed, p_drop, H, CK, CV, part_att, part_bias, P_SLOTS,
+    seed, p_drop, H, CK, CV, part_att, part_bias, P_ROWS,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
     DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
-    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
-    R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    first = tl.load(bounds + B_LO)
-    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
     # GATv2's att gradient, summed over the blocks this program runs: each lane
     # keeps one head, as the grid is a multiple of H (_programs)
     att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
@@ -576,15 +540,15 @@ def _bwd_dst_items(
     bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
-        lane0, valid0, it0, h0 = _lane_items(pid, first, n_items, H, BLOCK_R)
+        lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
         start_n = tl.load(item_start + it0, mask=valid0, other=0)
         length_n = tl.load(item_len + it0, mask=valid0, other=0)
     for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
+        lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
         if AHEAD:
             start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
                                                      n_items, H, BLOCK_R)
             start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
             length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
@@ -729,9 +693,9 @@ def _bwd_dst_items(
                 tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
                 tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
     if NEED_ATT:  # one partial per lane of each program, summed by the caller
-        _store_partials(part_att, att_acc, CK, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CK, ACC)
+        _store_partials(part_att, att_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
     if NEED_BIAS:  # (as att's)
-        _store_partials(part_bias, bias_acc, CV, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CV, ACC)
+        _store_partials(part_bias, bias_acc, CV, P_ROWS, BLOCK_R, BLOCK_CV, ACC)
 
 @triton.jit
 def _bwd_dst_heads_items(
@@ -740,7 +704,7 @@ def _bwd_dst_heads_items(
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_dst, part_dst,
     seed, p_drop, H, CV,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
-    NEED_DST: tl.constexpr, ACC: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
+    NEED_DST: tl.constexpr, ACC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
 ):
@@ -748,8 +712,8 @@ def _bwd_dst_heads_items(
     calls of :func:`_fwd_heads_items` that need no parameter's partials (the output
     bias's): each source row is gathered once for all heads. ``[R, E, HP]`` scores,
     weights and score gradients; the dot kind's query gradient ``[R, HP, C]``."""
-    first = tl.load(bounds + B_LO)
-    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), 1, BLOCK_R)
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items, BLOCK_R).to(tl.int32)
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
@@ -758,15 +722,15 @@ def _bwd_dst_heads_items(
     c3 = c[None, None, :]
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
-        lane0, valid0, it0, head0 = _lane_items(pid, first, n_items, 1, BLOCK_R)
+        lane0, valid0, it0, head0 = _lane_items(pid, n_items, 1, BLOCK_R)
         start_n = tl.load(item_start + it0, mask=valid0, other=0)
         length_n = tl.load(item_len + it0, mask=valid0, other=0)
     for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, head = _lane_items(blk, first, n_items, 1, BLOCK_R)
+        lane, valid, it, head = _lane_items(blk, n_items, 1, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
         if AHEAD:
             start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
                                                      n_items, 1, BLOCK_R)
             start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
             length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
@@ -878,58 +842,32 @@ def _bwd_dst_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
-    seed, p_drop, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr, part_att, part_bias, P_SLOTS,
+    seed, p_drop, part_att, part_bias, P_ROWS,
+    H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
     DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
-    B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
-    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr = 0,
-    AHEAD: tl.constexpr = False,
+    STAGES: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
+    PER_SM: tl.constexpr,
 ):
-    # (the groups of buckets as in _fwd_kernel; HP > 0: _bwd_dst_heads_items)
-    if HP > 0:
+    # (as _fwd_kernel; LANE_HEADS: _bwd_dst_heads_items)
+    if LANE_HEADS:
         _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid,
             s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha, a_buf,
             ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT, GALPHA,
-            NEED_DST, ACC, 0, B1, R0, E0, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
-        if B2 > B1:
-            _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src,
-                csr_eid, s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha,
-                a_buf, ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT,
-                GALPHA, NEED_DST, ACC, B1, B2, R1, E1, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
-        if B3 > B2:
-            _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src,
-                csr_eid, s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha,
-                a_buf, ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT,
-                GALPHA, NEED_DST, ACC, B2, B3, R2, E2, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
+            NEED_DST, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
     else:
         _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
             s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
             delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-            H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-            SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT, NEED_BIAS, SLOTS, ACC,
-            0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
-        if B2 > B1:
-            _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-                s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
-                delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-                H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-                SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
-                NEED_BIAS, SLOTS, ACC,
-                B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
-        if B3 > B2:
-            _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-                s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
-                delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-                H, CK, CV, part_att, part_bias, P_SLOTS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-                SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
-                NEED_BIAS, SLOTS, ACC,
-                B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
+            H, CK, CV, part_att, part_bias, P_ROWS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
+            SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
+            NEED_BIAS, SLOTS, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV,
+            AHEAD)
 
 
 @triton.jit
@@ -937,33 +875,32 @@ def _bwd_src_items(
     item_row, item_start, item_len, item_slot, bounds,
     csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    P_SLOTS, H, CK, CV,
+    P_ROWS, H, CK, CV,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
     SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
     ACC: tl.constexpr,
-    B_LO: tl.constexpr, B_HI: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr,
-    R_BEFORE: tl.constexpr,
     BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    first = tl.load(bounds + B_LO)
-    n_items, n_blocks = _block_count(first, tl.load(bounds + B_HI), H, BLOCK_R)
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
     # KIND 3's att gradients (a_src, a_dst), summed over the blocks this program
     # runs: each lane keeps one head, as the grid is a multiple of H (_programs)
     att_s_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     att_d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
-        lane0, valid0, it0, h0 = _lane_items(pid, first, n_items, H, BLOCK_R)
+        lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
         start_n = tl.load(item_start + it0, mask=valid0, other=0)
         length_n = tl.load(item_len + it0, mask=valid0, other=0)
     for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, h = _lane_items(blk, first, n_items, H, BLOCK_R)
+        lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
         row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
         if AHEAD:
             start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog, first,
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
                                                      n_items, H, BLOCK_R)
             start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
             length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
@@ -1102,8 +1039,8 @@ def _bwd_src_items(
                 tl.store(d_src + orow[:, None] * CK + ck[None, :], ds_acc, mask=final[:, None] & km)
                 tl.store(part_src + prow[:, None] * CK + ck[None, :], ds_acc, mask=piece[:, None] & km)
     if NEED_ATT:  # one partial per lane of each program and vector, summed by the caller
-        _store_partials(part_att, att_s_acc, CK, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CK, ACC)
-        _store_partials(part_att_d, att_d_acc, CK, P_SLOTS, R_BEFORE, BLOCK_R, BLOCK_CK, ACC)
+        _store_partials(part_att, att_s_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
+        _store_partials(part_att_d, att_d_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -1111,31 +1048,15 @@ def _bwd_src_kernel(
     item_row, item_start, item_len, item_slot, bounds,
     csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    P_SLOTS, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
+    P_ROWS, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
-    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
-    ACC: tl.constexpr,
-    B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
-    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    E0: tl.constexpr, E1: tl.constexpr, E2: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
     FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
-    AHEAD: tl.constexpr = False,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, AHEAD: tl.constexpr, PER_SM: tl.constexpr,
 ):
-    # (the groups of buckets as in _fwd_kernel)
     _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
         csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
-        d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
-        NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, 0, B1, R0, E0, STAGES, 0, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
-    if B2 > B1:
-        _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
-            csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE,
-            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B1, B2, R1, E1, STAGES, R0, BLOCK_CK, BLOCK_CV,
-            FULL_CK, FULL_CV, AHEAD)
-    if B3 > B2:
-        _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst,
-            csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value,
-            part_value, d_src, part_src, d_dst, part_att, part_att_d, P_SLOTS, H, CK, CV, KIND, HAS_EDGE,
-            NEED_VALUE, NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, B2, B3, R2, E2, STAGES, R0 + R1, BLOCK_CK,
-            BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
+        d_src, part_src, d_dst, part_att, part_att_d, P_ROWS, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
+        NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CK, BLOCK_CV,
+        FULL_CK, FULL_CV, AHEAD)

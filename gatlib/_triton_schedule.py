@@ -1,84 +1,34 @@
-r"""The Triton kernels' work: degree-aware schedules of work items over a plan's
-CSR/CSC, and the launches over them (:mod:`gatlib._triton` has the design).
+r"""The Triton kernels' work and tiling: schedules of work items over a plan's CSR/CSC,
+the row kernels' tiling as ``triton.autotune`` configs, and the launches
+(:mod:`gatlib._triton` has the design; docs/gpu.md the tuning).
 
-Rows are cut into work items of at most :data:`_SPLIT` edges, sorted longest
-first and bucketed by length (:data:`_BUCKETS`); a :class:`_Schedule` is device
-tensors sized by the graph's node and edge counts alone, built once per graph
-and kept on its plan (:func:`_plan`). :func:`_launch` runs a kernel over all the
-buckets in one launch of a fixed number of programs; :func:`_merge` combines the
-pieces of split rows. The constants here are the kernels' tiling: the compiled
-kernels' register budget, or the interpreter's few wide programs.
+Rows are cut into work items of at most :data:`_SPLIT` edges, sorted longest first;
+a :class:`_Schedule` is device tensors sized by the graph's node and edge counts
+alone, built once per graph and kept on its plan (:func:`_plan`). :func:`_launch`
+runs a row kernel over all of them in one launch of a fixed number of programs;
+:func:`_merge` combines the pieces of split rows.
 """
 from __future__ import annotations
 
 import functools
+import itertools
+import os
+import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import _triton_kernels as K
 from ._layout import Layout, index_dtype
 from ._plan import GraphPlan
-from ._triton_kernels import _bwd_dst_kernel, _bwd_src_kernel, _fwd_kernel, _merge_kernel
-
-# The kernels' tiling. Each constant's measurement (or its absence) is in docs/design.md;
-# none came from an autotuner, and those marked there as not timed on a GPU are guesses.
 
 # Longest run of edges one work item handles; longer rows are split and merged
-# (docs/design.md, "Degree buckets and split rows").
+# (docs/design.md, "Split rows").
 _SPLIT = 256
-# Elements of the [BLOCK_R, BLOCK_E, BLOCK_C] tile a program holds per step, and the most
-# lanes per program, below _WIDE channels: it compiles without spills, where 4096 spilled
-# (docs/design.md, "Edge tiles and resident programs"). The CPU interpreter
-# pays per program and per op, not per element: it gets few wide programs instead.
-_TILE, _MAX_ROWS = 1024, 16
-# Rows of _WIDE channels or more (8-warp programs, _warps): a larger tile puts more
-# gathers in flight; 2048 is the largest that fits the register cap without spilling
-# (same entry).
-_TILE_WIDE, _WIDE = 2048, 128
-# ... but the forward's schedule (the forward and the dst backward, _fwd_schedule) at rows
-# of _WIDE_FWD channels or more: 1024 with registers for 4 programs per SM (_RESIDENT_FWD),
-# more independent work items in flight per SM (same entry).
-_TILE_WIDE_FWD, _WIDE_FWD = 1024, 256
-# ... and below _WIDE_FWD channels the tile is lanes before edges: at most _EDGES_WIDE edges
-# per step from _WIDE channels, _EDGES_NARROW below, so that a program runs several items'
-# chains of dependent loads at once (docs/design.md, "Lanes before edges").
-_EDGES_WIDE = _EDGES_NARROW = 4
-# ... but GAT from given node terms below _WIDE: None, the tile's edges (_edges_first;
-# docs/design.md, "Compiled GAT takes the node terms").
-_EDGES_NODE_TERMS: Optional[int] = None
-# The src backward's lanes (and the dst backward's of GAT from projected rows, whose
-# parameters' partials share its rows) below _WIDE_FWD: at most _EDGES_SRC edges per step
-# from _EDGES_SRC_FROM channels; narrower rows already hold many lanes ("Lanes before edges").
-_EDGES_SRC, _EDGES_SRC_FROM = 4, 8
-_TILE_INTERPRETER, _MAX_ROWS_INTERPRETER = 1 << 16, 1024
-# Software-pipelining stages of the row kernels' edge loops (tl.range's num_stages): with
-# 2 the next step's indices and gathers are issued as cp.async copies while a step computes;
-# calls with edge features keep 1 (_stages) (docs/design.md, "Pipelined edge loops").
-_STAGES = 2
-# Programs per launch of a row kernel (they loop over their blocks of lanes, _programs): as
-# many per SM as its compiled binary fits (_fit), at most _MAX_PROGRAMS_PER_SM, so that the
-# grid is one wave; a sweep may fix _PROGRAMS_PER_SM (docs/design.md, "A grid of one wave").
-# The merge kernel keeps _PROGRAMS_MERGE per SM; the CPU interpreter runs programs one after
-# another, so a few wide ones.
-_PROGRAMS_PER_SM: Optional[int] = None
-_MAX_PROGRAMS_PER_SM, _PROGRAMS_MERGE, _PROGRAMS_INTERPRETER = 4, 4, 2
-# The forward's and the dst backward's lanes at values of one head that every head shares
-# (ONE_V: a layer aggregating its inputs): a lane per item with all its heads (_lane_heads),
-# so that a source row is gathered once for all heads, not once per head (docs/design.md,
-# "Every head of an item in one lane").
-_HEADS_IN_LANE = True
-# A row kernel's blocks load their successor's edge ranges before their own edge loop
-# (the kernels' AHEAD), so that a block's chain of loads starts at its indices; from
-# _AHEAD_FROM channels under a register cap below 255 (_items_ahead; docs/design.md,
-# "Items a block ahead").
-_ITEMS_AHEAD, _AHEAD_FROM = True, 128
-# (item length above which, edge-tile width) — longest bucket first
-# (docs/design.md, "Degree buckets and split rows").
-_BUCKETS = ((16, 64), (4, 16), (-1, 4))
 
 # ---------------------------------------------------------------------------
 # Scheduling: work items over the segments of a CSR-like ``ptr``.
@@ -94,8 +44,7 @@ class _Schedule:
     writes the final result) or its partial-result slot when the segment was
     split. Items are sorted longest first; the arrays have room for
     :attr:`max_items`, and the ones past the real items have length ``-1``.
-    ``bounds`` holds ``0``, the end of each bucket's items (:data:`_BUCKETS`) and
-    the number of split segments; split segment ``s`` is ``split_row[s]``, with
+    ``bounds`` holds the number of real items and of split segments; split segment ``s`` is ``split_row[s]``, with
     partial-result slots ``split_first[s] : split_first[s] + split_count[s]``.
     """
 
@@ -103,7 +52,7 @@ class _Schedule:
     start: Tensor  # [max_items]
     length: Tensor  # [max_items]
     slot: Tensor  # [max_items]
-    bounds: Tensor  # [len(_BUCKETS) + 2] int64
+    bounds: Tensor  # [2] int64
     split_row: Tensor  # [max_split]
     split_first: Tensor  # [max_split]
     split_count: Tensor  # [max_split]
@@ -162,10 +111,7 @@ def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Sc
     # Longest first: hub pieces start before the short rows fill the gaps.
     order = torch.argsort(length, dim=1, descending=True, stable=True)
     items = torch.stack([row, start, length, slot], 1).gather(2, order.unsqueeze(1).expand(K, 4, M))
-    # a bucket ends after the items longer than its bound
-    length = items[:, 2]
-    counts = [(length > lo).sum(1) for lo, _ in _BUCKETS]
-    bounds = _rows_aligned(torch.stack([torch.zeros_like(counts[0]), *counts, splits.sum(1)], 1),
+    bounds = _rows_aligned(torch.stack([(items[:, 2] >= 0).sum(1), splits.sum(1)], 1),
                            torch.int64)
     # the split rows first, in row order (a stable sort: no value-sized output)
     split_row = torch.argsort(pieces[:, :n].clamp(max=2), dim=1, descending=True, stable=True)
@@ -227,73 +173,225 @@ def _interpreted() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_fwd_kernel, InterpretedFunction)
+    return isinstance(K._fwd_kernel, InterpretedFunction)
 
 
-def _fwd_schedule(kernel, kind: Optional[int] = None) -> bool:
-    """Whether ``kernel`` takes the forward's schedule at wide rows (:data:`_TILE_WIDE_FWD`,
-    :data:`_RESIDENT_FWD`): the forward and the dst backward; the src backward not, nor
-    the dst backward of GAT from projected rows (``kind`` 3), whose parameters' per-lane
-    partials share one buffer and one sum with the src backward's: with other lanes per
-    program its rows would need zeroing, one more launch per call."""
-    return kernel is _fwd_kernel or (kernel is _bwd_dst_kernel and kind != 3)
+# ---------------------------------------------------------------------------
+# Tiling: a config space per row kernel, timed on the device by triton.autotune.
+# ---------------------------------------------------------------------------
+# A config: lanes per program (BLOCK_R), edges per step (BLOCK_E), warps, programs per
+# SM (PER_SM: the register cap lets that many share an SM's 64K registers, and the grid
+# is that many per SM: one wave), and where a call allows it every head of an item in
+# one lane (LANE_HEADS) and each block loading its successor's edge ranges (AHEAD).
+_LANES = (1, 2, 4, 8, 16)
+_EDGES = (1, 2, 4, 16, 64)
+_R_MAX = _LANES[-1]  # the parameters' partial rows are sized for it, whatever the config
+_PER_SM_MAX = 4
+_R_MAX_INTERPRETER = 1024
+_PROGRAMS_INTERPRETER = 2  # the interpreter runs programs one after another: a few wide ones
+_ROW_KERNELS = ("_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel")
 
 
-def _tile(width: int = 0, forward: bool = False) -> Tuple[int, int]:
-    """(tile elements, max rows per program): the compiled kernels' register
-    budget (for the row kernels, whose rows are ``width`` channels wide: see
-    :data:`_TILE_WIDE`, :data:`_TILE_WIDE_FWD` for a kernel of the ``forward``'s
-    schedule, :func:`_fwd_schedule`), or the interpreter's few wide programs."""
-    if _interpreted():
-        return _TILE_INTERPRETER, _MAX_ROWS_INTERPRETER
-    if width < _WIDE:
-        return _TILE, _MAX_ROWS
-    return (_TILE_WIDE_FWD if forward and width >= _WIDE_FWD else _TILE_WIDE), _MAX_ROWS
+def _max_registers(warps: int, per_sm: int) -> int:
+    return min(255, (1 << 16) // (per_sm * 32 * warps))
 
 
-def _rows_per_program(block_e: int, width: int, forward: bool = False) -> int:
-    tile, max_rows = _tile(width, forward)
-    r = max(1, min(max_rows, tile // (block_e * width)))
-    return 1 << (r.bit_length() - 1)  # a power of two, as tl.arange needs
+def _all_configs(name: str) -> List[triton.Config]:
+    """Every config of kernel ``name`` before :func:`_keep` prunes it for a call."""
+    heads = (False, True) if name != "_bwd_src_kernel" else (None,)
+    out = []
+    for r, e, w, s, lh, a in itertools.product(_LANES, _EDGES, (4, 8), (1, 2, _PER_SM_MAX),
+                                               heads, (False, True)):
+        kw = dict(BLOCK_R=r, BLOCK_E=e, PER_SM=s, AHEAD=a)
+        if lh is not None:
+            kw["LANE_HEADS"] = lh
+        out.append(triton.Config(kw, num_warps=w, maxnreg=_max_registers(w, s)))
+    return out
 
 
-# Programs of a row kernel that its register cap lets share an SM at the least
-# (_max_registers; a launch runs as many as its binary fits, _per_sm): two; the dst
-# backward, which holds the scorer's tiles and the gradients' at once, one (uncapped: it
-# spilled under a cap); the forward's schedule at rows of _WIDE_FWD channels, four
-# (docs/design.md, "Edge tiles and resident programs").
-_RESIDENT, _RESIDENT_HEAVY, _RESIDENT_FWD = 2, 1, 4
-
-
-def _max_registers(warps: int, kernel=None, width: int = 0, heavy: bool = False,
-                   kind: Optional[int] = None, heads: bool = False) -> int:
-    """Registers per thread a row kernel may use (ptxas ``.maxnreg``): as many as let
-    :data:`_RESIDENT` programs of ``warps`` warps share an SM's 64K-register file
-    (sm_80 and sm_90), :data:`_RESIDENT_HEAVY` for the dst backward,
-    :data:`_RESIDENT_FWD` for the forward and the dst backward at rows of
-    :data:`_WIDE_FWD` channels or more (:func:`_fwd_schedule`) — but for ``heavy``
-    calls (:func:`_heavy`), which spilled under that cap: they keep their kernel's
-    count; at most 255. The dst backward with every head of an item in one lane
-    (``heads``, ``_bwd_dst_heads_items``), but for heavy calls: :data:`_RESIDENT`
-    (uncapped it fits one 8-warp program per SM at 128 channels).
-
-    Without an explicit cap ptxas picks a register count itself and at some shapes
-    spills to stay at a count it prefers; with one it takes what the kernel needs up
-    to the cap, and none of the shapes users run spills (docs/design.md, "No spills at
-    the users' shapes"). tests/test_triton_compile.py holds both."""
-    resident = _RESIDENT_HEAVY if kernel is _bwd_dst_kernel else _RESIDENT
-    if _fwd_schedule(kernel, kind) and width >= _WIDE_FWD and not heavy:
-        resident = _RESIDENT_FWD
-    if heads and kernel is _bwd_dst_kernel and not heavy:
-        resident = _RESIDENT
-    return min(255, (1 << 16) // (resident * 32 * warps))
+def _width(name: str, kw: dict) -> int:
+    """Channels a row kernel's tile holds per (lane, edge): the widest of what it gathers
+    per edge. The src backward's: a value's gradient rows (CV), GATv2's and the dot kind's
+    destination terms (CK), or GAT's scalar terms alone (a first layer's inputs need no
+    gradient); GAT from projected rows (KIND 3) all of the rows."""
+    if name == "_bwd_src_kernel" and kw["KIND"] != 3:
+        return max(kw["BLOCK_CV"] if kw["NEED_VALUE"] else 1, kw["BLOCK_CK"] if kw["KIND"] else 1)
+    return max(kw["BLOCK_CK"], kw["BLOCK_CV"])
 
 
 def _warps(width: int, acc) -> int:
-    """Warps per program: 8 for tiles of wide rows (>= 128 channels) or float64,
-    whose temporaries spill at 4 warps; else 4 (docs/design.md, "No spills at the
-    users' shapes")."""
+    """Warps per program: 8 for tiles of wide rows (>= 128 channels) or float64, whose
+    temporaries spilled at 4 (docs/design.md, "No spills at the users' shapes")."""
     return 8 if width >= 128 or acc == tl.float64 else 4
+
+
+def _lanes(name: str, edges: int, width: int, warps: int) -> int:
+    """Lanes of a full tile: at most 8 elements of ``[BLOCK_R, BLOCK_E, width]`` per thread
+    (more spilled), 4 in the forward and the dst backward from 256 channels (whose tiles
+    hold the scorer's rows and the values' at once), at most :data:`_R_MAX`; 0 where one
+    lane does not fit."""
+    per_thread = 4 if name != "_bwd_src_kernel" and width >= 256 else 8
+    r = min(_R_MAX, 32 * warps * per_thread // (edges * width))
+    return 1 << (r.bit_length() - 1) if r else 0
+
+
+def _lane_heads(name: str, kw: dict) -> bool:
+    """Whether a call may take every head of an item in one lane (``LANE_HEADS``): a value
+    of one head that every head shares (``ONE_V``), more than one head, no per-edge
+    feature, GAT from node terms or the dot kind whose key is that value; in the dst
+    backward only without parameters' partials, and not the dot kind's at 256 channels
+    or more (its ``[R, HP, C]`` query gradient spilled)."""
+    if name == "_bwd_src_kernel" or kw["H"] == 1 or not kw["ONE_V"]:
+        return False
+    if kw["HAS_EDGE"] or kw["HAS_VEDGE"]:
+        return False
+    if name == "_bwd_dst_kernel" and (kw["NEED_ATT"] or kw["NEED_BIAS"]
+                                      or (kw["KIND"] == 2 and _width(name, kw) >= 256)):
+        return False
+    return kw["KIND"] == 0 or (kw["KIND"] == 2 and kw["ONE_K"] and kw["SHARE_V"])
+
+
+def _heavy(name: str, kw: dict, lane_heads: bool) -> bool:
+    """Calls that spilled under 64 registers at 256 channels (ptxas): with dropout; the dst
+    backward's with a per-edge feature or GAT's node terms; with every head in one lane,
+    GAT's."""
+    if kw["DROPOUT"]:
+        return True
+    if lane_heads:
+        return kw["KIND"] == 0
+    return name == "_bwd_dst_kernel" and (kw["HAS_EDGE"] or kw["HAS_VEDGE"] or kw["KIND"] == 0)
+
+
+def _keep(name: str, cfg: triton.Config, kw: dict) -> bool:
+    """Whether ``cfg`` is in kernel ``name``'s space for a call with constexprs ``kw``: the
+    configs that compile without spills at the users' shapes (tests/test_triton_compile.py)
+    and fill a tile, one lane count per edge count."""
+    c = cfg.kwargs
+    width = _width(name, kw)
+    warps = _warps(width, kw["ACC"])
+    r, e = c["BLOCK_R"], c["BLOCK_E"]
+    if cfg.num_warps != warps or r != _lanes(name, e, width, warps):
+        return False
+    if e < 4 and _lanes(name, 2 * e, width, warps):  # fewer than 4 only where 4 do not fit
+        return False
+    lane_heads = c.get("LANE_HEADS", False)
+    # every head in a lane: at most 4 edges a step (its [R, E, heads] tiles besides the
+    # rows spilled at 16)
+    if lane_heads and (not _lane_heads(name, kw) or e > 4):
+        return False
+    if kw["ACC"] == tl.float64 and cfg.maxnreg < 255:  # (float64 spilled under a cap)
+        return False
+    # Register caps (ptxas spilled below these): 4-warp programs uncapped, two per SM;
+    # 8-warp ones uncapped (one) or at 128 (two) — not the dst backward's but with every
+    # head in a lane (it holds the scorer's tiles and the gradients' at once) — or at 64
+    # (four) from 256 channels, the forward and the dst backward, but the heavy calls
+    per_sm = c["PER_SM"]
+    if warps == 4 and per_sm != 2:
+        return False
+    dst_spills = name == "_bwd_dst_kernel" and (not lane_heads or _heavy(name, kw, lane_heads))
+    if warps == 8 and per_sm == 2 and dst_spills:
+        return False
+    if per_sm == 4 and (name == "_bwd_src_kernel" or width < 256 or _heavy(name, kw, lane_heads)):
+        return False
+    # a block loads its successor's edge ranges: at wide rows under a register cap, but
+    # not GATv2's src backward at 256 channels (it spilled)
+    if c["AHEAD"] and (width < 128 or cfg.maxnreg == 255
+                       or (name == "_bwd_src_kernel" and kw["KIND"] == 1 and width >= 256)):
+        return False
+    return True
+
+
+def _space(name: str, kw: dict) -> List[triton.Config]:
+    """Kernel ``name``'s configs for a call with constexprs ``kw``."""
+    return [c for c in _CONFIGS[name] if _keep(name, c, kw)]
+
+
+def _default(name: str, kw: dict) -> triton.Config:
+    """The config used untuned (:data:`_AUTOTUNE_ENV` off, a first call under CUDA graph
+    capture): four edges a step (or as many as fit), two programs per SM where the space
+    has them (else one, uncapped), every head in one lane where allowed, no block loading
+    ahead."""
+    lane_heads = _lane_heads(name, kw)
+    space = [c for c in _space(name, kw)
+             if not c.kwargs["AHEAD"] and c.kwargs.get("LANE_HEADS", False) == lane_heads]
+    edges = max((c.kwargs["BLOCK_E"] for c in space if c.kwargs["BLOCK_E"] <= 4), default=None)
+    for per_sm in (2, 1):
+        for c in space:
+            if c.kwargs["BLOCK_E"] == edges and c.kwargs["PER_SM"] == per_sm:
+                return c
+    raise AssertionError(f"no default config for {name} {kw}")
+
+
+def _interpreter_config(name: str, kw: dict) -> triton.Config:
+    """The one config the CPU interpreter runs: few wide programs (it pays per program and
+    per op, not per element)."""
+    width = _width(name, kw)
+    r = min(_R_MAX_INTERPRETER, (1 << 16) // (16 * width))
+    kw_cfg = dict(BLOCK_R=1 << (r.bit_length() - 1), BLOCK_E=16, PER_SM=1, AHEAD=False)
+    if name != "_bwd_src_kernel":
+        kw_cfg["LANE_HEADS"] = _lane_heads(name, kw)
+    return triton.Config(kw_cfg, num_warps=4)
+
+
+# Set GATLIB_TRITON_AUTOTUNE=0 to run every row kernel with its default config (no
+# timing on first calls); read at each key's first launch.
+_AUTOTUNE_ENV = "GATLIB_TRITON_AUTOTUNE"
+# A config index every row kernel runs (modulo its space's size), bypassing the tuner:
+# the tests run each config of each space in the interpreter so (introspect.triton_config).
+_PINNED: Optional[int] = None
+_WARNED_CAPTURE: List[bool] = []
+
+
+def _prune(name: str, configs, nargs, **kw) -> List[triton.Config]:
+    """triton.autotune's ``early_config_prune``, called on a key's first launch: the
+    configs to time, or one to use untimed — the default while a CUDA graph is captured
+    (timing synchronises; said once) or where tuning is switched off."""
+    if os.environ.get(_AUTOTUNE_ENV, "1") == "0":
+        return [_default(name, kw)]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if not _WARNED_CAPTURE:
+            _WARNED_CAPTURE.append(True)
+            warnings.warn("gatlib: a Triton kernel's first call is under CUDA graph capture, "
+                          "where it cannot be timed: it keeps its default config in this "
+                          "process (run one call before capturing to tune it)", stacklevel=2)
+        return [_default(name, kw)]
+    return _space(name, kw)
+
+
+# What a layer fixes: the tuning key (with the tensors' dtypes, which Triton adds), never
+# a graph's size, so that new graphs and mini-batches reuse a tuned config.
+_KEYS = {
+    "_fwd_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS",
+                    "SHARE_V", "SHARE_VE", "ONE_K", "ONE_V", "DROPOUT"],
+    "_bwd_dst_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "SHARE_V",
+                        "SHARE_VE", "ONE_K", "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE",
+                        "NEED_EDGE", "NEED_DST", "NEED_ATT", "NEED_BIAS"],
+    "_bwd_src_kernel": ["H", "CK", "CV", "KIND", "HAS_EDGE", "NEED_VALUE", "NEED_SRC",
+                        "SUM_SRC", "NEED_ATT"],
+}
+_CONFIGS = {name: _all_configs(name) for name in _ROW_KERNELS}
+# The tuned kernels; every launch goes through them (pinned and interpreted ones through
+# their .fn). Timings are cached on disk per device and Triton version (cache_results).
+_TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=True,
+                                prune_configs_by={"early_config_prune":
+                                                  functools.partial(_prune, name)})(
+                                    getattr(K, name))
+          for name in _ROW_KERNELS}
+
+
+def _stages(consts: dict) -> int:
+    """Pipelining stages of a row kernel's edge loops: 2, so that the next step's
+    indices and gathers are in flight while a step computes; 1 for calls with a per-edge
+    feature, whose extra stream spilled at 2 (docs/design.md, "Pipelined edge loops")."""
+    return 1 if consts.get("HAS_EDGE") or consts.get("HAS_VEDGE") else 2
+
+
+def _slot_sums(width: int) -> bool:
+    """Whether the backward kernels keep their gradients' sums per edge slot of the tile
+    (``SLOTS``), summed once after the edge loop rather than across the tile's warps at
+    every step: at 256 channels or more, where they were timed faster; at 128 GATv2's src
+    backward spilled so (docs/design.md, "Per-slot sums in the backward")."""
+    return width >= 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -301,245 +399,50 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
 def _programs(device: torch.device, H: int, per_sm: int) -> int:
-    """Programs per launch: the kernels loop over their blocks of lanes (a block
-    ``b`` is run by program ``b mod programs``), so the grid is fixed by the device
-    and the binary, and no launch depends on the graph's degrees. ``per_sm`` per SM,
-    rounded down to a multiple of ``H`` (at least ``H``), so that each lane of a
-    program keeps one head (GATv2's ``att`` partials) and no program is left over
-    for a second wave."""
+    """Programs per launch: the kernels loop over their blocks of lanes (block ``b`` is
+    run by program ``b mod programs``), so the grid is fixed by the device and the config,
+    never by the graph. ``per_sm`` per SM, rounded down to a multiple of ``H`` (at least
+    ``H``), so that each lane of a program keeps one head (the parameters' partials)."""
     if device.type == "cuda":
-        n = _sm_count(_device_index(device)) * per_sm
-    else:  # the interpreter runs programs one after another
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        n = _sm_count(index) * per_sm
+    else:
         n = _PROGRAMS_INTERPRETER
     return H * max(1, n // H)
 
 
-def _slots(device: torch.device, H: int) -> int:
-    """Programs whose per-lane partials a backward launch's buffers hold (the most a
-    row kernel's launch runs: :func:`_programs` at :data:`_MAX_PROGRAMS_PER_SM`, or at
-    the fixed :data:`_PROGRAMS_PER_SM`); a launch of fewer programs zeroes the rows of
-    the others (``_store_partials``), so the buffers' size does not depend on what a
-    binary fits."""
-    return _programs(device, H, max(_MAX_PROGRAMS_PER_SM, _PROGRAMS_PER_SM or 0))
+def _partial_rows(device: torch.device, H: int) -> int:
+    """Rows of a backward launch's parameter-partials buffer: one per lane of the most
+    programs any config runs (``_store_partials`` zeroes the rows a launch leaves)."""
+    return _programs(device, H, _PER_SM_MAX) * (_R_MAX_INTERPRETER if _interpreted() else _R_MAX)
 
 
-def _fit(n_regs: int, warps: int, shared: int, max_regs: int, max_shared: int,
-         max_threads: int) -> int:
-    """Programs of a compiled kernel that an SM holds at once: registers (allocated
-    per warp in units of 256 on sm_80 and sm_90), shared memory (1 KB of it reserved
-    per program) and threads, at most :data:`_MAX_PROGRAMS_PER_SM`; at least one."""
-    per_warp = -(-n_regs * 32 // 256) * 256
-    fit = min(max_regs // max(1, per_warp * warps), max_threads // (32 * warps),
-              max_shared // (shared + 1024) if shared else _MAX_PROGRAMS_PER_SM)
-    return max(1, min(fit, _MAX_PROGRAMS_PER_SM))
-
-
-# (kernel, device, launch options and constexprs, each argument's dtype and 16-byte
-# alignment — what Triton specialises a binary on) -> programs per SM. Compiling the
-# binary to read its registers costs a launch's host time: read once per binary.
-_FITS: Dict[tuple, int] = {}
-
-
-def _specialised(arg):
-    """What Triton specialises a binary on in a positional ``arg``: a tensor's dtype and
-    16-byte alignment; not the kernels' integers and floats (``_PER_CALL``)."""
-    if isinstance(arg, Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-        return type(arg)
-    return repr(arg)
-
-
-def _per_sm(kernel, device: torch.device, args, options: dict) -> int:
-    """Programs per SM of a CUDA launch of ``kernel`` with ``args`` and ``options``:
-    :data:`_PROGRAMS_PER_SM` where a sweep fixes it, else what its compiled binary
-    fits on an SM (:func:`_fit`; compiled here, before the launch, as Triton's
-    fused-softmax tutorial does)."""
-    if _PROGRAMS_PER_SM is not None:
-        return _PROGRAMS_PER_SM
-    index = _device_index(device)
-    key = (kernel, index,
-           tuple(sorted((k, _specialised(v) if isinstance(v, Tensor) else repr(v))
-                        for k, v in options.items())),
-           tuple(_specialised(a) for a in args))
-    fit = _FITS.get(key)
-    if fit is None:
-        from triton.runtime import driver
-
-        binary = kernel.warmup(*args, grid=(1,), **options)
-        if binary is None:  # a jit_cache_hook skipped the compile: nor will it launch
-            return _MAX_PROGRAMS_PER_SM
-        if hasattr(binary, "result"):  # (compiled under Triton's async compile mode)
-            binary = binary.result()
-        binary._init_handles()  # (loads it: registers are known from here)
-        props = driver.active.utils.get_device_properties(index)
-        fit = _fit(binary.n_regs, binary.metadata.num_warps, binary.metadata.shared,
-                   props["max_num_regs"], props["max_shared_mem"],
-                   torch.cuda.get_device_properties(index).max_threads_per_multi_processor)
-        _FITS[key] = fit
-    return fit
-
-
-def _edges_first(width: int, forward: bool, kind: Optional[int]) -> Optional[int]:
-    """The most edges per step of a kernel below :data:`_WIDE_FWD` channels (the rest
-    of the tile is lanes), or ``None``: as many as the tile holds. Of the ``forward``'s
-    schedule :data:`_EDGES_WIDE` from :data:`_WIDE` channels, :data:`_EDGES_NARROW`
-    below; of the src backward's :data:`_EDGES_SRC` from :data:`_EDGES_SRC_FROM`.
-
-    GAT from given node terms (``kind`` 0) keeps the tile's edges below :data:`_WIDE`
-    in every kernel: with 4 lanes there its compiled training step disagreed with
-    eager PyG's, where the other kinds' agreed (docs/design.md, "Compiled GAT takes the
-    node terms"). ``introspect.triton_tiles(edges_node_terms=4)`` sets them back, for a
-    GPU run to tell whether that schedule is what disagreed. The interpreter: few wide
-    programs."""
-    if width >= _WIDE_FWD or _interpreted():
-        return None
-    if kind == 0 and width < _WIDE:
-        return _EDGES_NODE_TERMS
-    if not forward:
-        return _EDGES_SRC if width >= _EDGES_SRC_FROM else None
-    return _EDGES_WIDE if width >= _WIDE else _EDGES_NARROW
-
-
-def _bucket_groups(width: int, forward: bool = False,
-                   kind: Optional[int] = None) -> List[Tuple[int, int, int]]:
-    """``(first bucket, end bucket, BLOCK_E)`` of each group of buckets: consecutive
-    buckets whose edge tiles are clamped to one width at wide channels compile to
-    the same code, and are one group (of the ``forward`` kernel's tile, or the
-    backward kernels'; of score ``kind``, :func:`_edges_first`)."""
-    tile = _tile(width, forward)[0]
-    cap = 1 << (max(1, tile // width).bit_length() - 1)
-    edges = _edges_first(width, forward, kind)
-    if edges is not None:
-        cap = min(cap, edges)
-    out: List[Tuple[int, int, int]] = []
-    for b, (_, block_e) in enumerate(_BUCKETS):
-        block_e = min(block_e, cap)
-        if out and out[-1][2] == block_e:
-            out[-1] = (out[-1][0], b + 1, block_e)
-        else:
-            out.append((b, b + 1, block_e))
-    return out
-
-
-def _group_consts(width: int, forward: bool = False, kind: Optional[int] = None) -> dict:
-    """The row kernels' constexprs for :func:`_bucket_groups`: bounds ``B1, B2, B3``
-    (groups ``[0, B1)``, ``[B1, B2)``, ``[B2, B3)`` of buckets, empty where equal)
-    and each group's lanes per program ``R*`` and edge tile ``E*`` (1 where empty)."""
-    groups = _bucket_groups(width, forward, kind)
-    assert 1 <= len(groups) <= 3 == len(_BUCKETS)
-    ends = [hi for _, hi, _ in groups] + [len(_BUCKETS)] * (3 - len(groups))
-    tiles = [(_rows_per_program(e, width, forward), e) for _, _, e in groups]
-    tiles += [(1, 1)] * (3 - len(groups))
-    return {"B1": ends[0], "B2": ends[1], "B3": ends[2],
-            **{f"R{g}": r for g, (r, _) in enumerate(tiles)},
-            **{f"E{g}": e for g, (_, e) in enumerate(tiles)}}
-
-
-def _lane_heads(kind: int, H: int, one_k: bool, one_v: bool, share_v: bool,
-                has_edge: bool, width: int = 0, dst_backward: bool = False) -> int:
-    """``HP`` of the forward (``_fwd_heads_items``) or the dst backward
-    (``_bwd_dst_heads_items``): the heads padded to a power of two where a lane takes
-    every head of its item (:data:`_HEADS_IN_LANE`), else 0 (a lane per item and head).
-    Its calls: more than one head; a value of one head that all heads share
-    (``one_v``); no per-edge feature (``has_edge``); GAT from node terms (``kind`` 0),
-    or the dot product whose key is that value (``one_k``, ``share_v``) — but the dot
-    kind's dst backward at rows of :data:`_WIDE_FWD` channels or more (``width``): its
-    ``[R, HP, C]`` query gradient spilled under that schedule's 4-program cap, and at
-    the one program per SM it fits uncapped the latency count puts it behind 4 programs
-    of a lane per head (docs/design.md, "Every head of an item in one lane")."""
-    if not _HEADS_IN_LANE or H == 1 or not one_v or has_edge:
-        return 0
-    if kind == 2 and dst_backward and width >= _WIDE_FWD:
-        return 0
-    if kind == 0 or (kind == 2 and one_k and share_v):
-        return triton.next_power_of_2(H)
-    return 0
-
-
-def _items_ahead(width: int, max_registers: int, kernel=None, kind: Optional[int] = None) -> bool:
-    """``AHEAD`` of a row ``kernel`` of score ``kind`` at rows of ``width`` channels under
-    a register cap of ``max_registers`` (:data:`_ITEMS_AHEAD`) — but GATv2's src
-    backward at :data:`_WIDE_FWD` channels, which spilled so under its cap of 128."""
-    if kernel is _bwd_src_kernel and kind == 1 and width >= _WIDE_FWD:
-        return False
-    return _ITEMS_AHEAD and width >= _AHEAD_FROM and max_registers < 255
-
-
-def _stages(consts: dict) -> int:
-    """Pipelining stages of a row kernel's edge loops: :data:`_STAGES`, but 1 for
-    calls with edge features (``HAS_EDGE``, ``HAS_VEDGE``), whose extra per-edge
-    stream's copies in flight spilled under the register cap at 2 stages."""
-    return 1 if _has_edge(consts) else _STAGES
-
-
-def _slot_sums(width: int) -> bool:
-    """Whether the backward kernels keep their gradients' sums per edge slot of the
-    tile (``SLOTS``: the src kernel's, the dst kernel's dot query gradient), summed
-    once after the edge loop rather than across the tile's warps at every step: at
-    rows of :data:`_WIDE_FWD` channels or more, where they were timed faster; at 128
-    GATv2's src backward spilled so (docs/design.md, "Per-slot sums in the backward")."""
-    return width >= _WIDE_FWD
-
-
-def _has_edge(consts: dict) -> bool:
-    """Whether a row kernel's call reads a per-edge feature stream."""
-    return bool(consts.get("HAS_EDGE") or consts.get("HAS_VEDGE"))
-
-
-def _heavy(consts: dict, kernel=None) -> bool:
-    """The calls of ``kernel`` that spilled under the forward's schedule's 64 registers
-    at C = 256 (ptxas): with attention dropout, the forward and the dst backward, whose
-    random stream's state and keep masks are live besides the tiles; and the dst
-    backward's with a per-edge feature stream and with GAT's given node terms (KIND 0)
-    — but where a lane takes every head of its item (``HP``), only GAT's forward is."""
-    if consts.get("DROPOUT"):
-        return True
-    if consts.get("HP"):  # every head of an item in one lane: GAT's forward (its heads'
-        # [R, E, HP] terms besides the rows spilled under the forward's 64 at 256)
-        return kernel is _fwd_kernel and consts.get("KIND") == 0
-    return kernel is _bwd_dst_kernel and (_has_edge(consts) or consts.get("KIND") == 0)
-
-
-def _launch(kernel, items: _Schedule, H: int, width: int, *args, **consts) -> None:
-    """Launch ``kernel`` over the length buckets of ``items`` (longest first): one
-    launch of :func:`_programs` programs (as many per SM as its binary fits there,
-    :func:`_per_sm`), which run the groups of buckets of :func:`_bucket_groups` one
-    after another, each with its own edge tile (the kernel reads where its items
-    start and end from ``bounds`` on the device).
-
-    Its register cap (:func:`_max_registers`) also decides ``AHEAD``
-    (:func:`_items_ahead`). The kernel's leading arguments are the item arrays and
-    ``bounds``. The backward kernels' parameter gradients (``part_att``, ``part_bias``)
-    take one partial per lane of each of ``P_SLOTS`` programs, the groups' one after
-    another (:func:`_att_partials`, :func:`_slots`).
-    """
-    warps = _warps(width, consts["ACC"])
-    kind = consts.get("KIND")
-    maxnreg = _max_registers(warps, kernel, width, _heavy(consts, kernel), kind,
-                             bool(consts.get("HP")))
-    options = dict(num_warps=warps, maxnreg=maxnreg, STAGES=_stages(consts),
-                   AHEAD=_items_ahead(width, maxnreg, kernel, kind),
-                   **_group_consts(width, _fwd_schedule(kernel, kind), kind), **consts)
+def _launch(name: str, items: _Schedule, *args, **consts) -> None:
+    """Launch row kernel ``name`` (``"_fwd_kernel"``, ...) over the work items of ``items``: one
+    launch of :func:`_programs` programs, tiled by the config the tuner chose for the
+    call's key (:data:`_KEYS`), by the :data:`_PINNED` one, or in the interpreter by
+    :func:`_interpreter_config`."""
+    H = consts["H"]
+    consts["STAGES"] = _stages(consts)
+    if name != "_bwd_src_kernel":
+        consts["HP"] = triton.next_power_of_2(H)
     args = (items.row, items.start, items.length, items.slot, items.bounds, *args)
     device = items.bounds.device
-    per_sm = _per_sm(kernel, device, args, options) if device.type == "cuda" else 0
-    kernel[(_programs(device, H, per_sm),)](*args, **options)
 
+    def grid(meta):
+        return (_programs(device, H, meta["PER_SM"]),)
 
-def _att_partials(width: int, H: int, device: torch.device, kernel,
-                  kind: Optional[int] = None) -> int:
-    """Rows of the ``part_att`` buffer that :func:`_launch` of the backward ``kernel``
-    fills for a call of score ``kind``: one per lane of each of :func:`_slots`
-    programs, over its groups of buckets."""
-    forward = _fwd_schedule(kernel, kind)
-    return sum(_slots(device, H) * _rows_per_program(block_e, width, forward)
-               for _, _, block_e in _bucket_groups(width, forward, kind))
+    tuned = _TUNED[name]
+    if _PINNED is not None or _interpreted():
+        if _PINNED is not None:
+            space = _space(name, consts)
+            cfg = space[_PINNED % len(space)]
+        else:
+            cfg = _interpreter_config(name, consts)
+        tuned.fn[grid](*args, **consts, **cfg.all_kwargs())
+    else:
+        tuned[grid](*args, **consts)
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,
@@ -548,15 +451,17 @@ def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Te
     """Combine the pieces of split rows into their rows, one launch: plain sums
     (``out[row] = sum_p part_p``), or with ``lse`` the pieces' softmax results
     (``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``, and
-    ``out_b = out + bias`` where a ``bias`` ``[H * C]`` is given)."""
+    ``out_b = out + bias`` where a ``bias`` ``[H * C]`` is given). Its lanes fill a
+    tile of 1024 elements (the interpreter's: 64K)."""
     if not items.max_split:  # no row can be split on a graph this small
         return
     C = out.size(2) if out.dim() == 3 else 1
     block_c = triton.next_power_of_2(C)
-    lanes = max(1, min(_tile()[1], _tile()[0] // block_c))
+    tile, most = ((1 << 16), 1024) if _interpreted() else (1024, _R_MAX)
+    lanes = max(1, min(most, tile // block_c))
     lanes = 1 << (lanes.bit_length() - 1)
     softmax = lse is not None
-    _merge_kernel[(_programs(out.device, H, _PROGRAMS_MERGE),)](
+    K._merge_kernel[(_programs(out.device, H, _PER_SM_MAX),)](
         items.bounds, items.split_row, items.split_first, items.split_count, part,
         part_lse if softmax else part, out, lse if softmax else out,
         bias if bias is not None else out, out_b if out_b is not None else out, H, C,

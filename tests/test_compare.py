@@ -509,38 +509,12 @@ def test_disagreement_aborts(tmp_path, monkeypatch, capsys, scope):
 
 @pytest.mark.parametrize("args", [["--graph", "nope"], ["--repeats", "0"], ["--heads", "0"],
                                   ["--scope", "model", "--pass", "forward"],
-                                  ["--scope", "model", "--classes", "0"],
-                                  ["--triton-tiles", "1024:4", "--no-memory"],  # CPU
-                                  ["--triton-tiles", "1024:x"], ["--triton-tiles", "1024:4:0"],
-                                  ["--triton-tiles", "no_such=4"], ["--triton-tiles", "stages=x"]])
+                                  ["--scope", "model", "--classes", "0"]])
 def test_bad_arguments_exit_2(tmp_path, args, capsys):
     assert compare.main([*TINY, "--data-dir", str(tmp_path), *args]) == 2
     assert "gatlib compare: error" in capsys.readouterr().err
 
 
-def test_triton_tiles_are_in_force_for_the_run(tmp_path, monkeypatch):
-    """--triton-tiles runs the comparison inside introspect.triton_tiles and records the
-    schedule in force (the run itself needs a GPU: it is replaced here)."""
-    pytest.importorskip("triton")
-    from gatlib import _triton_schedule as sched
-
-    seen = {}
-
-    def fake_run(args, cfg):
-        seen.update(cfg["triton_tiles"], live=(sched._TILE, sched._STAGES, sched._RESIDENT))
-        return 0
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(compare, "_run", fake_run)
-    assert compare.main([*TINY, "--device", "cuda", "--backend", "triton", "--no-memory",
-                         "--data-dir", str(tmp_path), "--triton-tiles", "512:4:1:3"]) == 0
-    assert seen["live"] == (512, 1, 3) and seen["tile"] == 512 and seen["resident_heavy"] == 3
-    assert sched._TILE != 512  # restored after the run
-    # by name: GAT from node terms with 4 lanes below 128 channels (a GPU diagnosis)
-    assert compare.main([*TINY, "--device", "cuda", "--backend", "triton", "--no-memory",
-                         "--data-dir", str(tmp_path), "--triton-tiles", "edges_node_terms=4"]) == 0
-    assert seen["edges_node_terms"] == 4 and seen["tile"] == sched._TILE
-    assert sched._EDGES_NODE_TERMS is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

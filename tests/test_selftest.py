@@ -153,9 +153,7 @@ def test_a_comparison_that_fails_fails_the_selftest(tmp_path, monkeypatch, capsy
 @pytest.mark.parametrize("args, message", [(["--graphs", "cora,arxiv"], "unknown synthetic graph"),
                                            (["--repeats", "0"], "--repeats must be at least 1"),
                                            (["--kinds", "gat,gcn"], "--kinds takes"),
-                                           (["--kinds", ","], "--kinds takes"),
-                                           (["--triton-tiles", "edges_narrow=3"], "power of two"),
-                                           (["--triton-tiles", "lanes=4"], "--triton-tiles")])
+                                           (["--kinds", ","], "--kinds takes")])
 def test_bad_arguments_exit_2_before_any_check(args, message, monkeypatch, capsys):
     monkeypatch.setattr(selftest, "kernel_checks", None)  # not reached
     assert cli.main(["selftest", "--device", DEVICE, *args]) == 2
@@ -177,22 +175,6 @@ def test_kinds_limit_the_kernel_checks(tmp_path, monkeypatch):
         [(k, d) for k in ("dot", "gatv2") for d in selftest.DTYPES.values()] * 2, key=str)
 
 
-def test_triton_tiles_hold_for_every_check(tmp_path, monkeypatch):
-    """``--triton-tiles``: the kernel and GPU checks run at that schedule (and the PyG
-    comparison's child gets the flag), which is recorded and set back after."""
-    seen = []
-
-    def case(kind, dtype, edge, p, alpha, plan, device, seed=0):
-        seen.append(_triton_schedule._EDGES_NODE_TERMS)
-        return {"name": kind, "status": "ok"}
-    monkeypatch.setattr(selftest, "check_case", case)
-    monkeypatch.setattr(selftest, "gpu_checks", lambda device, kinds: [])
-    before = _triton_schedule._EDGES_NODE_TERMS
-    rc, rep = _selftest(tmp_path, "--graphs", "", "--kinds", "gat",
-                        "--triton-tiles", "edges_node_terms=4")
-    assert rc == 0 and seen and set(seen) == {4}
-    assert rep["config"]["triton_tiles"]["edges_node_terms"] == 4
-    assert _triton_schedule._EDGES_NODE_TERMS == before
 
 
 def test_cpu_without_the_interpreter_exits_2(monkeypatch, capsys):

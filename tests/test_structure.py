@@ -401,7 +401,7 @@ def private_uses(rel: str, source: str, library_private) -> list:
     reads a private attribute of a gatlib or tools module (``_triton.x``,
     ``measure._child_env``, ``launches._StandInBinary``) or a private name the
     library defines on any object that is not another package's (``plan._layout``,
-    ``getattr(m, "_tile")``); or, in benchmarks/, imports another script or tools/ (a
+    ``getattr(m, "_space")``); or, in benchmarks/, imports another script or tools/ (a
     table's reproducer needs the package only)."""
     tree = ast.parse(source)
     package = {"gatlib/bench/": "gatlib.bench", "tools/": "tools"}.get(rel.rpartition("/")[0] + "/")
@@ -489,7 +489,7 @@ def test_the_private_name_rule_catches_each_form():
         "from . import measure\nmeasure._child_env()": bench,
         "import gatlib\ngatlib._triton.attention": bench,
         "plan = make()\nplan._layout = None": benchmarks,
-        "x = getattr(m, '_tile')": benchmarks,
+        "x = getattr(m, '_space')": benchmarks,
         "import plan_cost": benchmarks,
         "from per_batch import main": benchmarks,
         "from gatlib._plan import GraphPlan": tool,
@@ -499,7 +499,7 @@ def test_the_private_name_rule_catches_each_form():
         "from tools import launches\nlaunches._StandInBinary": tool,
         "import tools.launches\ntools.launches._LOOK_INSIDE": tool,
         "from tools import launches\nlaunches.triton_on_cpu": benchmarks,
-        "from tools.triton_sweep import build_parser": benchmarks,
+        "from tools.triton_compile import capture": benchmarks,
         "import tools.launches": benchmarks,
         "from gatlib import introspect\nintrospect._triton": tool,
     }

@@ -27,8 +27,7 @@ from gatlib import EdgeScore, GraphPlan, _triton, _triton_schedule, graph_attent
 from gatlib._core import reference_attention  # noqa: E402
 
 from testing import (DEVICE, KINDS, LOW_PRECISION, LOW_PRECISION_BOUND, dtype_id, graph_case,  # noqa: E402
-                     graphs, hub_graph, leaves, low_precision_errors, make_score, record_launches, record_tiles,
-                     run)
+                     graphs, hub_graph, leaves, low_precision_errors, make_score, record_launches, record_tiles, run)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -117,10 +116,10 @@ def test_aliased_value_and_edge_tensors():
 @pytest.mark.parametrize("kind", KINDS)
 def test_split_hubs_and_gpu_tiles(kind, monkeypatch):
     """Rows and source columns longer than _SPLIT are cut into pieces merged
-    afterwards; with the GPU's tile sizes every launch has several programs."""
+    afterwards; with a GPU config (the first of each kernel's space, pinned) and three
+    programs, every program runs several blocks."""
     monkeypatch.setattr(_triton_schedule, "_SPLIT", 32)
-    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", _triton_schedule._TILE)
-    monkeypatch.setattr(_triton_schedule, "_MAX_ROWS_INTERPRETER", _triton_schedule._MAX_ROWS)
+    monkeypatch.setattr(_triton_schedule, "_PINNED", 0)
     n, H, C = 40, 2, 3
     ei = hub_graph(n, 120).to(DEVICE)  # in-hub 0
     out_hub = torch.stack([torch.full((50,), 7), torch.arange(50) % n])  # out-hub 7
@@ -128,82 +127,18 @@ def test_split_hubs_and_gpu_tiles(kind, monkeypatch):
     plan = GraphPlan(ei, num_nodes=n)
     monkeypatch.setattr(_triton_schedule, "_PROGRAMS_INTERPRETER", 3)  # several blocks per program
     tplan = _triton_schedule._plan(plan)
-
-    def buckets(items):  # items per length bucket, and split rows
-        b = items.bounds.tolist()
-        return [hi - lo for lo, hi in zip(b[:3], b[1:4], strict=True)], b[4]
-    (dst_counts, dst_splits), (src_counts, src_splits) = map(buckets, (tplan.dst_items, tplan.src_items))
-    assert dst_splits > 0 and src_splits > 0
-    assert sum(c > 0 for c in dst_counts) >= 2 and all(c > 0 for c in src_counts)
+    for items in (tplan.dst_items, tplan.src_items):
+        n_items, n_split = items.bounds.tolist()
+        assert n_split > 0 and n_items == int((items.length >= 0).sum())
     E = ei.size(1)
     score = make_score(kind, n, n, E, H, C, edge=True, dtype=torch.float32, device=DEVICE)
     v = torch.randn(n, H, C, device=DEVICE, requires_grad=True)
     ve = torch.randn(E, H, C, device=DEVICE, requires_grad=True)
+    tiles = record_tiles(monkeypatch)
     compare(score, v, plan, n, ve)
-
-
-def test_wide_channels_narrow_the_edge_tile(monkeypatch):
-    """When BLOCK_E * BLOCK_C exceeds the tile budget the edge tile shrinks
-    (here 64 -> 8 edges per step) and rows take more steps."""
-    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", 256)
-    n, H, C = 12, 1, 20
-    ei = torch.cat([hub_graph(n, 40), torch.tensor([[1, 2], [3, 3]])], dim=1).to(DEVICE)
-    score = make_score("gatv2", n, n, ei.size(1), H, C, edge=True, dtype=torch.float32, device=DEVICE)
-    v = torch.randn(n, H, C, device=DEVICE, requires_grad=True)
-    compare(score, v, ei, n)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gat", "gatv2", "dot", "gat_projected"])
-def test_backward_kernels_of_other_lanes_sum_the_parameters_partials(kind, monkeypatch):
-    """At wide rows the dst backward takes the forward's tile and the src backward a
-    larger one (_fwd_schedule): their programs hold other numbers of lanes. The buffer
-    of the parameters' per-lane partials (GATv2's att from the dst kernel, projected
-    GAT's vectors from the src kernel and its bias from the dst kernel) is sized by
-    the kernel that writes it, and where both write it (projected GAT) the dst
-    backward keeps the src's schedule: no row goes unwritten (every new buffer is NaN
-    here). Here (the compiled branch's tiles, scaled to C = 16) the dst backward has 1
-    lane per program and the src backward 3; and the backward kernels keep their sums
-    per edge slot (_slot_sums), as at wide rows."""
-    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
-    monkeypatch.setattr(_triton_schedule, "_WIDE", 16)
-    monkeypatch.setattr(_triton_schedule, "_WIDE_FWD", 16)
-    monkeypatch.setattr(_triton_schedule, "_TILE_WIDE", 128)
-    monkeypatch.setattr(_triton_schedule, "_TILE_WIDE_FWD", 32)
-    H, C = 2, 16
-    rows = {k: _triton_schedule._att_partials(C, H, torch.device(DEVICE), k)
-            for k in (_triton._bwd_dst_kernel, _triton._bwd_src_kernel)}
-    assert len(set(rows.values())) == 2, rows
-    assert len({_triton_schedule._att_partials(C, H, torch.device(DEVICE), k, 3)
-                for k in (_triton._bwd_dst_kernel, _triton._bwd_src_kernel)}) == 1
-    assert _triton_schedule._slot_sums(C)
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):  # what no kernel writes is NaN, not a lucky zero
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", poisoned)
-    ei, n, _ = graph_case("hub", DEVICE)
-    if kind in ("gat", "dot"):
-        score = make_score(kind, n, n, ei.size(1), H, C, seed=3, device=DEVICE)
-        v = torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
-        compare(score, v, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
-        return
-    # the layers' forms: GATv2's value is its scorer's x_src (both gradients summed in
-    # the src kernel), projected GAT's terms formed from its values' rows
-    h, a_s, a_d, _ = _projected(n, ei.size(1), H, C, False)
-    res = {}
-    for backend in ("triton", "torch"):
-        if kind == "gatv2":
-            score = EdgeScore.gatv2(h, a_d.expand(n, H, C), a_s.view(H, C))
-        else:
-            score = EdgeScore.gat_projected(h, a_s, a_d)
-        out = graph_attention(score, h, ei, n, backend=backend)
-        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1),
-                        dtype=torch.float64).to(out)
-        res[backend] = torch.autograd.grad((out * w).sum(), [h, a_s, a_d])
-    for a, b in zip(res["triton"], res["torch"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    assert {k: c["BLOCK_R"] for k, c in tiles.items()} == {
+        k: _triton_schedule._space(k, c)[0].kwargs["BLOCK_R"] for k, c in tiles.items()}
+    assert set(tiles) == {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"}
 
 
 def test_huge_logits_stay_finite():
@@ -302,7 +237,7 @@ def test_values_and_keys_of_one_head_are_read_in_place(form, slots, monkeypatch)
     launched = record_launches(monkeypatch)
     compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
     one_k, one_v = form != "gat", form != "dot_key_only"
-    row_kernels = [c for k, c in launched if k in (_triton._fwd_kernel, _triton._bwd_dst_kernel)]
+    row_kernels = [c for k, c in launched if k in ("_fwd_kernel", "_bwd_dst_kernel")]
     assert len(row_kernels) == 2
     assert all(c["ONE_K"] == one_k and c["ONE_V"] == one_v for c in row_kernels), row_kernels
     assert all(c["SHARE_V"] == (form == "dot_key_is_value") for c in row_kernels)
@@ -416,7 +351,7 @@ def test_schedule_covers_every_edge_once_longest_first():
     length, start, row = items.length.long(), items.start.long(), items.row.long()
     assert (length[:-1] >= length[1:]).all()  # longest first, the unused room (-1) last
     bounds = items.bounds.tolist()
-    W = bounds[3]
+    W = bounds[0]
     assert (length[:W] >= 0).all() and (length[W:] == -1).all()
     assert length.max() <= 64
     covered = torch.zeros(E, dtype=torch.long)
@@ -427,20 +362,13 @@ def test_schedule_covers_every_edge_once_longest_first():
     assert sorted(set(row[:W].tolist())) == list(range(deg.numel()))  # empty rows too
     # the 300-edge row is 5 pieces and the 129-edge row 3, with consecutive slots in
     # row order; the other rows are whole
-    assert bounds[4] == 2
+    assert bounds[1] == 2
     assert items.split_row[:2].tolist() == [7, 9]
     assert items.split_first[:2].tolist() == [0, 5] and items.split_count[:2].tolist() == [5, 3]
     assert sorted(items.slot[items.slot >= 0].tolist()) == list(range(8))
     for r, first, count in ((7, 0, 5), (9, 5, 3)):
         assert sorted(items.slot[:W][row[:W] == r].tolist()) == list(range(first, first + count))
     assert items.max_pieces >= 8
-    # bucket b holds items bounds[b] : bounds[b + 1], each longer than the next bucket's bound
-    assert bounds[0] == 0 and bounds[:4] == sorted(bounds[:4])
-    upper = 64
-    for b, (lo, _) in enumerate(_triton_schedule._BUCKETS):
-        seg = length[bounds[b]:bounds[b + 1]]
-        assert ((seg > lo) & (seg <= upper)).all()
-        upper = lo
 
 
 def _schedule_reference(deg, split):
@@ -461,8 +389,7 @@ def _schedule_reference(deg, split):
         slots += k if k > 1 else 0
         ptr += d
     items.sort(key=lambda item: -item[2])  # (stable)
-    bounds = [0, *[sum(item[2] > lo for item in items) for lo, _ in _triton_schedule._BUCKETS],
-              sum(k > 1 for k in pieces)]
+    bounds = [len(items), sum(k > 1 for k in pieces)]
     order = [r for r in range(n) if pieces[r] > 1] + [r for r in range(n) if pieces[r] == 1]
     return items, bounds, order, slot0, pieces
 
@@ -512,256 +439,22 @@ def test_schedule_is_its_item_by_item_definition(split):
                                                         s.split_row, s.split_first, s.split_count))
 
 
-def test_buckets_grouped_by_distinct_edge_tile(monkeypatch):
-    """Buckets whose edge tiles are clamped to one width at wide channels are one
-    group (the GPU's tile budget); every group is a part of the one launch."""
-    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", _triton_schedule._TILE)
-    widths = {w: _triton_schedule._bucket_groups(w) for w in (8, 64, 256)}
-    for groups in widths.values():
-        assert groups[0][0] == 0 and groups[-1][1] == len(_triton_schedule._BUCKETS)
-        assert all(a[1] == b[0] and a[2] != b[2] for a, b in zip(groups, groups[1:], strict=False))
-    assert len(widths[8]) == 3 and len(widths[256]) < 3
-    for w, groups in widths.items():
-        consts = _triton_schedule._group_consts(w)
-        bounds = [consts["B1"], consts["B2"], consts["B3"]]
-        assert bounds == sorted(bounds) and bounds[-1] == len(_triton_schedule._BUCKETS)
-        # each non-empty group's bounds and edge tile as _bucket_groups has them
-        ends = [hi for _, hi, _ in groups]
-        assert bounds[:len(ends)] == ends and all(b == bounds[-1] for b in bounds[len(ends):])
-        assert [consts[f"E{g}"] for g in range(len(groups))] == [e for *_, e in groups]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("form,C,fwd,src", [
-    ("gat", 128, (4, 4, 3), (4, 4)), ("gatv2", 128, (4, 4, 3), (4, 4)),
-    ("dot", 128, (4, 4, 3), (4, 4)), ("gat_one_head", 128, (4, 4, 3), (4, 4)),
-    ("gatv2", 64, (4, 4, 3), (4, 4)),
-    ("dot", 64, (4, 4, 3), (4, 4)), ("gatv2", 8, (16, 4, 3), (16, 4)),
-    ("gat", 64, (1, 16, 2), (1, 16)), ("gat", 8, (2, 64, 1), (2, 64)),
-    ("gat_projected", 64, (4, 4, 3), (4, 4)), ("gat_projected", 128, (4, 4, 3), (4, 4))])
-def test_rows_below_256_channels_take_lanes_before_edges(form, C, fwd, src, monkeypatch):
-    """Below rows of 256 channels the compiled kernels hold lanes of at most 4 edges per
-    step in their tile, one group for every bucket, ``(lanes, edges, end of the first
-    group)``: 4 lanes at 128 channels (the 2048 tile) and at 64 (the 1024 tile), 16 (the
-    most) at 8 — the forward and the dst backward, and the src backward from rows of 8
-    channels (with it the dst backward of GAT from projected rows, whose parameters'
-    partials share its lanes); GAT from given node terms only from 128 channels (below,
-    its first group one lane of 16 edges at 64, 2 lanes of 64 at 8, in every kernel).
-    With those tiles, run here in the interpreter, over rows of 0..23 edges in and out
-    and a split hub row each way, the results equal the reference."""
-    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
-    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
-    g = torch.Generator().manual_seed(0)
-    deg = torch.cat([torch.arange(24), torch.tensor([40])])  # the last row is split
-    n = deg.numel()
-    dst = torch.repeat_interleave(torch.arange(n), deg)
-    sources = torch.repeat_interleave(torch.arange(n), deg)[torch.randperm(dst.numel(),
-                                                                            generator=g)]
-    ei = torch.stack([sources, dst]).to(DEVICE)  # every row's out-degree is its in-degree
-    H = 3
-    if form == "gat_one_head":
-        score, value = _one_head_call("gat", n, n, H, C, torch.float64)
-    elif form == "gat_projected":
-        h, a_s, a_d, e = _projected(n, ei.size(1), H, C, True, 1)
-        score, value = EdgeScore.gat_projected(h, a_s, a_d, e), h
-    else:
-        score = make_score(form, n, n, ei.size(1), H, C, seed=1, device=DEVICE)
-        value = torch.randn(n, H, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
-    launched = record_tiles(monkeypatch)
-    compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
-    tiles = {k: (c["R0"], c["E0"], c["B1"]) for k, c in launched.items()}
-    assert tiles[_triton._fwd_kernel] == fwd, tiles
-    dst_tiles = src if form == "gat_projected" else fwd[:2]
-    assert tiles[_triton._bwd_dst_kernel][:2] == dst_tiles, tiles
-    assert tiles[_triton._bwd_src_kernel][:2] == src, tiles
-
-
-@pytest.mark.parametrize("value_grad", [False, True], ids=["inputs_without_grad", "value_grad"])
-def test_src_backward_of_scalar_terms_takes_narrow_lanes(value_grad, monkeypatch):
-    """GAT's src backward gathers one scalar per edge when the value needs no gradient (a
-    first layer in input space: its inputs are data): its tile is then the narrow rows'
-    (16 lanes, up to 64 edges per step at the GPU's tiles), not the values' 128-wide
-    rows; with the value's gradient, the rows' tile (4 lanes of 4 edges). The gradients
-    equal the reference's either way (split hub row included)."""
-    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)  # the GPU's tiles
-    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
-    g = torch.Generator().manual_seed(0)
-    deg = torch.cat([torch.arange(24), torch.tensor([40])])
-    n = deg.numel()
-    src = torch.repeat_interleave(torch.arange(n), deg)  # sources of 0..40 out-edges
-    ei = torch.stack([src, torch.randint(0, n, (src.numel(),), generator=g)]).to(DEVICE)
-    score, value = _one_head_call("gat", n, n, 3, 128, torch.float64)
-    value.requires_grad_(value_grad)
-    launched = record_tiles(monkeypatch)
-    compare(score, value, ei, n, tol=dict(rtol=1e-9, atol=1e-9))
-    c = launched[_triton._bwd_src_kernel]
-    want = (4, 4) if value_grad else (16, 64)  # (lanes, edges) of the first group
-    assert (c["R0"], c["E0"]) == want, c
-
-
-def _lane_heads(monkeypatch):
-    """``(kernel name, HP)`` of each forward and dst backward launch from now on (HP 0: a
-    lane per item and head)."""
-    hp = []
-    launch = _triton._launch
-
-    def record(kernel, *args, **consts):
-        if kernel in (_triton._fwd_kernel, _triton._bwd_dst_kernel):
-            hp.append((kernel.__name__, consts["HP"]))
-        return launch(kernel, *args, **consts)
-    monkeypatch.setattr(_triton, "_launch", record)
-    return hp
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("H,dtype,gpu_tiles", [(3, torch.float64, False), (3, torch.float64, True),
-                                               (5, torch.float32, False), (2, torch.float32, True)],
-                         ids=["H3-float64", "H3-float64-gpu_tiles", "H5-float32",
-                              "H2-float32-gpu_tiles"])
-@pytest.mark.parametrize("form", ["gat", "dot_key_is_value"])
-def test_the_heads_of_an_item_share_a_lane(form, H, dtype, gpu_tiles, monkeypatch):
-    """At values of one head (a layer in input space: GAT from node terms, the dot
-    product whose key is the value) the forward and the dst backward take every head of
-    an item in one lane (``HP``: the heads padded to a power of two) and give what a lane
-    per (item, head) gives, and the reference: rows of 0..23 edges, a split hub row each
-    way, a row without in-edges, dropout (the backward regenerates the forward's kept
-    edges) and the returned weights' gradient; with the output bias, whose gradient is
-    per-lane partials of one head each, the dst backward keeps a lane per item and head."""
-    if gpu_tiles:
-        monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
-    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
-    g = torch.Generator().manual_seed(0)
-    deg = torch.cat([torch.arange(24), torch.tensor([40])])  # the last row is split
-    n = deg.numel()
-    dst = torch.repeat_interleave(torch.arange(n), deg)
-    # every row's out-degree is its in-degree: the src backward's rows too, one split
-    ei = torch.stack([dst[torch.randperm(dst.numel(), generator=g)], dst]).to(DEVICE)
-    C = 128 if gpu_tiles else 5
-    score, value = _one_head_call(form, n, n, H, C, dtype)
-    bias = torch.randn(H * C, dtype=dtype, device=DEVICE, requires_grad=True)
-    w_alpha = torch.randn(ei.size(1), H, dtype=dtype, device=DEVICE)
-    plan = GraphPlan(ei, num_nodes=n)
-    hp = _lane_heads(monkeypatch)
-    runs = {}
-    for heads_in_lane in (True, False):
-        monkeypatch.setattr(_triton_schedule, "_HEADS_IN_LANE", heads_in_lane)
-        for with_bias, p in ((False, 0.0), (False, 0.5), (True, 0.5)):
-            torch.manual_seed(3)
-            b = bias if with_bias else None
-            out, alpha = _triton.attention(score, value, plan, None, p, True, b)
-            leaves_ = [t for t in (*score.tensors(), value, b) if t is not None and t.requires_grad]
-            loss = out.square().sum() + (alpha * w_alpha).sum() * (not with_bias)
-            grads = torch.autograd.grad(loss, list(dict.fromkeys(leaves_)))
-            runs[heads_in_lane, with_bias, p] = (out, alpha, *grads)
-    hp_all = 1 << (H - 1).bit_length()
-    want = [("_fwd_kernel", hp_all), ("_bwd_dst_kernel", hp_all)] * 2 \
-        + [("_fwd_kernel", hp_all), ("_bwd_dst_kernel", 0)]  # (the bias's partials)
-    assert hp == want + [(k, 0) for k, _ in want], hp
-    tight = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
-    for key in ((False, 0.0), (False, 0.5), (True, 0.5)):  # one lane per item, and per head
-        for a, b in zip(runs[(True, *key)], runs[(False, *key)], strict=True):
-            torch.testing.assert_close(a, b, **tight)
-    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
-    out_r, alpha_r = graph_attention(score, value, ei, n, backend="torch", return_attention=True)
-    torch.testing.assert_close(runs[True, False, 0.0][0], out_r.view(n, H, C), **tol)
-    leaves_ = list(dict.fromkeys(t for t in (*score.tensors(), value)
-                                 if t is not None and t.requires_grad))
-    grads_r = torch.autograd.grad(out_r.square().sum() + (alpha_r * w_alpha).sum(), leaves_)
-    for a, b in zip(runs[True, False, 0.0][2:], grads_r, strict=True):
-        torch.testing.assert_close(a, b, **tol)
-
-
-# (form, channels) -> the row kernels that load a block's successor's edge ranges at the
-# GPU's tiles in float64 (8 warps): where the launch caps the registers below 255
-AHEAD_CASES = {
-    # with edge features the dst backward keeps one program's registers
-    ("gatv2", 128): {"_fwd_kernel", "_bwd_src_kernel"},
-    # GATv2's src backward at 256 channels keeps each block's own (it spilled)
-    ("gatv2_plain", 256): {"_fwd_kernel", "_bwd_dst_kernel"},
-    ("gat_projected", 128): {"_fwd_kernel", "_bwd_src_kernel"},
-    # a lane per item with every head (dropout keeps the dst backward uncapped)
-    ("gat_inputs_lane_heads", 128): {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"},
-    ("gat_inputs_lane_per_head", 128): {"_fwd_kernel", "_bwd_src_kernel"},
-    ("dot_inputs_lane_heads", 128): {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"},
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("form,C", list(AHEAD_CASES), ids=[f"{f}-C{c}" for f, c in AHEAD_CASES])
-def test_blocks_load_their_successors_edge_ranges(form, C, monkeypatch):
-    """The row kernels' programs load each next block's edge ranges while a block runs
-    (``AHEAD``: the forward, the dst backward with its output bias's partials or every
-    head in a lane, and the src backward) and give, bit for bit, what loading each
-    block's own gives: at the GPU's tiles, where a program runs many blocks in turn, the
-    last one part empty, and the split hub's group has one block for three programs (two
-    load a first block that is not there); with dropout and the output bias."""
-    monkeypatch.setattr(_triton_schedule, "_interpreted", lambda: False)
-    monkeypatch.setattr(_triton_schedule, "_SPLIT", 16)
-    g = torch.Generator().manual_seed(0)
-    deg = torch.cat([torch.arange(24).repeat(3), torch.tensor([40])])  # the last row is split
-    n = deg.numel()
-    dst = torch.repeat_interleave(torch.arange(n), deg)
-    ei = torch.stack([dst[torch.randperm(dst.numel(), generator=g)], dst]).to(DEVICE)
-    H = 3
-    if form in ("gatv2", "gat_projected"):
-        score, value = _bias_score(form, ei, n, H, C)
-    elif form == "gatv2_plain":
-        score = make_score("gatv2", n, n, ei.size(1), H, C, device=DEVICE, edge=False)
-        value = score.src
-    else:
-        one_head = {"gat": "gat", "dot": "dot_key_is_value"}[form.split("_")[0]]
-        score, value = _one_head_call(one_head, n, n, H, C, torch.float64)
-    monkeypatch.setattr(_triton_schedule, "_HEADS_IN_LANE", not form.endswith("per_head"))
-    bias = torch.randn(H * C, dtype=torch.float64, device=DEVICE, requires_grad=True)
-    plan = GraphPlan(ei, num_nodes=n)
-    tiles = record_tiles(monkeypatch)
-    runs = {}
-    for ahead in (True, False):
-        monkeypatch.setattr(_triton_schedule, "_ITEMS_AHEAD", ahead)
-        for b, p in ((None, 0.0), (bias, 0.5)):
-            torch.manual_seed(3)
-            tiles.clear()
-            out, alpha = _triton.attention(score, value, plan, None, p, True, b)
-            leaves_ = list(dict.fromkeys(t for t in (*leaves(score), value, b)
-                                         if t is not None and t.requires_grad))
-            runs[ahead, p] = (out, alpha, *torch.autograd.grad(out.square().sum(), leaves_))
-            launched = {k.__name__: c["AHEAD"] for k, c in tiles.items()}
-            assert set(launched) == {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel"}
-            got = {k for k, a in launched.items() if a}
-            if not ahead:
-                assert not got, launched
-            elif p == 0.0:
-                assert got == AHEAD_CASES[form, C], launched
-            else:  # (dropout: GAT's dst backward with every head keeps one program's registers)
-                assert got >= AHEAD_CASES[form, C] - {"_bwd_dst_kernel"}, launched
-    for key in (0.0, 0.5):
-        for a, b in zip(runs[True, key], runs[False, key], strict=True):
-            assert torch.equal(a, b)
-    out_r = graph_attention(score, value, ei, n, backend="torch")
-    torch.testing.assert_close(runs[True, 0.0][0], out_r.view(n, H, C), rtol=1e-9, atol=1e-9)
-
-
 @pytest.mark.parametrize("kind", ["gatv2", "gat_projected"])
 def test_partials_of_a_launch_of_fewer_programs_than_slots(kind, monkeypatch):
-    """A launch runs as many programs as its binary fits on the SMs, while the backward's
-    buffers of per-lane parameter partials hold rows for a fixed number of programs (its
-    slots, ``_slots``): each program zeroes the rows of the programs the launch does not
-    run. With 3 programs' rows per head where the interpreter runs one per head, every
+    """The backward's buffers of per-lane parameter partials hold rows for the most lanes
+    and programs any config runs (``_partial_rows``), whatever the launch runs: each
+    program zeroes the rows no program of the launch writes. With 3 times the rows, every
     gradient (``att``'s, KIND 3's two vectors', the output bias's) equals the reference's,
     and every allocation of the call is poisoned with NaN first, so an unwritten row would
     show."""
     real_empty = torch.empty
+    rows = _triton_schedule._partial_rows
 
     def poisoned(*args, **kwargs):
         t = real_empty(*args, **kwargs)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    def slots(device, H):
-        assert _triton_schedule._programs(device, H, 0) == H  # (the interpreter's: 2 -> H)
-        return 3 * H
-
-    monkeypatch.setattr(_triton, "_slots", slots)
-    monkeypatch.setattr(_triton_schedule, "_slots", slots)
+    monkeypatch.setattr(_triton, "_partial_rows", lambda device, H: 3 * rows(device, H))
     ei, n, _ = graph_case("hub", DEVICE)
     H, C = 3, 4
     score, value = _bias_score(kind, ei, n, H, C)
@@ -777,88 +470,6 @@ def test_partials_of_a_launch_of_fewer_programs_than_slots(kind, monkeypatch):
             res[backend] = torch.autograd.grad((out * w).sum(), ins)
     for a, b in zip(res["triton"], res["torch"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
-
-
-def test_programs_per_sm_fit_the_binary():
-    """An SM holds as many programs of a binary as its registers (256 per warp at a
-    time), shared memory (1 KB reserved per program) and threads allow, at most
-    _MAX_PROGRAMS_PER_SM (4): H100 figures (64K registers, 227 KB, 2048 threads) for the
-    output layer's kernels (ptxas, sm_90: 163, 139 and 121 registers of 4 warps) and wide
-    rows' (64 and 122 of 8 warps); the grid is that many per SM, rounded down to the
-    heads."""
-    fit = functools.partial(_triton_schedule._fit, max_regs=65536, max_shared=232448,
-                            max_threads=2048)
-    assert [fit(r, 4, 6400) for r in (163, 139, 121)] == [3, 3, 4]
-    assert fit(64, 8, 9376) == 4 and fit(122, 8, 4096) == 2 and fit(255, 8, 0) == 1
-    assert fit(40, 4, 0) == 4 == _triton_schedule._MAX_PROGRAMS_PER_SM  # (16 would fit)
-    assert fit(32, 4, 100 * 1024) == 2  # shared memory binds
-    cuda = torch.device("cuda", 0)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_triton_schedule, "_sm_count", lambda index: 132)
-        assert _triton_schedule._programs(cuda, 1, 3) == 396
-        assert _triton_schedule._programs(cuda, 8, 3) == 392  # 396 rounded down to 8s
-        assert _triton_schedule._slots(cuda, 3) == 132 * 4
-
-
-def test_programs_per_sm_read_from_the_compiled_binary(monkeypatch):
-    """On CUDA a launch's programs per SM come from its binary, compiled before the
-    launch (``warmup``) and read once per specialisation (dtypes, 16-byte alignment,
-    constexprs); ``triton_tiles(programs_per_sm=)`` fixes them for sweeps."""
-    from types import SimpleNamespace
-
-    from triton.runtime import driver
-
-    warmed = []
-
-    class Kernel:
-        def warmup(self, *args, grid, **options):
-            warmed.append(options["R0"])
-            regs = {4: 163, 2: 121}[options["R0"]]
-            return SimpleNamespace(_init_handles=lambda: None, n_regs=regs,
-                                   metadata=SimpleNamespace(num_warps=4, shared=6400))
-
-    props = {"max_num_regs": 65536, "max_shared_mem": 232448}
-    monkeypatch.setattr(driver, "_active", SimpleNamespace(
-        utils=SimpleNamespace(get_device_properties=lambda index: props)))
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index: SimpleNamespace(max_threads_per_multi_processor=2048))
-    monkeypatch.setattr(_triton_schedule, "_FITS", {})
-    kernel, cuda = Kernel(), torch.device("cuda", 0)
-    a = torch.zeros(8)
-    per_sm = functools.partial(_triton_schedule._per_sm, kernel, cuda)
-    assert per_sm((a, 3), {"R0": 4, "ACC": "fp32"}) == 3
-    assert per_sm((torch.ones(8), 5), {"R0": 4, "ACC": "fp32"}) == 3  # the same binary
-    assert warmed == [4]
-    assert per_sm((a, 3), {"R0": 2, "ACC": "fp32"}) == 4  # another constexpr: another binary
-    assert per_sm((a.double(), 3), {"R0": 4, "ACC": "fp32"}) == 3  # another dtype, read again
-    assert per_sm((a[1:], 3), {"R0": 4, "ACC": "fp32"}) == 3  # unaligned, read again
-    assert warmed == [4, 2, 4, 4]
-    from gatlib import introspect
-    with introspect.triton_tiles(programs_per_sm=7) as values:
-        assert values["programs_per_sm"] == 7 and per_sm((a, 3), {"R0": 4}) == 7
-    assert warmed == [4, 2, 4, 4]
-
-
-def test_one_launch_per_kernel_over_every_bucket(monkeypatch):
-    """A graph whose rows fill all three buckets runs each kernel once, and each
-    group of buckets does its rows' work: the results equal the reference
-    (tiles as the GPU's, 3 groups at these channels)."""
-    monkeypatch.setattr(_triton_schedule, "_TILE_INTERPRETER", _triton_schedule._TILE)
-    monkeypatch.setattr(_triton_schedule, "_MAX_ROWS_INTERPRETER", _triton_schedule._MAX_ROWS)
-    C = 8
-    assert len(_triton_schedule._bucket_groups(C)) == 3
-    g = torch.Generator().manual_seed(0)
-    deg = torch.arange(40) % 24  # rows of 0..23 edges: every bucket
-    dst = torch.repeat_interleave(torch.arange(40), deg)
-    ei = torch.stack([torch.randint(0, 40, (dst.numel(),), generator=g), dst]).to(DEVICE)
-    launched = record_launches(monkeypatch)
-    for kind in KINDS:
-        launched.clear()
-        s = make_score(kind, 40, 40, ei.size(1), 2, C, seed=1, device=DEVICE)
-        v = torch.randn(40, 2, C, dtype=torch.float64, device=DEVICE, requires_grad=True)
-        compare(s, v, ei, 40, tol=dict(rtol=1e-9, atol=1e-9))
-        assert [k for k, _ in launched] == [_triton._fwd_kernel, _triton._bwd_dst_kernel,
-                                            _triton._bwd_src_kernel]
 
 
 def test_unsupported_calls_raise_with_the_reason():
@@ -899,7 +510,9 @@ def test_kernel_arguments_do_not_shadow_the_launch_binder():
     tests/test_triton_compile.py runs the real binder; this is its fast guard."""
     binder_locals = {"params", "specialization", "options", "backend", "specialize_impl",
                      "JITCallable"}
-    kernels = [v for v in vars(_triton).values() if hasattr(v, "arg_names") and hasattr(v, "fn")]
+    from gatlib import _triton_kernels
+
+    kernels = [v for v in vars(_triton_kernels).values() if hasattr(v, "arg_names") and hasattr(v, "fn")]
     assert {k.__name__ for k in kernels} >= {"_fwd_kernel", "_alpha_kernel", "_keep_kernel",
                                              "_bwd_dst_kernel", "_bwd_src_kernel"}
     for k in kernels:

@@ -255,9 +255,10 @@ def record_launches(monkeypatch):
 
 
 def record_tiles(monkeypatch):
-    """A dict that gets, for each row kernel the Triton path launches from now on, the
-    constexprs of its tile and schedule as launched (``R0``, ``E0``, ``B1``, ``num_warps``,
-    ...; the last launch's)."""
+    """A dict that gets, for each row kernel the Triton path launches from now on (by
+    name), the constexprs and options of its config as launched (``BLOCK_R``,
+    ``BLOCK_E``, ``num_warps``, ...; the last launch's) where a config is pinned or
+    interpreted (a tuned launch picks its config inside the autotuner)."""
     from gatlib import _triton_kernels
 
     tiles = {}
@@ -268,8 +269,8 @@ def record_tiles(monkeypatch):
         launch = getitem(kernel, grid)
 
         def recorded(*args, **kw):
-            if "R0" in kw:
-                tiles[kernel] = kw
+            if "BLOCK_E" in kw:  # (a row kernel)
+                tiles[kernel.fn.__name__] = kw
             return launch(*args, **kw)
         return recorded
 

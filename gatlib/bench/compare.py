@@ -579,11 +579,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mem-budget-gb", type=float, default=None,
                         help="CPU: let each process grow by at most this many GB; more "
                              "counts as OOM (default: the free memory less 1 GB)")
-    parser.add_argument("--triton-tiles", default=None,
-                        metavar="TILE:PROGRAMS[:STAGES[:RESIDENT]] or NAME=VALUE[,NAME=VALUE]",
-                        help="CUDA, Triton kernels: time them at this schedule variant "
-                             "(gatlib.introspect.triton_tiles; as tools.triton_sweep's "
-                             "--variant; default: the library's own)")
     parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)
 
 
@@ -608,12 +603,6 @@ def _config(args: argparse.Namespace) -> Dict:
         raise ValueError("--pass applies to --scope layer; --scope model times a training step")
     if args.classes < 1:
         raise ValueError(f"--classes must be >= 1; got {args.classes}")
-    tiles = triton_tiles_arguments(args.triton_tiles)
-    if tiles and (args.device != "cuda" or args.backend not in ("triton", "auto")):
-        raise ValueError("--triton-tiles sets the Triton kernels' schedule: it needs --device cuda "
-                         f"and --backend triton or auto; got {args.device}, {args.backend}")
-    if tiles and args.memory:
-        raise ValueError("--triton-tiles applies to this process's timings: add --no-memory")
     mode = args.compile_mode
     if mode != "default" and not args.compile:
         raise ValueError(f"--compile-mode {mode}: there are no compiled sides with --no-compile")
@@ -641,38 +630,7 @@ def _config(args: argparse.Namespace) -> Dict:
         "seed": args.seed, "threads": torch.get_num_threads(),
         "data_dir": str(resolve_data_dir(args.data_dir)),
         "mem_budget_bytes": (int(args.mem_budget_gb * 2**30) if args.mem_budget_gb else None),
-        "triton_tiles": tiles,
     }
-
-
-def triton_tiles_arguments(text: Optional[str]) -> Optional[Dict[str, int]]:
-    """``--triton-tiles``' keyword arguments of ``introspect.triton_tiles`` (also
-    ``tools.latency_count``'s ``--variant``):
-    ``TILE:PROGRAMS[:STAGES[:RESIDENT]]`` or ``NAME=VALUE[,NAME=VALUE]`` (its
-    arguments by name)."""
-    if text is None:
-        return None
-    if "=" in text:
-        import inspect
-
-        from gatlib import introspect
-
-        known = set(inspect.signature(introspect.triton_tiles).parameters)
-        named = dict(item.split("=", 1) for item in text.split(","))
-        if not set(named) <= known or not all(v.isdigit() for v in named.values()):
-            raise ValueError(f"--triton-tiles: NAME=VALUE with NAME in {sorted(known)} and an "
-                             f"integer VALUE; got {text!r}")
-        return {k: int(v) for k, v in named.items()}
-    try:
-        values = [int(v) for v in text.split(":")]
-    except ValueError:
-        values = []
-    if not 2 <= len(values) <= 4:
-        raise ValueError(f"--triton-tiles: TILE:PROGRAMS[:STAGES[:RESIDENT]] (integers); got {text!r}")
-    if min(values) < 1 or (len(values) == 4 and values[3] > 8):
-        raise ValueError(f"--triton-tiles: each value >= 1 and RESIDENT <= 8; got {text!r}")
-    names = ("tile", "programs_per_sm", "stages", "resident")[:len(values)]
-    return dict(zip(names, values, strict=True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -686,14 +644,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"gatlib compare: error: {exc}", file=sys.stderr)
         return 2
-    if not cfg["triton_tiles"]:
-        return _run(args, cfg)
-    from gatlib import introspect
-
-    with introspect.triton_tiles(**cfg["triton_tiles"]) as values:
-        _log(f"Triton schedule: {values}")
-        cfg["triton_tiles"] = values  # what was in force, defaults included
-        return _run(args, cfg)
+    return _run(args, cfg)
 
 
 def _run(args: argparse.Namespace, cfg: Dict) -> int:

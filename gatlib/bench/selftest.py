@@ -62,7 +62,6 @@ import torch
 from torch import Tensor
 
 from . import floor, synthetic
-from .compare import triton_tiles_arguments
 from .report import command_line, environment, format_table, write_json
 
 SCHEMA = "gatlib.selftest/1"
@@ -606,7 +605,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
            "--block-seconds", str(args.block_seconds), "--json", str(out),
            "--memory" if args.memory else "--no-memory", "--no-compile"]
     for flag, value in (("--data-dir", args.data_dir), ("--heads", args.heads),
-                        ("--channels", args.channels), ("--triton-tiles", args.triton_tiles)):
+                        ("--channels", args.channels)):
         if value is not None:
             cmd += [flag, str(value)]
     # The child's progress goes to our stderr as it comes; its last lines are kept.
@@ -721,11 +720,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help="comma-separated score kinds the kernel checks cover "
                              "(default: %(default)s)")
-    parser.add_argument("--triton-tiles", default=None, metavar="SPEC",
-                        help="run every check at another schedule of the row kernels, as "
-                             "gatlib compare's --triton-tiles (TILE:PROGRAMS[:STAGES[:RESIDENT]] "
-                             "or NAME=VALUE[,NAME=VALUE] of gatlib.introspect.triton_tiles): "
-                             "whether a schedule's kernels compute the reference")
     parser.add_argument("--json", default=None, metavar="PATH", dest="json_path",
                         help="write everything here (after every step)")
     parser.add_argument("--table", default=None, metavar="PATH",
@@ -777,12 +771,6 @@ def run(args: argparse.Namespace) -> int:
         for graph in graphs:  # a typo fails now, not after the kernel checks
             if graph != "cora":
                 synthetic.parse_spec(graph)
-        tiles = triton_tiles_arguments(args.triton_tiles)
-        if tiles:  # (its values are checked on entry)
-            from gatlib import introspect
-
-            with introspect.triton_tiles(**tiles):
-                pass
         _preflight(device)
     except (CannotRun, ValueError) as exc:
         print(f"gatlib selftest: error: {exc}", file=sys.stderr)
@@ -793,7 +781,9 @@ def run(args: argparse.Namespace) -> int:
         "config": {"device": args.device, "graphs": graphs, "repeats": args.repeats,
                    "block_seconds": args.block_seconds, "memory": args.memory,
                    "heads": args.heads, "channels": args.channels, "quick": args.quick,
-                   "kinds": kinds, "triton_tiles": tiles},
+                   "kinds": kinds,
+                   # GATLIB_TRITON_AUTOTUNE=0: every row kernel at its default config
+                   "triton_autotune": os.environ.get("GATLIB_TRITON_AUTOTUNE", "1") != "0"},
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
         "environment": environment(device),
         "kernel_checks": None, "comparisons": [], "status": None,
@@ -806,12 +796,7 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    with contextlib.ExitStack() as stack:
-        if tiles:
-            result["config"]["triton_tiles"] = stack.enter_context(
-                introspect.triton_tiles(**tiles))  # what is in force, defaults included
-            log(f"[selftest] Triton schedule: {result['config']['triton_tiles']}")
-        return _checks(args, device, cuda, kinds, graphs, result, save, log)
+    return _checks(args, device, cuda, kinds, graphs, result, save, log)
 
 
 def _checks(args, device, cuda, kinds, graphs, result, save, log) -> int:

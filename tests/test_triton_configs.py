@@ -1,0 +1,264 @@
+"""The row kernels' tuning spaces (gatlib._triton_schedule): every config of every space
+against the reference in the interpreter, and what the tuner keys, times and caches.
+
+The interpreter runs one config unless a test pins one (``_PINNED``, an index into each
+kernel's space); the tuner itself runs in a subprocess without ``TRITON_INTERPRET``,
+through Triton's real launch path on a stand-in GPU (tools.triton_compile), with a
+benchmarker that times nothing but counts.
+"""
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from gatlib import EdgeScore, _triton_schedule, graph_attention  # noqa: E402
+from gatlib.bench.selftest import unwritten_memory_is_nan  # noqa: E402
+
+from testing import DEVICE, leaves, make_score, record_launches, record_tiles  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+S = _triton_schedule
+ROW_KERNELS = ("_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel")
+
+
+def _graph():
+    """Rows of 0..23 edges in and out and one split row each way (at ``_SPLIT`` 16)."""
+    g = torch.Generator().manual_seed(0)
+    deg = torch.cat([torch.arange(24), torch.tensor([40])])
+    n = deg.numel()
+    dst = torch.repeat_interleave(torch.arange(n), deg)
+    return torch.stack([dst[torch.randperm(dst.numel(), generator=g)], dst]).to(DEVICE), n
+
+
+def _call(form, n, E, H, C, dtype):
+    """``(score, value, value_edge, bias)`` of one layer-like call."""
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_()
+
+    if form == "gat_edge":
+        return EdgeScore.gat(r(n, H), r(n, H), r(E, H), 0.2), r(n, H, C), None, None
+    if form == "gatv2_bias":  # GATv2Conv: the value is x_src, att's and bias's partials
+        score = EdgeScore.gatv2(r(n, H, C), r(n, H, C), r(H, C), None, 0.2)
+        return score, score.src, None, r(H * C)
+    if form == "dot_edge":  # TransformerConv with edge features: the edge term in the value
+        score = EdgeScore.dot(r(n, H, C), r(n, H, C), r(E, H, C), 1 / C ** 0.5)
+        return score, r(n, H, C), score.edge, None
+    if form == "gat_projected_bias":
+        h = r(n, H, C)
+        return EdgeScore.gat_projected(h, r(1, H, C), r(1, H, C), r(E, H)), h, None, r(H * C)
+    if form == "gat_inputs":  # GATConv in input space: values of one head (every head in a lane)
+        return EdgeScore.gat(r(n, H), r(n, H), None, 0.2), r(n, 1, C), None, None
+    assert form == "dot_inputs"  # TransformerConv in input space: key = value of one head
+    key = r(n, 1, C)
+    return EdgeScore.dot(r(n, H, C), key, None, 1 / C ** 0.5), key, None, None
+
+
+# (form, channels, dtype): every kernel flag, below and at 128 channels (8 warps, blocks
+# loading ahead), at 256 (64-register configs, per-slot sums), float64 (8 warps)
+CALLS = [("gat_edge", 5, torch.float32), ("gatv2_bias", 40, torch.float32),
+         ("dot_edge", 64, torch.float32), ("gat_projected_bias", 40, torch.float32),
+         ("gat_inputs", 128, torch.float64), ("dot_inputs", 256, torch.float32),
+         ("gatv2_bias", 256, torch.float32), ("gat_projected_bias", 128, torch.float32)]
+
+
+def _run(score, value, value_edge, bias, ei, n, backend):
+    out = graph_attention(score, value, ei, n, value_edge=value_edge, backend=backend, bias=bias)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ins = list(dict.fromkeys(t for t in (*leaves(score), value, value_edge, bias)
+                             if t is not None and t.requires_grad))
+    return [out, *torch.autograd.grad((out * w.to(out)).sum(), ins)]
+
+
+def _cfg_id(kw):
+    return tuple(sorted((k, v) for k, v in kw.items()
+                        if k in ("BLOCK_R", "BLOCK_E", "LANE_HEADS", "AHEAD", "PER_SM", "num_warps",
+                                 "maxnreg")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form,C,dtype", CALLS, ids=[f"{f}-C{c}-{str(d)[6:]}" for f, c, d in CALLS])
+def test_every_config_of_every_space_is_the_reference(form, C, dtype, monkeypatch):
+    """Each row kernel's space for the call (:func:`_space`) run config by config (config
+    ``i`` of every kernel at once, pinned), forward and backward, equals the reference:
+    rows of 0..23 edges, split rows both ways, unwritten memory NaN. Each config of each
+    space is seen to run."""
+    monkeypatch.setattr(S, "_SPLIT", 16)
+    ei, n = _graph()
+    H = 3
+    score, value, value_edge, bias = _call(form, n, ei.size(1), H, C, dtype)
+    want = _run(score, value, value_edge, bias, ei, n, "torch")
+    launched = record_launches(monkeypatch)
+    monkeypatch.setattr(S, "_PINNED", 0)
+    _run(score, value, value_edge, bias, ei, n, "triton")
+    spaces = {name: S._space(name, consts) for name, consts in launched}
+    assert set(spaces) == set(ROW_KERNELS)
+    tiles = record_tiles(monkeypatch)
+    seen = {name: set() for name in spaces}
+    tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    for i in range(max(map(len, spaces.values()))):
+        monkeypatch.setattr(S, "_PINNED", i)
+        tiles.clear()
+        with unwritten_memory_is_nan():
+            got = _run(score, value, value_edge, bias, ei, n, "triton")
+        for name, kw in tiles.items():
+            seen[name].add(_cfg_id(kw))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"config {i}: {m}")
+    for name, space in spaces.items():
+        assert seen[name] == {_cfg_id(c.all_kwargs()) for c in space}, name
+
+
+# What _space is given at users' calls: every flag a launch passes, at each width.
+def _calls(name):
+    flags = {"_fwd_kernel": ["HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS", "SHARE_V", "SHARE_VE",
+                             "ONE_K", "ONE_V", "DROPOUT"],
+             "_bwd_dst_kernel": ["HAS_DST", "HAS_EDGE", "HAS_VEDGE", "SHARE_V", "SHARE_VE", "ONE_K",
+                                 "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE", "NEED_EDGE",
+                                 "NEED_DST", "NEED_ATT", "NEED_BIAS"],
+             "_bwd_src_kernel": ["HAS_EDGE", "NEED_VALUE", "NEED_SRC", "SUM_SRC", "NEED_ATT"]}[name]
+    g = torch.Generator().manual_seed(0)
+    for kind, c, acc, H in itertools.product((0, 1, 2, 3), (1, 8, 16, 64, 128, 256, 512, 1024),
+                                             (tl.float32, tl.float64), (1, 3)):
+        for _ in range(8):  # random flag sets
+            bits = torch.randint(0, 2, (len(flags),), generator=g).bool().tolist()
+            kw = dict(zip(flags, bits, strict=True), KIND=kind, H=H, ACC=acc,
+                      BLOCK_CK=1 if kind == 0 else c, BLOCK_CV=c)
+            yield kw
+
+
+@pytest.mark.parametrize("name", ROW_KERNELS)
+def test_spaces_are_small_and_hold_their_default(name):
+    """Every call's space is non-empty, at most 12 configs (a first call compiles and times
+    each once), and holds the default (the config used untuned); the interpreter's own
+    config is not in it."""
+    sizes = []
+    for kw in _calls(name):
+        space = S._space(name, kw)
+        sizes.append(len(space))
+        assert 1 <= len(space) <= 12, (kw, space)
+        assert S._default(name, kw) in space
+        assert S._interpreter_config(name, kw) not in space
+        for c in space:
+            r, e = c.kwargs["BLOCK_R"], c.kwargs["BLOCK_E"]
+            assert r * e * S._width(name, kw) <= 256 * c.num_warps  # the register budget
+    assert max(sizes) > 1
+
+
+def test_the_default_where_tuning_is_off_or_under_capture(monkeypatch):
+    """``GATLIB_TRITON_AUTOTUNE=0`` and a first call under CUDA graph capture (which cannot
+    be timed: said once) give the tuner one config, the default; otherwise the space."""
+    kw = next(k for k in _calls("_fwd_kernel") if len(S._space("_fwd_kernel", k)) > 1)
+    configs = S._CONFIGS["_fwd_kernel"]
+    assert S._prune("_fwd_kernel", configs, {}, **kw) == S._space("_fwd_kernel", kw)
+    monkeypatch.setenv(S._AUTOTUNE_ENV, "0")
+    assert S._prune("_fwd_kernel", configs, {}, **kw) == [S._default("_fwd_kernel", kw)]
+    monkeypatch.delenv(S._AUTOTUNE_ENV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(S, "_WARNED_CAPTURE", [])
+    with pytest.warns(UserWarning, match="CUDA graph capture"):
+        assert S._prune("_fwd_kernel", configs, {}, **kw) == [S._default("_fwd_kernel", kw)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert S._prune("_fwd_kernel", configs, {}, **kw) == [S._default("_fwd_kernel", kw)]
+
+
+def test_the_interpreter_runs_its_one_config(monkeypatch):
+    """Unpinned, the interpreter runs :func:`_interpreter_config` (few wide programs)."""
+    ei, n = _graph()
+    score = make_score("gatv2", n, n, ei.size(1), 2, 8, device=DEVICE)
+    v = torch.randn(n, 2, 8, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    launched = record_launches(monkeypatch)
+    tiles = record_tiles(monkeypatch)
+    graph_attention(score, v, ei, n, backend="triton").sum().backward()
+    for name, consts in launched:
+        assert _cfg_id(tiles[name]) == _cfg_id(S._interpreter_config(name, consts).all_kwargs())
+
+
+def test_keys_are_what_a_layer_fixes():
+    """The tuning keys name constexprs a layer fixes (heads, channels, score kind, flags):
+    no size of a graph (``E``, ``P_ROWS``), no pointer, no tiling."""
+    from gatlib import _triton_kernels
+
+    for name, keys in S._KEYS.items():
+        fn = getattr(_triton_kernels, name)
+        assert set(keys) <= set(fn.arg_names), name
+        assert all(k.isupper() and k not in _triton_kernels._PER_CALL for k in keys), name
+        assert not set(keys) & {"BLOCK_R", "BLOCK_E", "PER_SM", "AHEAD", "LANE_HEADS", "STAGES"}
+        assert S._TUNED[name].keys == keys
+
+
+_TUNER = textwrap.dedent("""
+    import json, sys
+    import torch
+    from triton import knobs
+    from tools import triton_compile as tc
+    from gatlib import GraphPlan, _triton_schedule as S, introspect
+
+    timed = []
+    def bench(fn, quantiles):  # times nothing: the launch is skipped (the hook)
+        fn()
+        timed.append(1)
+        return [float(len(timed))] * 3  # the first config timed is the fastest
+    tc._Driver.get_benchmarker = lambda self: bench
+    knobs.runtime.jit_cache_hook = lambda **kw: True  # (no compile, no launch)
+    out = []
+    with tc.stand_in_driver():
+        for tuner in introspect.triton_tuners().values():  # (the stand-in keeps none on disk)
+            tuner.cache_results = True  # here: TRITON_CACHE_DIR is the test's own folder
+        for n, E in ((60, 400), (90, 1000)):  # two graphs (mini-batches) of one layer
+            g = torch.Generator().manual_seed(n)
+            ei = torch.randint(0, n, (2, E), generator=g)
+            from gatlib import EdgeScore
+            score = EdgeScore.gatv2(torch.randn(n, 2, 16), torch.randn(n, 2, 16),
+                                    torch.randn(2, 16), None, 0.2)
+            v = torch.randn(n, 2, 16, requires_grad=True)
+            before = len(timed)
+            introspect.triton_attention(score, v, GraphPlan(ei, num_nodes=n), None, 0.0, False)
+            out.append({"timed": len(timed) - before,
+                        "best": S._TUNED["_fwd_kernel"].best_config.kwargs})
+    json.dump(out, sys.stdout)
+""")
+
+
+def _tuner_run(cache_dir):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+               TRITON_CACHE_DIR=str(cache_dir), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-c", _TUNER], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow  # (two processes through Triton's launch path)
+def test_tuned_once_per_key_and_cached_across_processes(tmp_path):
+    """Through Triton's real launch path (a stand-in GPU): a layer's first call times each
+    config of its forward's space once and keeps the fastest; a second graph of other sizes
+    times nothing; a second process finds the choice in Triton's cache and times nothing."""
+    kw = dict(KIND=1, H=2, ACC=tl.float32, BLOCK_CK=16, BLOCK_CV=16, HAS_DST=True,
+              HAS_EDGE=False, HAS_VEDGE=False, HAS_BIAS=False, SHARE_V=False, SHARE_VE=False,
+              ONE_K=False, ONE_V=False, DROPOUT=False)
+    space = S._space("_fwd_kernel", kw)
+    assert len(space) > 1
+    first = _tuner_run(tmp_path)
+    assert first[0]["timed"] == len(space) and first[1]["timed"] == 0, first
+    assert first[0]["best"] == first[1]["best"] == space[0].kwargs
+    again = _tuner_run(tmp_path)
+    assert [r["timed"] for r in again] == [0, 0] and again[0]["best"] == space[0].kwargs
