@@ -337,7 +337,7 @@ def _interpreter_config(name: str, kw: dict) -> triton.Config:
 # timing on first calls); read at each key's first launch.
 _AUTOTUNE_ENV = "GATLIB_TRITON_AUTOTUNE"
 # A config index every row kernel runs (modulo its space's size), bypassing the tuner:
-# the tests run each config of each space in the interpreter so (introspect.triton_config).
+# the tests run each config of each space in the interpreter so (tests/test_triton_configs.py).
 _PINNED: Optional[int] = None
 _WARNED_CAPTURE: List[bool] = []
 

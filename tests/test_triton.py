@@ -375,7 +375,7 @@ def _schedule_reference(deg, split):
     """The schedule of rows of ``deg`` edges, written out item by item: each row is
     ``max(1, ceil(d / split))`` pieces; a split row's pieces take consecutive slots in
     row order; items longest first (ties in row order), the room after them of length
-    -1 and slot -1 at row ``n``; bounds ``0``, each bucket's end, the split rows; the
+    -1 and slot -1 at row ``n``; bounds: the items, the split rows; the
     split rows in row order, then the other rows, with each row's first slot (the
     split pieces before it) and piece count."""
     n, ptr, items, slot0, pieces = len(deg), 0, [], [], []

@@ -9,7 +9,7 @@ launch, on CPU tensors:
   :mod:`tools.triton_compile`. Its ``jit_cache_hook`` counts every
   launch attempt and skips the compile and the launch — so nothing is ever
   cached and the hook sees each launch, not each specialisation. The kernels'
-  tiles and buckets are the GPU's (those of the compiled kernels, not the interpreter's),
+  configs are the GPU's (those of the compiled kernels, not the interpreter's),
   so the number of launches per call is what a GPU gets; the grid size is the
   interpreter's (it does not change the number of launches).
 * **ATen ops**, through a ``TorchDispatchMode`` that also looks inside gatlib's

@@ -107,7 +107,7 @@ def default_cases() -> List[Case]:
 
 
 def capture_graph() -> Tuple[torch.Tensor, int]:
-    """A graph whose destination and source schedules fill every length bucket
+    """A graph whose destination and source schedules hold rows of 0..23 edges
     and split a hub (rows longer than ``introspect.TRITON_SPLIT`` edges)."""
     g = torch.Generator().manual_seed(0)
     n = 64
@@ -116,7 +116,7 @@ def capture_graph() -> Tuple[torch.Tensor, int]:
                           torch.zeros(2 * split + 5, dtype=torch.long)])
     hub_out = torch.stack([torch.ones(split + 3, dtype=torch.long),
                            torch.randint(0, n, (split + 3,), generator=g)])
-    deg = torch.arange(2, n) % 24  # rows of 0..23 edges: every bucket
+    deg = torch.arange(2, n) % 24  # rows of 0..23 edges
     dst = torch.repeat_interleave(torch.arange(2, n), deg)
     src = torch.randint(0, n, (dst.numel(),), generator=g)
     return torch.cat([hub_in, hub_out, torch.stack([src, dst])], 1), n

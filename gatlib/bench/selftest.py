@@ -379,7 +379,7 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print,
 
 def check_graph(n: int, e: int, seed: int, device) -> Tuple[object, Dict[str, Tensor]]:
     """The GPU checks' graph of ``n`` nodes and its float32 GATv2 inputs (a bias
-    included): every degree bucket and split pieces on both sides, so that two such
+    included): rows of many lengths and split pieces on both sides, so that two such
     graphs of other sizes need the same kernels (only sizes differ). Node 0 takes
     300 edges from nodes 1-10 and sends 300 to nodes 11-20; the ``e`` random edges
     among the other nodes have degrees around 4. Returns ``(GraphPlan, inputs)``."""
