@@ -1,13 +1,15 @@
 """The Triton kernels through Triton's real launch path, without a GPU.
 
-The other Triton tests run the kernels in Triton's CPU interpreter, which
-skips what a real launch does first: the generated argument binder,
-specialisation, and the compiler. Here every specialisation the dispatcher
-launches (captured from its real forward and backward calls) is bound and
-compiled to a cubin for sm_80 and sm_90 with Triton's bundled ptxas
-(:mod:`tools.triton_compile`), and its Triton IR is checked for 32-bit
-index arithmetic. This runs in a subprocess: this process has
-``TRITON_INTERPRET=1`` (conftest), which the compiler must not see.
+The other Triton tests run the kernels in Triton's CPU interpreter, which skips what a real
+launch does first: the generated argument binder, specialisation, and the compiler. The
+compile table (``benchmarks/results/triton_compile.json``, :mod:`tools.triton_compile`) holds
+every specialisation the dispatcher launches at the users' calls, bound by Triton's binder
+and compiled to a cubin for sm_80 and sm_90 with Triton's bundled ptxas. Building it takes
+half an hour on 2 cores; here ``--check`` proves the committed table is this checkout's (the
+same Triton and kernel source, exactly the specialisations launched now, a sample compiled
+again to the same resources) and the tests hold its rows to the compile budget. These run in
+subprocesses: this process has ``TRITON_INTERPRET=1`` (conftest), which the compiler must
+not see.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # the compile table: every specialisation through ptxas: not in the fast lane
+pytestmark = pytest.mark.slow  # a capture and sampled compiles through ptxas: not in the fast lane
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_fwd_kernel", "_alpha_kernel", "_keep_kernel", "_bwd_dst_kernel", "_bwd_src_kernel",
@@ -38,12 +40,50 @@ def _run(args, **kw):
                           text=True, **kw)
 
 
+TABLE = ROOT / "benchmarks" / "results" / "triton_compile.json"
+REBUILD = ("python -m tools.triton_compile --json benchmarks/results/triton_compile.json "
+           "--table benchmarks/results/triton_compile.md")
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("triton_compile") / "report.json"
-    proc = _run(["-m", "tools.triton_compile", "--json", str(path)], timeout=3600)
-    assert path.exists(), proc.stderr[-4000:]
-    return json.loads(path.read_text()), proc
+def report():
+    return json.loads(TABLE.read_text())
+
+
+def test_the_committed_table_is_this_checkouts():
+    """The table the other tests read stands for this checkout: a kernel edit, a Triton
+    upgrade or a change of what the dispatcher launches fails here until it is rebuilt."""
+    proc = _run(["-m", "tools.triton_compile", "--check", str(TABLE)], timeout=1800)
+    assert proc.returncode == 0, f"rebuild it: {REBUILD}\n" + proc.stderr[-3000:]
+    assert "this checkout's" in proc.stdout, proc.stdout
+
+
+def test_the_check_fails_on_a_stale_table(tmp_path, report):
+    """The check can fail: a table that lacks a launched specialisation, or from another
+    kernel source, is stale before anything compiles; one whose sampled row says other
+    registers than a compile gives now is named with the difference."""
+    stale = dict(report, specs=report["specs"][1:], kernels_sha256="0" * 64)
+    (tmp_path / "stale.json").write_text(json.dumps(stale))
+    proc = _run(["-m", "tools.triton_compile", "--check", str(tmp_path / "stale.json")],
+                timeout=1800)
+    assert proc.returncode == 1 and "stale" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "1 specialisations launched now are not in the table" in proc.stderr, proc.stderr
+    assert "kernels' source" in proc.stderr, proc.stderr
+    probe = textwrap.dedent(f"""
+        import json
+        from tools import triton_compile as tc
+        report = json.load(open({str(TABLE)!r}))
+        first = tc.sample(tc.capture(tc.default_cases()), 2)[0].id()
+        row = next(r for r in report["rows"] if r["id"] == first and r["target"] == "sm_90")
+        row["registers"] += 1
+        print("\\n".join(tc.check(report)))
+    """)
+    script = tmp_path / "probe.py"
+    script.write_text(probe)
+    proc = _run([str(script)], timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1 and "sm_90" in lines[0] and "'registers'" in lines[0], lines
 
 
 def _consts(row):
@@ -51,12 +91,11 @@ def _consts(row):
 
 
 def test_every_specialisation_binds_and_compiles_for_sm80_and_sm90(report):
-    rep, proc = report
+    rep = report
     rows = rep["rows"]
     failed = [f"{r['kernel']} {r['target']} {r['constexprs']}: {r['error'][:500]}"
               for r in rows if "error" in r]
     assert not failed, "\n".join(failed[:5])
-    assert proc.returncode == 0, proc.stderr[-2000:]
     # every captured specialisation, for both targets, each with a ptxas report
     assert len(rows) == 2 * len(rep["specs"]) and len(rep["specs"]) > 300
     per_target = Counter(r["target"] for r in rows)
@@ -124,7 +163,7 @@ def _user_shape_cases(row, channels):
 
 
 def test_compile_budget_at_the_shapes_users_run(report):
-    rep, _ = report
+    rep = report
     channels = rep["user_channels"]  # the module's USER_CHANNELS (not importable here)
     assert channels == [8, 40, 64, 128, 256]
     rows = [r for r in rep["rows"] if "error" not in r and _user_shape_cases(r, channels)]
@@ -189,14 +228,14 @@ def test_shared_memory_fits_every_gpu(report):
     """A launch whose kernel asks for more shared memory than the GPU has fails
     there (Triton's OutOfResources), whatever its shape: every specialisation of
     the table fits the opt-in maximum per block of its target."""
-    rep, _ = report
+    rep = report
     over = [(r["kernel"], r["target"], r["shared_bytes"], r["cases"][0]) for r in rep["rows"]
             if "error" not in r and r["shared_bytes"] > SHARED_MAX[r["target"]]]
     assert not over, over[:5]
 
 
 def test_index_arithmetic_is_64_bit(report):
-    rep, _ = report
+    rep = report
     narrow = [(r["kernel"], r["constexprs"], r["narrow_index_math"][:2])
               for r in rep["rows"] if r.get("narrow_index_math")]
     assert not narrow, narrow[:3]
@@ -206,7 +245,7 @@ def test_deterministic_by_construction(report):
     """No atomics in any kernel (every output row is written by one program),
     and no PyTorch op around them that is nondeterministic on CUDA (split rows
     are merged with segment reductions)."""
-    rep, _ = report
+    rep = report
     assert not [(r["kernel"], r["constexprs"]) for r in rep["rows"] if r["atomics"]]
     source = (ROOT / "gatlib" / "_triton.py").read_text()
     for op in ("index_add", "scatter_add", "scatter_reduce", "index_put_(", "atomic_"):

@@ -14,14 +14,18 @@ specialisation of arguments and the compiler. This module runs that path:
    sm_90 (H100) by ``triton.compile`` with the bundled ``ptxas``, whose
    resource report gives registers, spills and shared memory.
 
-``python -m tools.triton_compile --json ... --table ...`` writes the
-table kept in ``benchmarks/``; ``tests/test_triton_compile.py`` runs the same
-in the default test suite.
+``python -m tools.triton_compile --json ... --table ...`` writes the table kept in
+``benchmarks/results/`` (about half an hour on 2 cores). ``--check`` proves a table is this
+checkout's in a minute: the same Triton, the same kernel source, exactly the specialisations
+the dispatcher launches now, and a sample of them compiled again to the same resources;
+``tests/test_triton_compile.py`` runs it and holds the table's rows to the compile budget.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import inspect
 import io
 import itertools
 import json
@@ -31,6 +35,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 if os.environ.get("TRITON_INTERPRET") == "1":  # must hold before triton is imported
@@ -231,6 +236,10 @@ class Spec:
     def key(self):
         return (self.kernel, tuple(self.signature.items()), repr(sorted(self.constexprs.items(), key=str)),
                 repr(sorted(self.attrs.items(), key=str)), repr(sorted(self.options.items())))
+
+    def id(self) -> str:
+        """What Triton compiles, as a short digest: the check's unit of comparison."""
+        return hashlib.sha256(repr(self.key()).encode()).hexdigest()[:16]
 
     def specialised_ints(self) -> List[str]:
         """Integer arguments Triton specialised on their value (== 1, or divisible
@@ -493,13 +502,72 @@ def compile_all(specs: Sequence[Spec], targets: Sequence[str] = tuple(TARGETS),
     rows = []
     with ProcessPoolExecutor(jobs) as pool:
         for (spec, _), res in zip(work, pool.map(_compile_job, work), strict=True):
-            rows.append({"kernel": spec.kernel, "constexprs": spec.consts_label(),
+            rows.append({"kernel": spec.kernel, "id": spec.id(), "constexprs": spec.consts_label(),
                          "maxnreg": spec.options.get("maxnreg"),
                          "signature": spec.signature, "specialised_ints": spec.specialised_ints(),
                          "cases": spec.cases, **res})
             if progress is not None:
                 progress(rows[-1])
     return rows
+
+
+# ---------------------------------------------------------------------------
+# Is a table this checkout's?
+# ---------------------------------------------------------------------------
+# What a row holds that a compile of the same specialisation must reproduce.
+COMPARED = ("registers", "spill_stores", "spill_loads", "shared_bytes", "num_warps",
+            "narrow_index_math", "atomics", "wide_loads", "loads_128", "async_copies")
+
+
+def kernels_digest() -> str:
+    """sha256 of the file that holds the kernels' source (every jit function and helper)."""
+    fn = next(iter(introspect.triton_kernels().values()))
+    return hashlib.sha256(Path(inspect.getsourcefile(fn.fn)).read_bytes()).hexdigest()
+
+
+def sample(specs: Sequence[Spec], per_kernel: int) -> List[Spec]:
+    """``per_kernel`` specialisations of each kernel, evenly spaced in the order of their ids:
+    the same choice on every run, spread over configs and calls."""
+    out = []
+    for kernel in sorted({s.kernel for s in specs}):
+        mine = sorted((s for s in specs if s.kernel == kernel), key=Spec.id)
+        step = max(1, len(mine) // per_kernel)
+        out += mine[::step][:per_kernel]
+    return out
+
+
+def check(report: Dict, per_kernel: int = 2, jobs: Optional[int] = None) -> List[str]:
+    """What makes ``report`` (a table this module wrote) not this checkout's: another Triton,
+    another kernel source, other calls, specialisations the dispatcher launches now that it
+    lacks (or holds and no longer launches), rows missing, or a sample that compiles now to
+    other resources than the table says. Empty when the table stands for this checkout."""
+    problems = []
+    made = report["environment"]["versions"]["triton"]
+    if made != triton.__version__:
+        problems.append(f"the table was compiled by Triton {made}; this is {triton.__version__}")
+    if report.get("kernels_sha256") != kernels_digest():
+        problems.append("the kernels' source is not the one the table was compiled from")
+    cases = default_cases()
+    if report["cases"] != [c.label for c in cases]:
+        problems.append("the table's calls are not default_cases()")
+    specs = capture(cases)
+    now, table = {s.id() for s in specs}, {s["id"] for s in report["specs"]}
+    if now != table:
+        problems.append(f"{len(now - table)} specialisations launched now are not in the table; "
+                        f"{len(table - now)} of the table's are no longer launched")
+    rows = {(r["id"], r["target"]): r for r in report["rows"]}
+    missing = [(s, t) for s in report["specs"] for t in report["targets"] if (s["id"], t) not in rows]
+    if missing:
+        problems.append(f"{len(missing)} specialisations lack a row for a target")
+    if problems:
+        return problems
+    for row in compile_all(sample(specs, per_kernel), report["targets"], jobs):
+        old = rows[(row["id"], row["target"])]
+        diff = {k: (old.get(k), row.get(k)) for k in COMPARED + ("error",) if old.get(k) != row.get(k)}
+        if diff:
+            problems.append(f"{row['kernel']} {row['target']} {row['constexprs']}: "
+                            f"(table, now) {diff}")
+    return problems
 
 
 # ---------------------------------------------------------------------------
@@ -571,6 +639,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--jobs", type=int, default=None, help="compile processes (default: CPUs)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write every result here")
     parser.add_argument("--table", default=None, metavar="PATH", help="write the markdown table here")
+    parser.add_argument("--check", default=None, metavar="JSON",
+                        help="exit 1 unless JSON (a table this command wrote) is this checkout's: "
+                             "the same Triton and kernel source, the specialisations launched now, "
+                             "and a sample that compiles again to the table's resources")
     parser.add_argument("--render", default=None, metavar="JSON",
                         help="only rewrite --table from a JSON this command wrote (no compiling)")
     return parser
@@ -581,9 +653,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.check:
+        with open(args.check) as f:
+            problems = check(json.load(f), jobs=args.jobs)
+        for line in problems:
+            print(f"[triton_compile] {line}", file=sys.stderr)
+        print(f"[triton_compile] {args.check}: " + ("stale: rebuild it with "
+              "python -m tools.triton_compile --json JSON --table MD" if problems else
+              "this checkout's (Triton, kernel source, specialisations, sampled compiles)"))
+        return 1 if problems else 0
     if args.render:
-        import json
-
         with open(args.render) as f:
             report = json.load(f)
         table = render(report)
@@ -614,8 +693,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     report = {"schema": "gatlib.triton_compile/1", "command": command_line(),
               "environment": environment("cpu"), "targets": targets,
               "seconds": round(time.perf_counter() - start, 1),
+              "kernels_sha256": kernels_digest(),
               "cases": [c.label for c in cases], "user_channels": list(USER_CHANNELS),
-              "specs": [{"kernel": s.kernel, "constexprs": s.consts_label(), "cases": s.cases}
+              "specs": [{"kernel": s.kernel, "id": s.id(), "constexprs": s.consts_label(),
+                         "cases": s.cases}
                         for s in specs],
               "rows": rows}
     table = render(report)
