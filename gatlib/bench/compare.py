@@ -1,90 +1,11 @@
-"""``gatlib compare``: gatlib's layers against their PyTorch Geometric twins.
-
-For each layer type (GATConv, GATv2Conv, TransformerConv) PyG's and gatlib's
-are built with the *same weights* (``gatlib.load_state_dict(pyg.state_dict())``)
-and run on the same graph and features. What is compared (``--scope``):
-
-* ``layer``: one layer, Layer(F, C, heads=H). Two passes: ``forward``
-  (inference, ``torch.no_grad``) and ``forward+backward`` (a training step's
-  forward and backward, gradients reset to ``None`` first as ``zero_grad`` does).
-* ``model``: one full-batch training step (``train_step``) of a 2-layer model,
-  conv1 = Layer(F, C, heads=H) -> ELU -> conv2 = Layer(H*C, classes, heads=1,
-  concat=False): forward, cross-entropy on random (seeded) labels, backward and
-  an Adam step (lr 0.01).
-
-Four implementations (``--compile``, the default), what users run: ``pyg`` and
-``gatlib`` eagerly, and ``pyg_compiled`` and ``gatlib_compiled``:
-``torch.compile(module, **COMPILE_OPTIONS)`` of the same two module objects
-(torch.compile's defaults: the same user code for both libraries; recorded in
-the JSON's config; ``--compile-mode`` sets both sides' mode, ``reduce-overhead``
-replaying their graphs as CUDA graphs on CUDA). ``--no-compile`` runs the eager two. Before each layer type
-torch's compile caches are reset (``torch._dynamo.reset()``), so its compiled
-sides compile afresh and stay far from the recompile limit past which dynamo
-would quietly run eagerly.
-
-GATConv and GATv2Conv add one self-loop per node themselves; TransformerConv is
-given the ``edge_index`` with the same self-loops added, so every layer attends
-over the same ``E + N`` edges.
-
-The graph is an input like the features: PyG's layer receives the ``[2, E]``
-tensor; each gatlib side receives a :class:`gatlib.GraphPlan` of its own built
-from it before anything is measured (``--graph-input plan``, the default), or
-the same tensor (``--graph-input tensor``), from which it then derives a plan
-inside every call. A plan derives its CSR layout and self-loops on first use
-and keeps them, so gatlib's ``forward+backward`` (or ``train_step``)
-measurement also records ``first_call_s``: the time of one call on a freshly
-built plan (or tensor), taken once after the agreement check and before the
-warm-up. A compiled call keeps nothing on a plan (``gatlib.GraphPlan``), so the
-compiled side's plan is warmed as the docs tell users to: one eager forward and
-backward of the module on it, before compiling (:func:`warm_plan`). A compiled
-side's ``first_call_s`` is the time of its first call in this process, which
-compiles: its agreement check's forward and backward.
-
-Steps, per layer type:
-
-1. **peak extra memory** of each (implementation, pass) after a warm-up call
-   (:mod:`gatlib.bench.measure`; on CPU first, in a fresh child process per
-   measurement, run as ``python -m gatlib.bench.compare --_child SPEC``, where
-   a compiled side compiles before the warm-up: :func:`settle`);
-2. **agreement**: gatlib's output and input gradient (``layer``), or loss and
-   gradient of conv1's first weight (``model``), must match PyG's (norm-wise
-   relative error, tolerance by dtype), else the run aborts — timing something
-   that computes something else is meaningless. Each compiled side is checked
-   against eager PyG with the same tolerances (``checks[layer]["compiled"]``);
-   one that fails to compile or disagrees is not timed and the run exits 1,
-   the other sides carry on. The kernels gatlib ran are recorded (``kernels``,
-   and ``kernels_compiled`` for the compiled side), and what each compiled
-   side compiled (``compile``: graphs, graph breaks and their reasons);
-3. each compiled side is called until a call compiles nothing new
-   (:func:`settle`: a ``GraphPlan``'s derived layouts, ``no_grad``, each make a
-   graph of their own), so no compile falls into a measurement; on CUDA the
-   peak memory is measured now, in this process;
-4. **time**: warm-up, then ``--repeats`` interleaved rounds (A B C D D C B A)
-   of all implementations, each block at least ``--block-seconds``. Reported:
-   medians, their ratios (``summary``: speedup = PyG / gatlib, eager; and
-   compiled against compiled, gatlib eager against compiled PyG, compiled
-   gatlib against eager gatlib) and the per-round ratios, whose spread says how
-   much the machine's load moved the numbers.
-
-On CUDA the report also sets every pass (a layer's, or the model's training
-step) against its bandwidth floor (:mod:`gatlib.bench.floor`): the bytes a
-fused implementation must move (lo: every tensor once; hi: a gathered row once per edge), the floor's
-time at the device's published peak bandwidth and at a device-to-device copy
-measured at the start of the run (``report["bandwidth"]``), and each side's
-median time divided by it.
-
-Out-of-memory is a result ("OOM"), not a crash. On CPU this process runs under
-:func:`gatlib.bench.measure.memory_budget` (the free memory, or
-``--mem-budget-gb``); the memory children run first, and an implementation
-that ran out of memory there is not run again here. Results are written to
-``--json`` after every layer type, so a long run that dies keeps what it
-measured (``"complete": false``).
+"""``gatlib compare``: gatlib's layers against their PyTorch Geometric twins, with the same weights, on
+the same graph and features: agreement first, then interleaved timing and peak memory of eager and
+compiled sides. The method (scopes, steps, what is recorded) is in docs/benchmarks.md ("Method").
 
 Usage::
 
     gatlib compare --layer all --graph arxiv-like --device cpu --json out.json
     python -m gatlib.bench.compare --layer gat --scope model --graph synthetic:2000:10000:32
-    python -m gatlib.bench.compare --layer gat --no-compile  # eager PyG and gatlib only
 """
 from __future__ import annotations
 
