@@ -1,31 +1,10 @@
-"""Measuring calls: time, peak memory, and out-of-memory as a result.
+"""Measuring calls: time, peak memory, and out-of-memory as a result (``{"status": "OOM"}``).
 
-Nothing here knows what is measured. A *measured call* is a callable without
-arguments that has a ``clear()`` method, which drops what a call leaves behind
-(gradients), so that the next call starts from the same state.
-
-* **Time** (:func:`time_interleaved`): warm-up, then rounds in A B B A order
-  (so drift on a shared machine hits every call alike), each a
-  ``torch.utils.benchmark.Timer`` block of at least ``min_block_s``
-  (CUDA-synchronised); :func:`time_once` times a single call.
-* **Peak extra memory** of one call after a warm-up call. CUDA
-  (:func:`peak_cuda`): ``max_memory_allocated`` minus what was allocated
-  before the call. CPU (:func:`peak_rss_child`): a *fresh* child process
-  builds the call and reports ``VmHWM`` after it minus ``VmRSS`` before it,
-  with the inputs loaded and the high-water mark reset — a process's peak RSS
-  never goes down, and ``ru_maxrss`` is inherited across ``exec``, so
-  in-process or forked numbers would be those of whatever ran before.
-* **Out of memory** is a result (``{"status": "OOM"}``), not a crash: a CUDA
-  ``OutOfMemoryError``, a CPU allocation failure, or a child killed by the OOM
-  killer. :func:`memory_budget` caps a process at the free memory, so that an
-  allocation beyond it fails where it can be reported instead of summoning the
-  OOM killer.
-
-The child protocol: :func:`peak_rss_child` writes a JSON spec naming a
-builder (``"package.module:function"``) and runs ``python -m package.module
---_child SPEC``; that module's command line hands ``SPEC`` to
-:func:`child_main`, which calls ``function(spec)`` for the measured call,
-measures it (:func:`measure_peak_rss`) and writes the result beside the spec.
+A *measured call* is a callable without arguments with a ``clear()`` method that drops what a call leaves
+behind (gradients). On CPU peak memory is measured in a fresh child process, because a process's peak RSS
+never goes down and ``ru_maxrss`` is inherited across ``exec``: :func:`peak_rss_child` writes a JSON spec
+naming a builder (``"package.module:function"``) and runs ``python -m package.module --_child SPEC``, whose
+command line hands ``SPEC`` to :func:`child_main`.
 """
 from __future__ import annotations
 

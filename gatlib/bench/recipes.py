@@ -1,36 +1,6 @@
-"""Training recipes: everything that defines an experiment besides the seed.
-
-A :class:`Recipe` is everything that defines an experiment besides the seed:
-model and its arguments, optimiser, epochs and the model-selection rule.
-:func:`recipe` holds the published set-ups:
-
-* Planetoid + ``gat``/``gatv2`` — the GAT paper: Adam (lr 0.005, weight decay
-  5e-4; PubMed: 8 output heads, lr 0.01, weight decay 1e-3) and the early
-  stopping of its reference code (``"gat"`` rule, patience 100).
-* Planetoid + ``transformer`` — :class:`~gatlib.models.GraphTransformer` (one
-  block of attention over the raw features + residual + LayerNorm + feed-forward,
-  attention readout, the GAT's dropout including its value dropout, self-loops
-  added to the graph as the GAT layers add them) with the same optimiser and
-  stopping rule. The layout was picked from 3-5-seed Cora runs that printed
-  test accuracy (so it is not a clean held-out choice; the self-loops and the
-  value dropout were decided on validation accuracy); the ablation is in
-  ``benchmarks/transformer_cora_ablation.md``.
-* OGB + ``gat``/``gatv2`` — :class:`~gatlib.models.DeepGAT` as in DGL's
-  ogbn-arxiv example (RMSprop lr 0.002 with a 50-epoch warm-up, 2000 epochs,
-  bidirected graph); OGB + ``transformer`` — :class:`~gatlib.models.UniMP` as in
-  PyG's UniMP example (Adam lr 0.001, weight decay 5e-4, 500 epochs). Both keep
-  the epoch with the best validation metric.
-* ``loader="neighbor"`` (any dataset) + ``gat``/``gatv2`` — mini-batches of
-  sampled neighbourhoods (:class:`SampledRecipe`, trained by
-  :mod:`gatlib.bench.sampled`) as in PyG's ogbn-products example
-  (``examples/ogbn_products_gat.py``): :class:`~gatlib.models.SampledGAT`,
-  fan-outs 10, 10, 5, batches of 512 training nodes, Adam lr 0.001 without
-  weight decay, 100 epochs, layer-wise inference over full neighbourhoods in
-  batches of 2048 nodes after epochs 60, 70, ..., 100, keeping the evaluation
-  with the best validation metric.
-
-Model selection only ever looks at the validation split. :mod:`gatlib.bench.train`
-runs a recipe.
+"""Training recipes: everything that defines an experiment besides the seed (model, optimiser, epochs,
+model-selection rule); :func:`recipe` holds the published set-ups, listed in docs/benchmarks.md ("The
+recipes"). Model selection only ever looks at the validation split.
 """
 from __future__ import annotations
 

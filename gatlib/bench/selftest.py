@@ -1,46 +1,12 @@
-"""``gatlib selftest``: check and measure the Triton kernels on one device.
+"""``gatlib selftest``: check the Triton kernels against the reference on one device, then compare the
+layers with PyG's using them (docs/gpu.md, "Have a GPU?").
 
-What a GPU owner runs once, and commits the JSON of::
+With dropout the backward must use the forward's mask: with the mask fixed, ``out`` is linear in the values,
+so ``<w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad bias, bias>`` (not for
+``gat_projected`` and ``dot_inputs``, whose values are the scores' input).
 
-    gatlib selftest --device cuda --json selftest.json
-
-1. **Kernel checks**: :func:`gatlib.graph_attention` with ``backend="triton"``
-   against the reference (``backend="torch"``) on a small graph with duplicate
-   edges, isolated nodes and a hub of :data:`HUB_DEGREE` in-edges (the kernels
-   split rows longer than 256 edges), for every score kind (GAT's also formed by
-   the kernels from projected rows, as GATConv runs it; GAT and the dot product
-   also over values of one head, as the layers in input space) × dtype × with or
-   without edge features (a score term and a value term per edge) × attention
-   dropout on or off × attention weights returned or not, the GAT kinds with an
-   output bias (as GATConv and GATv2Conv have); forward and the
-   gradient of every input. Each case asserts that the Triton kernel ran,
-   forward and backward (:func:`gatlib.record_kernels`).
-
-   * Without dropout, every quantity is compared with the reference in float64
-     on the same (rounded) inputs. float32/float64: max abs error at most
-     ``TOL[dtype] * max|reference|``. float16/bfloat16 (flash-attention's
-     rule): at most ``LOWP_FACTOR`` times the error of the reference run in the
-     same dtype, plus ``LOWP_FLOOR_ULPS`` ulps of ``max|reference|``.
-   * With dropout (the mask is the kernels' own Philox draw): the same
-     ``torch.manual_seed`` gives the same output, the output differs from the
-     one without dropout, everything is finite, and the backward used the
-     forward's mask: with the mask fixed, ``out`` is linear in the values, so
-     ``<w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad
-     bias, bias>`` (not for ``gat_projected`` and ``dot_inputs``, whose values are the
-     scores' input).
-
-2. **Comparison with PyG**: ``python -m gatlib.bench.compare --layer all
-   --backend triton --no-compile`` per graph (``--graphs``), each in its own
-   process so a crash or an out-of-memory kill there is one failed graph, not a
-   lost run. On CUDA each pass is also set against its bandwidth floor
-   (:mod:`gatlib.bench.floor`): the bytes a fused kernel must move, and each
-   measured time divided by the floor at the device's published and measured
-   bandwidth.
-
-3. One JSON (written after every step) and a Markdown table. Exit status 0
-   when every check passed and every comparison agreed, 1 otherwise, 2 when
-   the kernels cannot run here (no CUDA; on CPU, ``TRITON_INTERPRET=1`` not set
-   at the start of the process).
+Exit status 0 when every check passed and every comparison agreed, 1 otherwise, 2 when the kernels cannot
+run here (no CUDA; on CPU, ``TRITON_INTERPRET=1`` not set at the start of the process).
 """
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-r"""Synthetic stand-ins for the OGB benchmark graphs: same size, heavy-tailed degrees.
-
-The comparison against PyG (:mod:`gatlib.bench.compare`) needs graphs with the shape
-of ogbn-arxiv and ogbn-products, which cannot be downloaded here. Their cost
-profile is set by the node count, the edge count, the feature width and how
-unequal the degrees are (a hub with thousands of in-edges is what breaks
-naive kernels), so those are what the generator matches:
-
-* **Chung–Lu sampling**: both endpoints of every edge are drawn independently
-  with probability proportional to a node weight :math:`w_i`, so the expected
-  degree of node :math:`i` is :math:`2E\,w_i / \sum_k w_k`.
-* **Power-law weights** :math:`w_i = (i + i_0)^{-1/(\gamma - 1)}` give a degree
-  distribution with tail :math:`P(d) \propto d^{-\gamma}`. The offset
-  :math:`i_0` caps the largest expected degree at ``max_degree`` (without it a
-  pure power law on ogbn-products' 2.4M nodes would give a hub of ~3e5).
-* Self-loops and duplicate edges are dropped until exactly ``num_edges``
-  distinct directed edges remain, then the graph is made undirected as OGB's
-  node-property graphs are used in practice (``ToUndirected``): about
-  ``2 * num_edges`` edges, a little fewer where both directions were drawn.
-* Node ids are shuffled, so hubs are not clustered at the low ids (which would
-  flatter any kernel's cache behaviour).
-
-Everything is vectorised torch and driven by one seeded ``torch.Generator``:
-the same arguments give the same graph on every machine.
+"""Synthetic stand-ins for the OGB benchmark graphs: same size, heavy-tailed degrees (Chung–Lu sampling
+with power-law weights; docs/benchmarks.md, "Synthetic graphs", has the model). One seeded generator: the
+same arguments give the same graph on every machine.
 """
 from __future__ import annotations
 
