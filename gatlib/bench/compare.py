@@ -333,17 +333,11 @@ def add_stats(total: Dict, stats: Dict) -> Dict:
 
 
 def settle(fn, device: torch.device, max_calls: int = SETTLE_CALLS) -> Dict:
-    """Call a compiled side's measured call until a call compiles nothing new.
+    """Call a compiled side's measured call until a call compiles nothing new, so that no compile falls
+    into a warm-up (which sizes the timing blocks) or a memory measurement.
 
-    Its first calls compile: a graph per grad mode, and with a fresh
-    :class:`gatlib.GraphPlan` one before the plan holds its derived layouts and
-    one after, when they are inputs. A warm-up call that compiled would also size
-    the timing blocks, and a memory measurement would include compiling.
-
-    Returns:
-        ``status``, ``calls`` (``seconds`` and ``graphs`` compiled, per call),
-        ``settled`` (the last call compiled nothing) and the summed
-        :func:`compile_stats`; or the failure of the call that raised.
+    Returns ``status``, ``calls`` (``seconds`` and ``graphs`` per call), ``settled`` and the summed
+    :func:`compile_stats`; or the failure of the call that raised.
     """
     calls: List[Dict] = []
     total: Dict = {}
@@ -409,12 +403,10 @@ def pyg_reference(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
 def check_agreement(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
                     target: Tensor, scope: str = "layer", impl: str = "gatlib",
                     ref: Optional[Dict] = None) -> Dict:
-    """Norm-wise relative error of ``impl`` (gatlib, or a compiled side) vs eager PyG.
+    """Norm-wise relative error of ``impl`` (gatlib, or a compiled side) against eager PyG.
 
-    ``layer``: output and input gradient; ``model``: loss and gradient of conv1's
-    first weight. float32: each error at most ``1e-4``. bfloat16/float16: both
-    are compared with PyG in float32; ``impl``'s error may be at most twice
-    PyG's plus ``1e-4``. ``ref``: :func:`pyg_reference` (computed if not given).
+    ``layer``: output and input gradient; ``model``: loss and conv1's first weight's gradient. float32: at most
+    ``1e-4``; bfloat16/float16: at most twice PyG's error (both against PyG in float32) plus ``1e-4``.
     """
     ref = ref if ref is not None else pyg_reference(modules, graphs, x, target, scope)
     got = _OUTPUTS[scope](modules[impl], x, graphs[impl], target)

@@ -25,16 +25,8 @@ STEP = "train_step"  # gatlib compare --scope model
 # ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
-    """Sizes of one layer call.
-
-    Args:
-        num_src, num_dst: ``Ns``, ``Nd``; equal means one ``x`` for both sides.
-        num_edges: ``E``, self-loops included (what the layer attends over).
-        in_channels: ``F``.
-        heads, channels: ``H``, ``C``.
-        dtype_bytes: ``s`` (4 float32, 2 bfloat16/float16, 8 float64).
-        edge_dim: ``D``, or ``None`` without edge features.
-        input_grad: the backward computes ``grad x`` (``gatlib compare``'s layer scope does).
+    """Sizes of one layer call, named as in docs/gpu.md's floor terms (``num_src == num_dst``: one
+    ``x``; ``input_grad``: the backward computes ``grad x``).
     """
 
     num_src: int

@@ -19,27 +19,10 @@ _GAT_CLASS = {"gat": "GAT", "gatv2": "GATv2"}
 class Recipe:
     """How to train one model on one dataset.
 
-    Attributes:
-        model: class name in :mod:`gatlib.models`.
-        model_kwargs: its constructor arguments besides the sizes and ``backend``.
-        optimizer: ``"adam"`` or ``"rmsprop"``.
-        lr: learning rate.
-        weight_decay: L2 penalty (coupled, as ``torch.optim.Adam`` applies it).
-        epochs: maximum number of epochs.
-        patience: epochs without improvement before stopping (``None``: never).
-        stopping: ``"gat"`` — the GAT reference code's rule: an epoch counts as
-            an improvement when the validation loss does not rise above its
-            minimum *or* the validation accuracy does not fall below its
-            maximum; the weights kept are those of the last epoch that matched
-            both, restored at the end. ``"best_val"`` — keep the epoch with the
-            best validation metric.
-        warmup_epochs: linear learning-rate warm-up.
-        undirected: add reverse edges before training (OGB graphs are directed).
-        self_loops: give every node one self-loop before training, so that
-            layers without their own (``TransformerConv``) attend to the node too.
-        pe: positional encoding stored as ``data.pe`` (see
-            :func:`gatlib.models.positional_encoding`), or ``None``.
-        pe_dim: its width.
+    ``stopping``: ``"gat"``, the GAT reference code's rule (an epoch improves when the validation loss does not
+    rise above its minimum or the accuracy does not fall below its maximum; the last epoch that matched both is
+    restored at the end), or ``"best_val"``. ``self_loops``: one per node, so layers without their own
+    (``TransformerConv``) attend to the node too.
     """
 
     model: str
@@ -59,20 +42,9 @@ class Recipe:
 
 @dataclass
 class SampledRecipe(Recipe):
-    """A :class:`Recipe` trained on sampled mini-batches (``NeighborLoader``).
-
-    An epoch is one pass over the training nodes in batches of
-    ``batch_size`` seeds (per process: with K processes an optimiser step sees
-    K batches); evaluation is layer-wise over full neighbourhoods.
-
-    Attributes:
-        fanouts: neighbours sampled per node at each hop, one per layer
-            (``-1``: all of them).
-        batch_size: training nodes per batch and process.
-        eval_batch_size: nodes per batch of layer-wise inference.
-        eval_every: evaluate after every ``eval_every``-th epoch ...
-        eval_after: ... once more than ``eval_after`` epochs are done (and
-            always after the last epoch). A ``patience`` counts evaluations.
+    """A :class:`Recipe` trained on sampled mini-batches of ``batch_size`` seeds per process;
+    evaluated layer-wise after every ``eval_every``-th epoch past ``eval_after`` and after the last (a
+    ``patience`` counts evaluations).
     """
 
     fanouts: List[int] = field(default_factory=lambda: [10, 10, 5])
@@ -124,12 +96,8 @@ def recipe(model: str, dataset: str, loader: str = "full") -> Recipe:
 
 def with_sampling(rcp: Recipe, *, fanouts: Optional[List[int]] = None,
                   batch_size: Optional[int] = None) -> Recipe:
-    """``rcp`` with its fan-outs and batch size replaced where given; checks them.
-
-    Raises:
-        ValueError: options for sampling on a full-batch recipe, a fan-out count
-            other than the model's layer count, a fan-out below -1 or of 0, or a
-            batch size below 1.
+    """``rcp`` with its fan-outs and batch size replaced where given; ``ValueError`` for
+    invalid ones or sampling options on a full-batch recipe.
     """
     if not isinstance(rcp, SampledRecipe):
         if fanouts is not None or batch_size is not None:

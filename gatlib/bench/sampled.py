@@ -16,18 +16,9 @@ from .distributed import Distributed
 
 
 def hop_counts(edge_index: Tensor, num_seeds: int, num_nodes: int, num_hops: int) -> List[int]:
-    """Nodes per hop of a sampled subgraph: ``[seeds, hop 1, ..., hop num_hops]``.
-
-    PyG's loader reports these (``num_sampled_nodes``) only with pyg-lib; with
-    torch_sparse's sampler they are recovered here. A node's hop is its distance
-    to the seeds along sampled edges (``src -> dst`` means ``src`` was sampled as
-    a neighbour of ``dst``). The sampler numbers nodes hop by hop (seeds first),
-    which :class:`~gatlib.models.SampledGAT` relies on to take each layer's
-    destinations as a prefix: that order is checked, not assumed.
-
-    Raises:
-        RuntimeError: the nodes are not numbered hop by hop, or a node is
-            farther than ``num_hops`` from the seeds.
+    """Nodes per hop of a sampled subgraph, ``[seeds, hop 1, ..., hop num_hops]`` (PyG reports them
+    only with pyg-lib). Checks, and raises ``RuntimeError`` otherwise, that the nodes are numbered hop by hop,
+    which :class:`~gatlib.models.SampledGAT` relies on.
     """
     src, dst = edge_index
     far = num_hops + 1
@@ -71,20 +62,8 @@ def neighbor_loader(data: Data, **kwargs):
 @torch.no_grad()
 def layerwise_inference(model: torch.nn.Module, x: Tensor, loader, num_nodes: int,
                         device: torch.device, dist: Optional[Distributed] = None) -> Tensor:
-    """Every node's output of :class:`~gatlib.models.SampledGAT` ``model``
-    (in eval mode) computed layer by layer over full neighbourhoods.
-
-    Args:
-        model: the model (not its DDP wrapper).
-        x: all nodes' input features ``[N, F]``.
-        loader: a ``NeighborLoader`` with ``num_neighbors=[-1]`` over this
-            process's nodes (all of them, or its :func:`chunk_range` share).
-        num_nodes: ``N``.
-        device: where the layers run.
-        dist: with several processes, each layer's outputs are all-gathered.
-
-    Returns:
-        ``[N, C]`` logits on the CPU.
+    """Every node's ``[N, C]`` logits (on the CPU) of ``model`` in eval mode, layer by
+    layer over full neighbourhoods; with ``dist`` each layer's outputs are all-gathered.
     """
     for i in range(model.num_layers):
         parts = []

@@ -76,11 +76,8 @@ class CannotRun(Exception):
 # 1. Kernel checks
 # ---------------------------------------------------------------------------
 def kernel_graph(seed: int = 0) -> Tensor:
-    """The ``[2, E]`` graph of the kernel checks, on :data:`NUM_NODES` nodes.
-
-    Random edges (self-loops and repeats included) plus 20 explicit
-    duplicates; node 0 receives :data:`HUB_DEGREE` more; nodes 1-7 receive
-    nothing, nodes ``N-8..N-1`` send nothing and node ``N-1`` has no edge at all.
+    """The kernel checks' ``[2, E]`` graph: random edges, duplicates, a hub of :data:`HUB_DEGREE`
+    in-edges at node 0, nodes receiving or sending nothing, and an isolated node.
     """
     g = torch.Generator().manual_seed(seed)
     N = NUM_NODES
@@ -93,11 +90,7 @@ def kernel_graph(seed: int = 0) -> Tensor:
 
 def _inputs(kind: str, edge: bool, E: int, device, seed: int, heads: int = HEADS,
             channels: int = CHANNELS) -> Dict[str, Tensor]:
-    """float64 inputs by name: ``value``, optional ``value_edge``, the score's
-    ``src``, ``dst``, optional ``edge`` and ``att`` (:meth:`EdgeScore.tensors`) —
-    for ``gat_projected`` ``att_src`` and ``att_dst``, its ``h`` being ``value`` —
-    and the output ``bias`` of the GAT kinds (:data:`BIASED`), for :data:`NUM_NODES`
-    nodes and ``heads`` heads of ``channels`` channels."""
+    """float64 inputs of score ``kind`` by name (value, scores' tensors, optional edge terms and bias)."""
     g = torch.Generator().manual_seed(seed)
     N, H, C = NUM_NODES, heads, channels
 
@@ -143,12 +136,9 @@ def _score(kind: str, t: Dict[str, Tensor]):
 
 @contextlib.contextmanager
 def unwritten_memory_is_nan():
-    """Inside the block every new ``torch.empty`` tensor is filled with NaN (integers
-    with their largest value): PyTorch's ``fill_uninitialized_memory`` under
-    deterministic mode (warnings only, no op refused). A kernel that leaves rows of
-    its output unwritten then returns NaN there, whatever the allocator hands out;
-    without it, a buffer of the size just freed can hold the previous call's right
-    answer, and a check of a broken kernel pass by chance."""
+    """Fill every new ``torch.empty`` tensor with NaN inside the block, so a kernel that
+    leaves output rows unwritten fails its check instead of passing on a previous call's leftovers.
+    """
     import warnings
 
     was, warn_only = (torch.are_deterministic_algorithms_enabled(),
@@ -344,11 +334,9 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print,
 
 
 def check_graph(n: int, e: int, seed: int, device) -> Tuple[object, Dict[str, Tensor]]:
-    """The GPU checks' graph of ``n`` nodes and its float32 GATv2 inputs (a bias
-    included): rows of many lengths and split pieces on both sides, so that two such
-    graphs of other sizes need the same kernels (only sizes differ). Node 0 takes
-    300 edges from nodes 1-10 and sends 300 to nodes 11-20; the ``e`` random edges
-    among the other nodes have degrees around 4. Returns ``(GraphPlan, inputs)``."""
+    """The GPU checks' graph of ``n`` nodes (a hub with 300 in- and 300 out-edges, so rows split on
+    both sides) and its float32 GATv2 inputs; returns ``(GraphPlan, inputs)``.
+    """
     import gatlib
 
     g = torch.Generator().manual_seed(seed)
@@ -394,14 +382,10 @@ STEP_TOL, STEP_FLOOR = 1e-4, 1e-4
 
 
 def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None) -> Optional[str]:
-    """``None`` where a 2-layer model of ``layer`` (``gatlib compare --scope model``'s, H=2,
-    C=16 on ``STEP_FEATURES`` inputs) on ``plan``, through the Triton kernels, computes the
-    loss and every weight's gradient of the same model in float64 on the reference backend,
-    eager (one training call) and under ``torch.compile`` (three): relative error at most
-    :data:`STEP_TOL` per quantity (a gradient below :data:`STEP_FLOOR` times the largest
-    one's norm is measured against that); else the worst quantity, eager or compiled.
-    Against float64, not against eager: a compiled step and an eager one that are wrong
-    alike would agree. ``compile_fn``: ``torch.compile`` unless given."""
+    """``None`` where a 2-layer model of ``layer`` on the Triton kernels, eager and under
+    ``torch.compile``, computes the loss and gradients of its float64 reference within :data:`STEP_TOL`; else
+    the worst quantity. Against float64, not eager: two steps wrong alike would agree.
+    """
     import torch.nn.functional as F
 
     import gatlib
@@ -453,35 +437,18 @@ def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None)
 
 
 def output_layer_check(kind: str, device: torch.device, plan) -> Optional[str]:
-    """``None`` where the Triton kernels' call of score ``kind`` at an output layer's shape
-    (one head of :data:`STEP_CLASSES` channels, float32, no edge features) computes the
-    float64 reference, forward and every input's gradient, on ``plan`` (the GPU checks'
-    graph: node 0's 300 in-edges and 300 out-edges are split into pieces); else what
-    differs. The kernel checks' channels are narrower: this shape takes other tiles,
-    the ones of the compiled step's output layer (:func:`compiled_step_check`). The bound
-    is a multiple of the float32 reference's own error: at this shape GAT's attention
-    vectors' gradients sum over the hub's 300 rows, and PyTorch's float32 reference is off
-    by more than the kernel checks' 1e-5 of the largest value there (1.8e-5 in the
-    interpreter; the kernels in float64, 5e-14)."""
+    """``None`` where score ``kind`` at an output layer's shape (one head of
+    :data:`STEP_CLASSES` channels) computes the float64 reference on ``plan``; else what differs. The bound is a
+    multiple of the float32 reference's own error, which the hub's 300-row sums push past the kernel checks' 1e-5.
+    """
     res = _agreement_check(kind, torch.float32, False, False, plan, device, 0, heads=1,
                            channels=STEP_CLASSES, relative_to_reference=True)
     return res.get("detail")
 
 
 def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]:
-    """What only a GPU can show (each ``{"name", "status", "detail"}``):
-
-    * *no host sync*: once a graph's plan exists, a training call (forward with
-      dropout, backward) runs under ``torch.cuda.set_sync_debug_mode("error")``;
-    * *no recompile*: a second graph of other sizes (a new mini-batch) compiles
-      no new kernel (Triton's per-device kernel caches do not grow);
-    * *CUDA graphs*: a forward with dropout captured in a ``torch.cuda.CUDAGraph``
-      draws a new mask on every replay (the seed is drawn on the device);
-    * *output layers*: each of ``kinds`` at one head of :data:`STEP_CLASSES` channels
-      computes the reference on a graph with split rows (:func:`output_layer_check`);
-    * *training steps*: a 2-layer model, eager and under ``torch.compile``, computes
-      its float64 reference's loss and gradients (:func:`compiled_step_check`), for
-      the layer of each of ``kinds`` in :data:`STEP_LAYERS`.
+    """What only a GPU can show, each ``{"name", "status", "detail"}``: no host sync, no recompile
+    for a graph of other sizes, a new dropout mask per CUDA-graph replay, output layers and training steps.
     """
     from gatlib import introspect
 
