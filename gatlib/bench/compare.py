@@ -61,9 +61,7 @@ _QUANTITIES = {"layer": ("forward", "input_grad"), "model": ("loss", "weight_gra
 SCHEMA = "gatlib.compare/3"
 
 
-# ---------------------------------------------------------------------------
 # Graphs
-# ---------------------------------------------------------------------------
 @dataclass
 class Graph:
     """Features and an undirected, loop-free ``edge_index`` plus where they came from."""
@@ -147,9 +145,7 @@ def warm_plan(impl: str, module: torch.nn.Module, x: Tensor, graph) -> None:
         x.grad = None
 
 
-# ---------------------------------------------------------------------------
 # Layers, models and the measured calls
-# ---------------------------------------------------------------------------
 class TwoLayer(torch.nn.Module):
     """The model of ``--scope model``: ``conv1 -> ELU -> conv2``, both made by ``make``."""
 
@@ -289,9 +285,7 @@ def measured_call(spec: Dict):
     return fn
 
 
-# ---------------------------------------------------------------------------
 # Compiling
-# ---------------------------------------------------------------------------
 @contextlib.contextmanager
 def compile_stats():
     """What torch.compile did inside this block, from dynamo's counters (global, so
@@ -354,9 +348,7 @@ def settle(fn, device: torch.device, max_calls: int = SETTLE_CALLS) -> Dict:
     return {"status": "ok", "calls": calls, "settled": calls[-1]["graphs"] == 0, **total}
 
 
-# ---------------------------------------------------------------------------
 # Agreement
-# ---------------------------------------------------------------------------
 def _rel_err(a: Tensor, b: Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -428,9 +420,7 @@ def check_agreement(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor
     return res
 
 
-# ---------------------------------------------------------------------------
 # CLI
-# ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``gatlib compare``'s options to ``parser``."""
     from gatlib import BACKENDS

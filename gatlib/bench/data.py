@@ -108,9 +108,7 @@ def load_dataset(name: str, data_dir: Optional[PathLike] = None, *,
     return _load_ogb(key, root)
 
 
-# ---------------------------------------------------------------------------
 # Planetoid
-# ---------------------------------------------------------------------------
 def seed_planetoid(source: PathLike, data_dir: Optional[PathLike] = None) -> List[str]:
     """Copy the missing raw Planetoid files from ``source`` (laid out as ``<Name>/raw/ind.*`` or
     ``Planetoid/<Name>/raw``) into the data directory; returns the names whose complete file set was found.
@@ -167,9 +165,7 @@ def _load_planetoid(key: str, root: Path, seed_from: Optional[PathLike]) -> Node
     return NodeDataset(key, data, split, ds.num_classes)
 
 
-# ---------------------------------------------------------------------------
 # OGB
-# ---------------------------------------------------------------------------
 def _allow_pyg_pickles() -> None:
     """ogb ``torch.load``s its processed PyG file with torch's default
     ``weights_only=True`` (torch >= 2.6): allow-list the PyG classes inside."""
@@ -259,9 +255,7 @@ def _from_ogb(ds, name: str, evaluator) -> NodeDataset:
                        ds.eval_metric, evaluator)
 
 
-# ---------------------------------------------------------------------------
 # Download guards
-# ---------------------------------------------------------------------------
 def _unreachable(url: str, timeout: float = _PROBE_TIMEOUT_S) -> Optional[str]:
     """``None`` if ``url`` answers within ``timeout`` seconds, else why not."""
     try:

@@ -20,9 +20,7 @@ PASSES = ("forward", "forward+backward")
 STEP = "train_step"  # gatlib compare --scope model
 
 
-# ---------------------------------------------------------------------------
 # Bytes and flops of a pass
-# ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
     """Sizes of one layer call, named as in docs/gpu.md's floor terms (``num_src == num_dst``: one
@@ -339,9 +337,7 @@ def step_floor(layer: str, shape: Shape, num_classes: int) -> Floor:
     return Floor(layer, STEP, shape, kernels)
 
 
-# ---------------------------------------------------------------------------
 # Device bandwidth and GEMM peaks
-# ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DeviceSpec:
     """A part's published peaks: memory bandwidth (bytes/s) and dense GEMM flops/s
@@ -452,9 +448,7 @@ def bandwidths(device_name: str, record: Optional[Dict] = None
     return out, spec
 
 
-# ---------------------------------------------------------------------------
 # Against a `gatlib compare` report
-# ---------------------------------------------------------------------------
 IMPLS = ("pyg", "pyg_compiled", "gatlib", "gatlib_compiled")
 HEADERS = ["layer", "pass", "bandwidth", "MB lo", "MB hi", "GFLOP", "floor ms lo",
            "floor ms hi", "PyG", "PyG comp.", "gatlib", "gatlib comp."]

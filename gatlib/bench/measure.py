@@ -58,9 +58,7 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------
 # Time
-# ---------------------------------------------------------------------------
 def time_once(fn: Callable, device: torch.device) -> Dict:
     """Seconds of one call of ``fn`` (CUDA-synchronised): ``{"status": "ok",
     "seconds": ...}``, or the :func:`failure`."""
@@ -119,9 +117,7 @@ def time_interleaved(fns: Dict[str, Callable], device: torch.device, repeats: in
     return res
 
 
-# ---------------------------------------------------------------------------
 # Memory: CUDA
-# ---------------------------------------------------------------------------
 def peak_cuda(fn: Callable, device: torch.device) -> Dict:
     """Peak extra CUDA memory of one call of the measured call ``fn`` after a warm-up call."""
     try:
@@ -145,9 +141,7 @@ def peak_cuda(fn: Callable, device: torch.device) -> Dict:
         return failure(exc)
 
 
-# ---------------------------------------------------------------------------
 # Memory: CPU (Linux /proc)
-# ---------------------------------------------------------------------------
 def proc_status() -> Dict[str, int]:
     """VmRSS / VmHWM / VmSize / ... of this process in bytes (Linux; empty elsewhere)."""
     try:

@@ -1,10 +1,6 @@
 """``gatlib selftest``: check the Triton kernels against the reference on one device, then compare the
 layers with PyG's using them (docs/gpu.md, "Have a GPU?").
 
-With dropout the backward must use the forward's mask: with the mask fixed, ``out`` is linear in the values,
-so ``<w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad bias, bias>`` (not for
-``gat_projected`` and ``dot_inputs``, whose values are the scores' input).
-
 Exit status 0 when every check passed and every comparison agreed, 1 otherwise, 2 when the kernels cannot
 run here (no CUDA; on CPU, ``TRITON_INTERPRET=1`` not set at the start of the process).
 """
@@ -50,21 +46,15 @@ DROPOUT = 0.3
 # With dropout, the output must move by more than this fraction of max|output|
 # away from the output without dropout (low-precision noise is ~1e-2).
 DROPOUT_EFFECT = 0.1
-# ... and <w, out> may differ from <grad, value> by this many ulps of the norm
-# of the terms of that sum (rounding errors of random sign add up as a norm).
-# Measured, over three seeds: under 0.5 (float16/bfloat16), under 4 (float32/
-# float64, whose kernels' own sums count). A backward that draws another mask
-# is off by over 3 (bfloat16), 1e5 (float32).
+# ... and <w, out> may differ from <grad, value> by this many ulps of the norm of the sum's terms
+# (rounding errors of random sign add up as a norm); a backward with another mask is off by far more.
 LINEARITY_ULPS = {torch.float16: 1.0, torch.bfloat16: 1.0, torch.float32: 32.0,
                   torch.float64: 32.0}
 # Max abs error allowed, in units of max|reference|, for full precision.
-# Measured in the interpreter: at most ~10 ulps of it (float32 and float64).
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
-# Low precision: Triton's error vs float64 <= LOWP_FACTOR x the reference's own
-# error in that dtype + LOWP_FLOOR_ULPS ulps of max|reference|. The reference
-# rounds once (~0.3 ulp); the Triton backward, like FlashAttention's, takes
-# Delta_i = <g_i, out_i> from out as stored in float16/bfloat16, which costs up
-# to 3.4 ulps here (tests/testing.py allows 6 on its graphs too).
+# Low precision: Triton's error vs float64 <= LOWP_FACTOR x the reference's own error in that dtype
+# + LOWP_FLOOR_ULPS ulps of max|reference|: the backward, like FlashAttention's, takes
+# Delta_i = <g_i, out_i> from out as stored in low precision (tests/testing.py allows 6 ulps too).
 LOWP_FACTOR, LOWP_FLOOR_ULPS = 4.0, 6.0
 
 
@@ -72,9 +62,7 @@ class CannotRun(Exception):
     """The Triton kernels cannot run on this device in this process."""
 
 
-# ---------------------------------------------------------------------------
 # 1. Kernel checks
-# ---------------------------------------------------------------------------
 def kernel_graph(seed: int = 0) -> Tensor:
     """The kernel checks' ``[2, E]`` graph: random edges, duplicates, a hub of :data:`HUB_DEGREE`
     in-edges at node 0, nodes receiving or sending nothing, and an isolated node.
@@ -365,19 +353,14 @@ def check_call(plan, n: int, inputs: Dict[str, Tensor], p: float = 0.5,
     return out
 
 
-# The layer of each score kind, whose compiled training step the GPU checks run
-# (GAT's with inputs wider than its projection: the in-kernel terms, when eager), its
-# output layer one head of 40 classes as OGB arxiv's: the rows of 64 channels where
-# compiled GAT's disagreed with PyG on an H100 (docs/design.md, "Compiled GAT takes the
-# node terms"; benchmarks/results/h100_2026-11-27/)
+# The layer of each score kind whose compiled training step the GPU checks run, its output layer one head
+# of 40 classes as OGB arxiv's: the shape where compiled GAT once disagreed with PyG (docs/design.md,
+# "Compiled GAT takes the node terms").
 STEP_LAYERS = {"gat_projected": "GATConv", "gatv2": "GATv2Conv", "dot": "TransformerConv"}
 STEP_FEATURES, STEP_CLASSES = 64, 40
-# ... and its agreement: relative (norm-wise) error of the loss and of each gradient,
-# as gatlib compare's float32 rule (the compiled graph sums in another order). A
-# gradient far smaller than the step's largest is measured against STEP_FLOOR times
-# that one instead of its own norm: a gradient that is zero in exact arithmetic (a
-# key's bias, which the softmax cancels) is rounding noise on both sides, of norm
-# ~1e-9, whose own relative error means nothing (it read 0.47 on an H100).
+# ... and its agreement: norm-wise relative error of the loss and each gradient, as gatlib compare's float32
+# rule. A gradient far smaller than the largest is measured against STEP_FLOOR times that one: one that is
+# zero in exact arithmetic (a key's bias, which the softmax cancels) is rounding noise on both sides.
 STEP_TOL, STEP_FLOOR = 1e-4, 1e-4
 
 
@@ -523,9 +506,7 @@ def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]
     return checks
 
 
-# ---------------------------------------------------------------------------
 # 2. Comparison with PyG, one child process per graph
-# ---------------------------------------------------------------------------
 def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
     """``gatlib compare --layer all --backend triton --no-compile`` on ``graph`` in a child process:
     ``{"graph", "status": ok/mismatch/error, "returncode", "report"}``; its JSON goes to ``out``."""
@@ -563,9 +544,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
     return res
 
 
-# ---------------------------------------------------------------------------
 # 3. Table, CLI
-# ---------------------------------------------------------------------------
 def render_markdown(result: Dict) -> str:
     """The Markdown summary: kernel checks (failures listed), then the comparison rows."""
     from .compare_report import LAYERS, TABLE_HEADERS, table_rows
