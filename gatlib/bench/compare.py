@@ -537,7 +537,7 @@ def _config(args: argparse.Namespace) -> Dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run a comparison (see the module docstring). Returns the exit status:
+    """Run a comparison (docs/benchmarks.md, "Method"). Returns the exit status:
     0 done, 1 an implementation (eager or compiled) disagreed with PyG or failed
     with an error other than OOM, 2 bad arguments."""
     if getattr(args, "_child", None):

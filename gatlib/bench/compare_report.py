@@ -47,8 +47,7 @@ def _peak(m: Optional[Dict]) -> Optional[int]:
 
 def summarize(measurements: List[Dict]) -> List[Dict]:
     """Per (layer, pass) with both eager sides: medians, peak extra memory, the ratios of
-    :data:`TIME_RATIOS` and :data:`MEMORY_RATIOS` (``None`` where a side is missing) and per-round time ratios.
-    """
+    :data:`TIME_RATIOS` and :data:`MEMORY_RATIOS` (``None`` where a side is missing) and per-round time ratios."""
     by = {(m["layer"], m["impl"], m["pass"]): m for m in measurements}
     rows = []
     for layer, p in dict.fromkeys((m["layer"], m["pass"]) for m in measurements):

@@ -49,8 +49,7 @@ class DatasetNotFoundError(FileNotFoundError):
 @dataclass
 class NodeDataset:
     """One graph (``x``, ``edge_index``, ``y``: class ids, or ``[N, T]`` 0/1 targets when ``multilabel``),
-    its split (``split_idx``), ``num_classes`` and ``metric`` (``"acc"``/``"rocauc"``, OGB's ``evaluator``).
-    """
+    its split (``split_idx``), ``num_classes`` and ``metric`` (``"acc"``/``"rocauc"``, OGB's ``evaluator``)."""
 
     name: str
     data: Data
@@ -111,8 +110,7 @@ def load_dataset(name: str, data_dir: Optional[PathLike] = None, *,
 # Planetoid
 def seed_planetoid(source: PathLike, data_dir: Optional[PathLike] = None) -> List[str]:
     """Copy the missing raw Planetoid files from ``source`` (laid out as ``<Name>/raw/ind.*`` or
-    ``Planetoid/<Name>/raw``) into the data directory; returns the names whose complete file set was found.
-    """
+    ``Planetoid/<Name>/raw``) into the data directory; returns the names whose complete file set was found."""
     source, found = Path(source), []
     for pretty in PLANETOID.values():
         src = _planetoid_raw_in(source, pretty)

@@ -24,8 +24,7 @@ STEP = "train_step"  # gatlib compare --scope model
 @dataclass(frozen=True)
 class Shape:
     """Sizes of one layer call, named as in docs/gpu.md's floor terms (``num_src == num_dst``: one
-    ``x``; ``input_grad``: the backward computes ``grad x``).
-    """
+    ``x``; ``input_grad``: the backward computes ``grad x``)."""
 
     num_src: int
     num_dst: int
@@ -182,7 +181,7 @@ def _csc(k: Kernel, sh: Shape, edge_ids: bool = False) -> Kernel:
 
 
 def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
-    """The kernels of ``layer``'s ``pass_`` (see the module docstring for every term)."""
+    """The kernels of ``layer``'s ``pass_`` (every term: docs/gpu.md, "The floor's terms")."""
     if layer not in LAYERS or pass_ not in PASSES:
         raise ValueError(f"layer must be one of {LAYERS} and pass one of {PASSES}; "
                          f"got {layer!r}, {pass_!r}")
@@ -307,7 +306,7 @@ def num_parameters(layer: str, in_channels: int, heads: int, channels: int) -> i
 
 def step_floor(layer: str, shape: Shape, num_classes: int) -> Floor:
     """The kernels of one training step of ``gatlib compare --scope model``'s 2-layer model
-    (see the module docstring): ``shape`` is conv1's call; conv2 runs on the same graph
+    (docs/gpu.md): ``shape`` is conv1's call; conv2 runs on the same graph
     from ``H·C`` inputs to ``num_classes`` channels of one head."""
     sh1 = dataclasses.replace(shape, input_grad=False)
     HC, s, a = sh1.heads * sh1.channels, sh1.dtype_bytes, sh1.acc_bytes

@@ -176,8 +176,7 @@ def mem_available() -> Optional[int]:
 def memory_budget(budget: Optional[int] = None):
     """Cap this process's address space at its size plus ``budget`` bytes (default: free memory less
     1 GiB), so going over fails an allocation here instead of waking the OOM killer, which may pick another
-    process. A no-op off Linux; yields the budget (``None`` when no limit was set).
-    """
+    process. A no-op off Linux; yields the budget (``None`` when no limit was set)."""
     if budget is None:
         avail = mem_available()
         budget = None if avail is None else max(avail - 2**30, 2**30)
@@ -199,8 +198,7 @@ def memory_budget(budget: Optional[int] = None):
 def measure_peak_rss(build: Callable[[], Callable], limit_memory: bool = False,
                      mem_budget_bytes: Optional[int] = None) -> Dict:
     """Peak extra RSS of ``build()``'s call in this process (meant for a fresh one): ``VmHWM``
-    after the call minus ``VmRSS`` before it, after a warm-up call and a reset of the high-water mark.
-    """
+    after the call minus ``VmRSS`` before it, after a warm-up call and a reset of the high-water mark."""
     fn = build()
     gc.collect()
     res = {"rss_inputs_bytes": proc_status()["VmRSS"]}
@@ -242,8 +240,7 @@ def child_env() -> Dict[str, str]:
 
 def peak_rss_child(spec: Dict, workdir: Path, timeout: Optional[float] = None) -> Dict:
     """:func:`measure_peak_rss` of ``spec["builder"]``'s call in a fresh process (spec and result
-    in ``workdir``); ``{"status": "OOM"}`` when the child was killed by SIGKILL or ran out of memory.
-    """
+    in ``workdir``); ``{"status": "OOM"}`` when the child was killed by SIGKILL or ran out of memory."""
     module = spec["builder"].split(":")[0]
     fd, name = tempfile.mkstemp(prefix="child-", suffix=".spec.json", dir=workdir)
     spec_path = Path(name)

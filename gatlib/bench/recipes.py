@@ -44,8 +44,7 @@ class Recipe:
 class SampledRecipe(Recipe):
     """A :class:`Recipe` trained on sampled mini-batches of ``batch_size`` seeds per process;
     evaluated layer-wise after every ``eval_every``-th epoch past ``eval_after`` and after the last (a
-    ``patience`` counts evaluations).
-    """
+    ``patience`` counts evaluations)."""
 
     fanouts: List[int] = field(default_factory=lambda: [10, 10, 5])
     batch_size: int = 512
@@ -97,8 +96,7 @@ def recipe(model: str, dataset: str, loader: str = "full") -> Recipe:
 def with_sampling(rcp: Recipe, *, fanouts: Optional[List[int]] = None,
                   batch_size: Optional[int] = None) -> Recipe:
     """``rcp`` with its fan-outs and batch size replaced where given; ``ValueError`` for
-    invalid ones or sampling options on a full-batch recipe.
-    """
+    invalid ones or sampling options on a full-batch recipe."""
     if not isinstance(rcp, SampledRecipe):
         if fanouts is not None or batch_size is not None:
             raise ValueError("fanouts and batch_size apply to loader='neighbor' (--loader neighbor)")

@@ -61,8 +61,7 @@ def cpu_model() -> str:
 
 def environment(device: torch.device | str) -> Dict[str, Any]:
     """Device, library versions, git commit and platform of a run on ``device``; ``git_dirty``:
-    whether the ``gatlib`` package or ``tools/`` differ from that commit (``None`` outside a checkout).
-    """
+    whether the ``gatlib`` package or ``tools/`` differ from that commit (``None`` outside a checkout)."""
     from .. import __version__
 
     device = torch.device(device)
@@ -89,8 +88,7 @@ def environment(device: torch.device | str) -> Dict[str, Any]:
 
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
     """``argv`` (default ``sys.argv``) as a command to paste into a shell (``python -m`` for a
-    module, ``python path`` for a checkout's script, else the console script's name).
-    """
+    module, ``python path`` for a checkout's script, else the console script's name)."""
     argv = list(sys.argv if argv is None else argv)
     prog = Path(argv[0]).resolve() if argv else Path("python")
     try:
@@ -108,8 +106,7 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
 
 def write_json(path: os.PathLike | str, obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``path`` atomically (a temporary file, then ``os.replace``),
-    so a failure leaves the previous file and no partial one.
-    """
+    so a failure leaves the previous file and no partial one."""
     text = json.dumps(obj, indent=2) + "\n"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,8 +121,7 @@ def write_json(path: os.PathLike | str, obj: Any) -> None:
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                  align: Optional[str] = None, markdown: bool = False) -> str:
     """An aligned table: header, rule, one line per row; ``align`` one ``"<"``/``">"`` per column
-    (default: first left, the rest right); ``markdown`` a GitHub table.
-    """
+    (default: first left, the rest right); ``markdown`` a GitHub table."""
     cells: List[List[str]] = [[str(h) for h in headers]]
     for row in rows:
         if len(row) != len(headers):

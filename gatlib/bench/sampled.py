@@ -18,8 +18,7 @@ from .distributed import Distributed
 def hop_counts(edge_index: Tensor, num_seeds: int, num_nodes: int, num_hops: int) -> List[int]:
     """Nodes per hop of a sampled subgraph, ``[seeds, hop 1, ..., hop num_hops]`` (PyG reports them
     only with pyg-lib). Checks, and raises ``RuntimeError`` otherwise, that the nodes are numbered hop by hop,
-    which :class:`~gatlib.models.SampledGAT` relies on.
-    """
+    which :class:`~gatlib.models.SampledGAT` relies on."""
     src, dst = edge_index
     far = num_hops + 1
     hop = torch.full((num_nodes,), far, dtype=torch.long, device=edge_index.device)
@@ -63,8 +62,7 @@ def neighbor_loader(data: Data, **kwargs):
 def layerwise_inference(model: torch.nn.Module, x: Tensor, loader, num_nodes: int,
                         device: torch.device, dist: Optional[Distributed] = None) -> Tensor:
     """Every node's ``[N, C]`` logits (on the CPU) of ``model`` in eval mode, layer by
-    layer over full neighbourhoods; with ``dist`` each layer's outputs are all-gathered.
-    """
+    layer over full neighbourhoods; with ``dist`` each layer's outputs are all-gathered."""
     for i in range(model.num_layers):
         parts = []
         for batch in loader:

@@ -65,8 +65,7 @@ class CannotRun(Exception):
 # 1. Kernel checks
 def kernel_graph(seed: int = 0) -> Tensor:
     """The kernel checks' ``[2, E]`` graph: random edges, duplicates, a hub of :data:`HUB_DEGREE`
-    in-edges at node 0, nodes receiving or sending nothing, and an isolated node.
-    """
+    in-edges at node 0, nodes receiving or sending nothing, and an isolated node."""
     g = torch.Generator().manual_seed(seed)
     N = NUM_NODES
     src = torch.randint(0, N - 8, (NUM_EDGES,), generator=g)
@@ -125,8 +124,7 @@ def _score(kind: str, t: Dict[str, Tensor]):
 @contextlib.contextmanager
 def unwritten_memory_is_nan():
     """Fill every new ``torch.empty`` tensor with NaN inside the block, so a kernel that
-    leaves output rows unwritten fails its check instead of passing on a previous call's leftovers.
-    """
+    leaves output rows unwritten fails its check instead of passing on a previous call's leftovers."""
     import warnings
 
     was, warn_only = (torch.are_deterministic_algorithms_enabled(),
@@ -196,7 +194,7 @@ def _ran_triton(log: List[str]) -> Optional[str]:
 
 def check_case(kind: str, dtype: torch.dtype, edge: bool, p: float, alpha: bool, plan,
                device, seed: int = 0) -> Dict:
-    """One kernel check (see the module docstring): its record for the JSON."""
+    """One kernel check: its record for the JSON."""
     name = (f"{kind} {_dtype_name(dtype)} {'edge' if edge else 'no-edge'} "
             f"{'dropout' if p else 'no-dropout'} {'alpha' if alpha else 'no-alpha'}")
     rec = {"name": name, "kind": kind, "dtype": _dtype_name(dtype),
@@ -222,7 +220,7 @@ def _case_inputs(kind, dtype, edge, plan, device, seed, heads=HEADS, channels=CH
 
 def _agreement_check(kind, dtype, edge, alpha, plan, device, seed, heads=HEADS,
                      channels=CHANNELS, relative_to_reference=False) -> Dict:
-    """One case against the float64 reference (module docstring); ``relative_to_reference``:
+    """One case against the float64 reference (TOL, LOWP_FACTOR); ``relative_to_reference``:
     the low-precision rule (a multiple of the reference's own error in ``dtype``) in
     float32 too."""
     inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed, heads, channels)
@@ -323,8 +321,7 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print,
 
 def check_graph(n: int, e: int, seed: int, device) -> Tuple[object, Dict[str, Tensor]]:
     """The GPU checks' graph of ``n`` nodes (a hub with 300 in- and 300 out-edges, so rows split on
-    both sides) and its float32 GATv2 inputs; returns ``(GraphPlan, inputs)``.
-    """
+    both sides) and its float32 GATv2 inputs; returns ``(GraphPlan, inputs)``."""
     import gatlib
 
     g = torch.Generator().manual_seed(seed)
@@ -367,8 +364,7 @@ STEP_TOL, STEP_FLOOR = 1e-4, 1e-4
 def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None) -> Optional[str]:
     """``None`` where a 2-layer model of ``layer`` on the Triton kernels, eager and under
     ``torch.compile``, computes the loss and gradients of its float64 reference within :data:`STEP_TOL`; else
-    the worst quantity. Against float64, not eager: two steps wrong alike would agree.
-    """
+    the worst quantity. Against float64, not eager: two steps wrong alike would agree."""
     import torch.nn.functional as F
 
     import gatlib
@@ -422,8 +418,7 @@ def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None)
 def output_layer_check(kind: str, device: torch.device, plan) -> Optional[str]:
     """``None`` where score ``kind`` at an output layer's shape (one head of
     :data:`STEP_CLASSES` channels) computes the float64 reference on ``plan``; else what differs. The bound is a
-    multiple of the float32 reference's own error, which the hub's 300-row sums push past the kernel checks' 1e-5.
-    """
+    multiple of the float32 reference's own error, which the hub's 300-row sums push past the kernel checks' 1e-5."""
     res = _agreement_check(kind, torch.float32, False, False, plan, device, 0, heads=1,
                            channels=STEP_CLASSES, relative_to_reference=True)
     return res.get("detail")
@@ -431,8 +426,7 @@ def output_layer_check(kind: str, device: torch.device, plan) -> Optional[str]:
 
 def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]:
     """What only a GPU can show, each ``{"name", "status", "detail"}``: no host sync, no recompile
-    for a graph of other sizes, a new dropout mask per CUDA-graph replay, output layers and training steps.
-    """
+    for a graph of other sizes, a new dropout mask per CUDA-graph replay, output layers and training steps."""
     from gatlib import introspect
 
     call = check_call
@@ -664,7 +658,7 @@ def _preflight(device: torch.device) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the self-test (see the module docstring); returns the exit status."""
+    """Run the self-test; returns the exit status (module docstring)."""
     device = torch.device(args.device)
     graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
     cuda = device.type == "cuda"

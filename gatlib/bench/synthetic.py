@@ -18,8 +18,7 @@ from torch import Tensor
 @dataclass(frozen=True)
 class GraphSpec:
     r"""Size and degree shape of a synthetic graph (``num_edges``: directed edges before
-    symmetrising; ``exponent``: the degree tail's; ``max_degree``: cap on the largest expected degree).
-    """
+    symmetrising; ``exponent``: the degree tail's; ``max_degree``: cap on the largest expected degree)."""
 
     name: str
     num_nodes: int
@@ -60,8 +59,7 @@ def parse_spec(text: str) -> GraphSpec:
 def power_law_weights(num_nodes: int, num_edges: int, exponent: float = 2.5,
                       max_degree: Optional[int] = None) -> Tensor:
     r"""Chung–Lu node weights ``(i + i_0)^(-1/(exponent-1))`` summing to 1, largest first,
-    with ``i_0`` bisected so the heaviest node's expected degree is ``max_degree``.
-    """
+    with ``i_0`` bisected so the heaviest node's expected degree is ``max_degree``."""
     if exponent <= 1:
         raise ValueError(f"exponent must be > 1; got {exponent}")
     alpha = 1.0 / (exponent - 1.0)
@@ -90,8 +88,7 @@ def power_law_edges(num_nodes: int, num_edges: int, *, exponent: float = 2.5,
                     max_degree: Optional[int] = None, seed: int = 0,
                     undirected: bool = True) -> Tensor:
     """A Chung–Lu power-law graph: a coalesced int64 ``edge_index`` without self-loops or
-    duplicates, ``num_edges`` directed edges (with their reverses when ``undirected``).
-    """
+    duplicates, ``num_edges`` directed edges (with their reverses when ``undirected``)."""
     N = num_nodes
     if num_edges > N * (N - 1):
         raise ValueError(f"{num_edges} distinct directed edges do not fit on {N} nodes")
@@ -145,8 +142,7 @@ def _sorted_unique(keys: Tensor) -> Tensor:
 def synthetic_graph(spec: Union[str, GraphSpec], *, seed: int = 0,
                     cache_dir: Optional[Union[str, os.PathLike]] = None):
     """A synthetic ``Data(x, edge_index)``, undirected and coalesced, from a preset name,
-    ``"synthetic:N:E:F"`` or a spec; cached as ``.pt`` in ``cache_dir`` when given.
-    """
+    ``"synthetic:N:E:F"`` or a spec; cached as ``.pt`` in ``cache_dir`` when given."""
     from torch_geometric.data import Data
 
     if isinstance(spec, str):

@@ -31,8 +31,7 @@ _SPARSE_FEATURES = 0.1  # density below which prepare_graph stores features as s
 @dataclass
 class RunResult:
     """One training run; metrics in % of the selected weights (ROC-AUC for ogbn-proteins),
-    ``best_epoch`` 1-based, ``peak_memory_mib`` peak RSS (CPU) or peak allocated (CUDA).
-    """
+    ``best_epoch`` 1-based, ``peak_memory_mib`` peak RSS (CPU) or peak allocated (CUDA)."""
 
     seed: int
     test_acc: float
@@ -46,8 +45,7 @@ class RunResult:
 @dataclass
 class SampledRunResult(RunResult):
     """A run of a :class:`SampledRecipe`; ``history`` per epoch: ``epoch``, mean ``loss``
-    over all processes' batches, approximate ``train_acc`` and ``val_acc`` (``None`` where not evaluated).
-    """
+    over all processes' batches, approximate ``train_acc`` and ``val_acc`` (``None`` where not evaluated)."""
 
     train_seconds_per_epoch: float = 0.0
     world_size: int = 1
@@ -93,8 +91,7 @@ def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.dev
               backend: str = "auto", graph: Optional[Data] = None,
               on_epoch: Optional[Callable[[int, float, float], None]] = None) -> RunResult:
     """Train one model from scratch (seeded) and evaluate the selected weights; ``graph``:
-    :func:`prepare_graph`'s output to reuse; ``on_epoch(epoch, loss, val)`` for progress displays.
-    """
+    :func:`prepare_graph`'s output to reuse; ``on_epoch(epoch, loss, val)`` for progress displays."""
     from torch_geometric import seed_everything
 
     device = torch.device(device)
@@ -159,8 +156,7 @@ def train_sampled_run(dataset: NodeDataset, rcp: SampledRecipe, *, seed: int,
                       ) -> SampledRunResult:
     """Train one model on sampled mini-batches and evaluate the selected weights
     (docs/distributed.md says how processes share the work); with ``dist`` every rank returns the same result.
-    ``on_step(step, model)`` is called after each backward, before the optimiser step.
-    """
+    ``on_step(step, model)`` is called after each backward, before the optimiser step."""
     from torch.utils.data import DistributedSampler
     from torch_geometric import seed_everything
 
