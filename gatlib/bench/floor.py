@@ -193,32 +193,32 @@ def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
     edge = sh.edge_dim is not None
     kernels: List[Kernel] = []
 
-    def project(src_out, dst_out, bias, backward=False):
+    def project(src_out, dst_out, bias, edge_tensor, edge_width, backward=False):
         kernels.extend(_projections(sh, src_out, dst_out, bias, backward))
+        if edge_tensor:
+            kernels.append(_edge_projection(sh, edge_width, edge_tensor, backward))
 
-    def attend(reads, gathers, edge_tensor=None, edge_width=0):
-        k = _csr(Kernel("attend"), sh)
+    def fill(k, reads, gathers, rows, edge_tensor, edge_width):
         for name, n in reads:
             k.read(name, n)
         if edge_tensor:
             k.read(f"{edge_tensor} [E, {edge_width}]", E * edge_width * s)
-        for name, width in gathers:
-            k.gather(name, Ns, E, width)
+        for name, width in gathers:  # rows along the edges
+            k.gather(name, rows, E, width)
+        return k
+
+    def attend(reads, gathers, edge_tensor, edge_width):
+        k = fill(_csr(Kernel("attend"), sh), reads, gathers, Ns, edge_tensor, edge_width)
         k.write("out [Nd, HC]", Nd * node)
         if training:
             k.write("lse [Nd, H]", Nd * H * a)
         kernels.append(k)
 
-    def backward_dst(reads, gathers, writes, edge_tensor=None, edge_width=0):
+    def backward_dst(reads, gathers, writes, edge_tensor, edge_width):
         k = _csr(Kernel("attend.dst"), sh)
         k.read("g [Nd, HC]", Nd * node).read("out [Nd, HC]", Nd * node)
         k.read("lse [Nd, H]", Nd * H * a)
-        for name, n in reads:
-            k.read(name, n)
-        if edge_tensor:
-            k.read(f"{edge_tensor} [E, {edge_width}]", E * edge_width * s)
-        for name, width in gathers:
-            k.gather(name, Ns, E, width)
+        fill(k, reads, gathers, Ns, edge_tensor, edge_width)
         k.write("alpha [E, H]", E * H * a).write("dscore [E, H]", E * H * a)
         for name, n in writes:
             k.write(name, n)
@@ -229,68 +229,48 @@ def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
     def backward_src(reads, gathers, writes, edge_tensor=None, edge_width=0):
         k = _csc(Kernel("attend.src"), sh, edge_ids=edge_tensor is not None)
         k.read("alpha [E, H]", E * H * a).read("dscore [E, H]", E * H * a)
-        for name, n in reads:
-            k.read(name, n)
-        if edge_tensor:
-            k.read(f"{edge_tensor} [E, {edge_width}]", E * edge_width * s)
-        for name, width in gathers:  # destination rows, along the edges
-            k.gather(name, Nd, E, width)
+        fill(k, reads, gathers, Nd, edge_tensor, edge_width)  # destination rows
         for name, n in writes:
             k.write(name, n)
         kernels.append(k)
 
     if layer == "gat":
         src_out, dst_out = [("h", HC), ("a_src", H)], [("a_dst", H)]
-        project(src_out, dst_out, bias=False)
-        if edge:
-            kernels.append(_edge_projection(sh, H, "a_edge", False))
+        e, ew = ("a_edge" if edge else None), H
+        project(src_out, dst_out, False, e, ew)
         bias = ("bias [HC]", node)
-        attend([("a_dst [Nd, H]", Nd * head), bias], [("a_src", head), ("h", node)],
-               "a_edge" if edge else None, H)
+        attend([("a_dst [Nd, H]", Nd * head), bias], [("a_src", head), ("h", node)], e, ew)
         if training:
             backward_dst([("a_dst [Nd, H]", Nd * head), bias], [("a_src", head), ("h", node)],
-                         [("grad a_dst [Nd, H]", Nd * head), ("grad bias [HC]", node)],
-                         "a_edge" if edge else None, H)
+                         [("grad a_dst [Nd, H]", Nd * head), ("grad bias [HC]", node)], e, ew)
             backward_src([], [("g", node)],
                          [("grad h [Ns, HC]", Ns * node), ("grad a_src [Ns, H]", Ns * head)])
-            project(src_out, dst_out, bias=False, backward=True)
-            if edge:
-                kernels.append(_edge_projection(sh, H, "a_edge", True))
+            project(src_out, dst_out, False, e, ew, backward=True)
     elif layer == "gatv2":
         src_out, dst_out = [("x_l", HC)], [("x_r", HC)]
-        project(src_out, dst_out, bias=True)
-        if edge:
-            kernels.append(_edge_projection(sh, HC, "e", False))
+        e, ew = ("e" if edge else None), HC
+        project(src_out, dst_out, True, e, ew)
         params = [("att [HC]", node), ("bias [HC]", node)]
-        attend([("x_r [Nd, HC]", Nd * node), *params], [("x_l", node)],
-               "e" if edge else None, HC)
+        attend([("x_r [Nd, HC]", Nd * node), *params], [("x_l", node)], e, ew)
         if training:
             backward_dst([("x_r [Nd, HC]", Nd * node), *params], [("x_l", node)],
                          [("grad x_r [Nd, HC]", Nd * node), ("grad att [HC]", node),
-                          ("grad bias [HC]", node)], "e" if edge else None, HC)
+                          ("grad bias [HC]", node)], e, ew)
             backward_src([("x_l [Ns, HC]", Ns * node), ("att [HC]", node)],
-                         [("g", node), ("x_r", node)], [("grad x_l [Ns, HC]", Ns * node)],
-                         "e" if edge else None, HC)
-            project(src_out, dst_out, bias=True, backward=True)
-            if edge:
-                kernels.append(_edge_projection(sh, HC, "e", True))
+                         [("g", node), ("x_r", node)], [("grad x_l [Ns, HC]", Ns * node)], e, ew)
+            project(src_out, dst_out, True, e, ew, backward=True)
     else:
         src_out, dst_out = [("k", HC), ("v", HC)], [("q", HC), ("r", HC)]
-        project(src_out, dst_out, bias=True)
-        if edge:
-            kernels.append(_edge_projection(sh, HC, "e", False))
-        attend([("q [Nd, HC]", Nd * node), ("r [Nd, HC]", Nd * node)],
-               [("k", node), ("v", node)], "e" if edge else None, HC)
+        e, ew = ("e" if edge else None), HC
+        project(src_out, dst_out, True, e, ew)
+        attend([("q [Nd, HC]", Nd * node), ("r [Nd, HC]", Nd * node)], [("k", node), ("v", node)], e, ew)
         if training:
             backward_dst([("r [Nd, HC]", Nd * node), ("q [Nd, HC]", Nd * node)],
-                         [("k", node), ("v", node)], [("grad q [Nd, HC]", Nd * node)],
-                         "e" if edge else None, HC)
+                         [("k", node), ("v", node)], [("grad q [Nd, HC]", Nd * node)], e, ew)
             backward_src([], [("g", node), ("q", node)],
                          [("grad k [Ns, HC]", Ns * node), ("grad v [Ns, HC]", Ns * node)])
             # the skip's gradient is g itself: the GEMM reads it as "grad r"
-            project(src_out, dst_out, bias=True, backward=True)
-            if edge:
-                kernels.append(_edge_projection(sh, HC, "e", True))
+            project(src_out, dst_out, True, e, ew, backward=True)
     return Floor(layer, pass_, sh, kernels)
 
 
