@@ -14,6 +14,9 @@ LAYERS = {"gat": "GATConv", "gatv2": "GATv2Conv", "transformer": "TransformerCon
 IMPLS = ("pyg", "gatlib")  # eager; --no-compile runs these
 COMPILED_IMPLS = ("pyg_compiled", "gatlib_compiled")  # torch.compile of the same modules
 ALL_IMPLS = ("pyg", "pyg_compiled", "gatlib", "gatlib_compiled")  # --compile; table order
+IMPL_LABELS = {"pyg": "PyG", "pyg_compiled": "compiled PyG", "gatlib": "gatlib",
+               "gatlib_compiled": "compiled gatlib"}
+
 
 def is_compiled(impl: str) -> bool:
     return impl.endswith("_compiled")
