@@ -1,24 +1,5 @@
-"""The ``gatlib`` command.
-
-``gatlib bench`` trains a model over several seeds and reports test accuracy
-(mean ± std), validation accuracy, epochs, time per epoch and peak memory::
-
-    gatlib bench --dataset cora --model gat --runs 100 --device cpu --json results.json
-
-``--loader neighbor`` trains on sampled mini-batches (PyG's ``NeighborLoader``),
-and under torchrun data-parallel over several processes, rank 0 printing and
-writing the JSON::
-
-    torchrun --nproc-per-node 2 --no-python gatlib bench --dataset ogbn-products \
-        --model gat --loader neighbor --device cpu --json products.json
-
-``gatlib compare`` compares gatlib's layers with PyTorch Geometric's (time,
-peak memory, agreement); it is :mod:`gatlib.bench.compare`.
-
-``gatlib selftest`` checks the Triton kernels against the reference on a
-device and runs that comparison with them; it is :mod:`gatlib.bench.selftest`::
-
-    gatlib selftest --device cuda --json selftest.json
+"""The ``gatlib`` command: ``gatlib bench`` (accuracy over seeds, :mod:`gatlib.bench.train`),
+``gatlib compare`` (:mod:`gatlib.bench.compare`) and ``gatlib selftest`` (:mod:`gatlib.bench.selftest`).
 """
 from __future__ import annotations
 

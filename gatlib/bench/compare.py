@@ -1,90 +1,11 @@
-"""``gatlib compare``: gatlib's layers against their PyTorch Geometric twins.
-
-For each layer type (GATConv, GATv2Conv, TransformerConv) PyG's and gatlib's
-are built with the *same weights* (``gatlib.load_state_dict(pyg.state_dict())``)
-and run on the same graph and features. What is compared (``--scope``):
-
-* ``layer``: one layer, Layer(F, C, heads=H). Two passes: ``forward``
-  (inference, ``torch.no_grad``) and ``forward+backward`` (a training step's
-  forward and backward, gradients reset to ``None`` first as ``zero_grad`` does).
-* ``model``: one full-batch training step (``train_step``) of a 2-layer model,
-  conv1 = Layer(F, C, heads=H) -> ELU -> conv2 = Layer(H*C, classes, heads=1,
-  concat=False): forward, cross-entropy on random (seeded) labels, backward and
-  an Adam step (lr 0.01).
-
-Four implementations (``--compile``, the default), what users run: ``pyg`` and
-``gatlib`` eagerly, and ``pyg_compiled`` and ``gatlib_compiled``:
-``torch.compile(module, **COMPILE_OPTIONS)`` of the same two module objects
-(torch.compile's defaults: the same user code for both libraries; recorded in
-the JSON's config; ``--compile-mode`` sets both sides' mode, ``reduce-overhead``
-replaying their graphs as CUDA graphs on CUDA). ``--no-compile`` runs the eager two. Before each layer type
-torch's compile caches are reset (``torch._dynamo.reset()``), so its compiled
-sides compile afresh and stay far from the recompile limit past which dynamo
-would quietly run eagerly.
-
-GATConv and GATv2Conv add one self-loop per node themselves; TransformerConv is
-given the ``edge_index`` with the same self-loops added, so every layer attends
-over the same ``E + N`` edges.
-
-The graph is an input like the features: PyG's layer receives the ``[2, E]``
-tensor; each gatlib side receives a :class:`gatlib.GraphPlan` of its own built
-from it before anything is measured (``--graph-input plan``, the default), or
-the same tensor (``--graph-input tensor``), from which it then derives a plan
-inside every call. A plan derives its CSR layout and self-loops on first use
-and keeps them, so gatlib's ``forward+backward`` (or ``train_step``)
-measurement also records ``first_call_s``: the time of one call on a freshly
-built plan (or tensor), taken once after the agreement check and before the
-warm-up. A compiled call keeps nothing on a plan (``gatlib.GraphPlan``), so the
-compiled side's plan is warmed as the docs tell users to: one eager forward and
-backward of the module on it, before compiling (:func:`warm_plan`). A compiled
-side's ``first_call_s`` is the time of its first call in this process, which
-compiles: its agreement check's forward and backward.
-
-Steps, per layer type:
-
-1. **peak extra memory** of each (implementation, pass) after a warm-up call
-   (:mod:`gatlib.bench.measure`; on CPU first, in a fresh child process per
-   measurement, run as ``python -m gatlib.bench.compare --_child SPEC``, where
-   a compiled side compiles before the warm-up: :func:`settle`);
-2. **agreement**: gatlib's output and input gradient (``layer``), or loss and
-   gradient of conv1's first weight (``model``), must match PyG's (norm-wise
-   relative error, tolerance by dtype), else the run aborts — timing something
-   that computes something else is meaningless. Each compiled side is checked
-   against eager PyG with the same tolerances (``checks[layer]["compiled"]``);
-   one that fails to compile or disagrees is not timed and the run exits 1,
-   the other sides carry on. The kernels gatlib ran are recorded (``kernels``,
-   and ``kernels_compiled`` for the compiled side), and what each compiled
-   side compiled (``compile``: graphs, graph breaks and their reasons);
-3. each compiled side is called until a call compiles nothing new
-   (:func:`settle`: a ``GraphPlan``'s derived layouts, ``no_grad``, each make a
-   graph of their own), so no compile falls into a measurement; on CUDA the
-   peak memory is measured now, in this process;
-4. **time**: warm-up, then ``--repeats`` interleaved rounds (A B C D D C B A)
-   of all implementations, each block at least ``--block-seconds``. Reported:
-   medians, their ratios (``summary``: speedup = PyG / gatlib, eager; and
-   compiled against compiled, gatlib eager against compiled PyG, compiled
-   gatlib against eager gatlib) and the per-round ratios, whose spread says how
-   much the machine's load moved the numbers.
-
-On CUDA the report also sets every pass (a layer's, or the model's training
-step) against its bandwidth floor (:mod:`gatlib.bench.floor`): the bytes a
-fused implementation must move (lo: every tensor once; hi: a gathered row once per edge), the floor's
-time at the device's published peak bandwidth and at a device-to-device copy
-measured at the start of the run (``report["bandwidth"]``), and each side's
-median time divided by it.
-
-Out-of-memory is a result ("OOM"), not a crash. On CPU this process runs under
-:func:`gatlib.bench.measure.memory_budget` (the free memory, or
-``--mem-budget-gb``); the memory children run first, and an implementation
-that ran out of memory there is not run again here. Results are written to
-``--json`` after every layer type, so a long run that dies keeps what it
-measured (``"complete": false``).
+"""``gatlib compare``: gatlib's layers against their PyTorch Geometric twins, with the same weights, on
+the same graph and features: agreement first, then interleaved timing and peak memory of eager and
+compiled sides. The method (scopes, steps, what is recorded) is in docs/benchmarks.md ("Method").
 
 Usage::
 
     gatlib compare --layer all --graph arxiv-like --device cpu --json out.json
     python -m gatlib.bench.compare --layer gat --scope model --graph synthetic:2000:10000:32
-    python -m gatlib.bench.compare --layer gat --no-compile  # eager PyG and gatlib only
 """
 from __future__ import annotations
 
@@ -140,9 +61,7 @@ _QUANTITIES = {"layer": ("forward", "input_grad"), "model": ("loss", "weight_gra
 SCHEMA = "gatlib.compare/3"
 
 
-# ---------------------------------------------------------------------------
 # Graphs
-# ---------------------------------------------------------------------------
 @dataclass
 class Graph:
     """Features and an undirected, loop-free ``edge_index`` plus where they came from."""
@@ -226,9 +145,7 @@ def warm_plan(impl: str, module: torch.nn.Module, x: Tensor, graph) -> None:
         x.grad = None
 
 
-# ---------------------------------------------------------------------------
 # Layers, models and the measured calls
-# ---------------------------------------------------------------------------
 class TwoLayer(torch.nn.Module):
     """The model of ``--scope model``: ``conv1 -> ELU -> conv2``, both made by ``make``."""
 
@@ -368,9 +285,7 @@ def measured_call(spec: Dict):
     return fn
 
 
-# ---------------------------------------------------------------------------
 # Compiling
-# ---------------------------------------------------------------------------
 @contextlib.contextmanager
 def compile_stats():
     """What torch.compile did inside this block, from dynamo's counters (global, so
@@ -412,17 +327,11 @@ def add_stats(total: Dict, stats: Dict) -> Dict:
 
 
 def settle(fn, device: torch.device, max_calls: int = SETTLE_CALLS) -> Dict:
-    """Call a compiled side's measured call until a call compiles nothing new.
+    """Call a compiled side's measured call until a call compiles nothing new, so that no compile falls
+    into a warm-up (which sizes the timing blocks) or a memory measurement.
 
-    Its first calls compile: a graph per grad mode, and with a fresh
-    :class:`gatlib.GraphPlan` one before the plan holds its derived layouts and
-    one after, when they are inputs. A warm-up call that compiled would also size
-    the timing blocks, and a memory measurement would include compiling.
-
-    Returns:
-        ``status``, ``calls`` (``seconds`` and ``graphs`` compiled, per call),
-        ``settled`` (the last call compiled nothing) and the summed
-        :func:`compile_stats`; or the failure of the call that raised.
+    Returns ``status``, ``calls`` (``seconds`` and ``graphs`` per call), ``settled`` and the summed
+    :func:`compile_stats`; or the failure of the call that raised.
     """
     calls: List[Dict] = []
     total: Dict = {}
@@ -439,9 +348,7 @@ def settle(fn, device: torch.device, max_calls: int = SETTLE_CALLS) -> Dict:
     return {"status": "ok", "calls": calls, "settled": calls[-1]["graphs"] == 0, **total}
 
 
-# ---------------------------------------------------------------------------
 # Agreement
-# ---------------------------------------------------------------------------
 def _rel_err(a: Tensor, b: Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -488,12 +395,10 @@ def pyg_reference(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
 def check_agreement(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
                     target: Tensor, scope: str = "layer", impl: str = "gatlib",
                     ref: Optional[Dict] = None) -> Dict:
-    """Norm-wise relative error of ``impl`` (gatlib, or a compiled side) vs eager PyG.
+    """Norm-wise relative error of ``impl`` (gatlib, or a compiled side) against eager PyG.
 
-    ``layer``: output and input gradient; ``model``: loss and gradient of conv1's
-    first weight. float32: each error at most ``1e-4``. bfloat16/float16: both
-    are compared with PyG in float32; ``impl``'s error may be at most twice
-    PyG's plus ``1e-4``. ``ref``: :func:`pyg_reference` (computed if not given).
+    ``layer``: output and input gradient; ``model``: loss and conv1's first weight's gradient. float32: at most
+    ``1e-4``; bfloat16/float16: at most twice PyG's error (both against PyG in float32) plus ``1e-4``.
     """
     ref = ref if ref is not None else pyg_reference(modules, graphs, x, target, scope)
     got = _OUTPUTS[scope](modules[impl], x, graphs[impl], target)
@@ -515,9 +420,7 @@ def check_agreement(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor
     return res
 
 
-# ---------------------------------------------------------------------------
 # CLI
-# ---------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``gatlib compare``'s options to ``parser``."""
     from gatlib import BACKENDS
@@ -634,7 +537,7 @@ def _config(args: argparse.Namespace) -> Dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run a comparison (see the module docstring). Returns the exit status:
+    """Run a comparison (docs/benchmarks.md, "Method"). Returns the exit status:
     0 done, 1 an implementation (eager or compiled) disagreed with PyG or failed
     with an error other than OOM, 2 bad arguments."""
     if getattr(args, "_child", None):

@@ -22,9 +22,7 @@ def is_compiled(impl: str) -> bool:
     return impl.endswith("_compiled")
 
 
-# ---------------------------------------------------------------------------
 # Summary and table
-# ---------------------------------------------------------------------------
 # summary key -> (numerator, denominator): ratios of median times, "<key>_rounds" per round.
 TIME_RATIOS = {
     "speedup": ("pyg", "gatlib"),  # > 1: eager gatlib faster than eager PyG
@@ -51,11 +49,8 @@ def _peak(m: Optional[Dict]) -> Optional[int]:
 
 
 def summarize(measurements: List[Dict]) -> List[Dict]:
-    """Per (layer, pass) with both eager sides: each side's median time and peak
-    extra memory (``median_s``, ``peak_extra_bytes``: by implementation), the
-    ratios of :data:`TIME_RATIOS` and :data:`MEMORY_RATIOS` (``None`` where a side
-    was not measured or failed), and each time ratio per round (``<key>_rounds``)
-    where both sides ran the same rounds."""
+    """Per (layer, pass) with both eager sides: medians, peak extra memory, the ratios of
+    :data:`TIME_RATIOS` and :data:`MEMORY_RATIOS` (``None`` where a side is missing) and per-round time ratios."""
     by = {(m["layer"], m["impl"], m["pass"]): m for m in measurements}
     rows = []
     for layer, p in dict.fromkeys((m["layer"], m["pass"]) for m in measurements):

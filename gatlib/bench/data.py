@@ -48,18 +48,8 @@ class DatasetNotFoundError(FileNotFoundError):
 
 @dataclass
 class NodeDataset:
-    """One graph with a node split and the metric it is judged by.
-
-    Attributes:
-        name: canonical name (``"cora"``, ``"ogbn-arxiv"``, ...).
-        data: the graph: ``x`` ``[N, F]``, ``edge_index`` ``[2, E]`` and ``y``
-            (``[N]`` class ids, or ``[N, T]`` 0/1 targets when ``multilabel``).
-        split_idx: ``"train"``, ``"valid"``, ``"test"`` -> node indices.
-        num_classes: classes (or binary tasks when ``multilabel``).
-        multilabel: ``y`` holds ``T`` independent binary targets (ogbn-proteins).
-        metric: ``"acc"`` or ``"rocauc"``.
-        evaluator: the OGB ``Evaluator`` (``None`` for Planetoid: plain accuracy).
-    """
+    """One graph (``x``, ``edge_index``, ``y``: class ids, or ``[N, T]`` 0/1 targets when ``multilabel``),
+    its split (``split_idx``), ``num_classes`` and ``metric`` (``"acc"``/``"rocauc"``, OGB's ``evaluator``)."""
 
     name: str
     data: Data
@@ -105,22 +95,10 @@ def canonical_name(name: str) -> str:
 
 def load_dataset(name: str, data_dir: Optional[PathLike] = None, *,
                  seed_from: Optional[PathLike] = None) -> NodeDataset:
-    """Load a node-classification dataset by name.
+    """Load a node-classification dataset by name (one of :data:`DATASETS`, case-insensitive).
 
-    Args:
-        name: one of :data:`DATASETS` (case-insensitive).
-        data_dir: data directory (default: see :func:`resolve_data_dir`).
-        seed_from: a directory of raw Planetoid files (``<Name>/raw/ind.*``)
-            copied into the data directory when they are missing there
-            (default: ``$GATLIB_PLANETOID_RAW`` if set).
-
-    Returns:
-        The :class:`NodeDataset`.
-
-    Raises:
-        ValueError: ``name`` is not a known dataset.
-        DatasetNotFoundError: the files are missing and cannot be downloaded.
-        ImportError: an OGB dataset was asked for without ``ogb`` installed.
+    ``seed_from``: raw Planetoid files to copy in where missing (default ``$GATLIB_PLANETOID_RAW``). Raises
+    :class:`DatasetNotFoundError` when the files are missing and cannot be downloaded.
     """
     key = canonical_name(name)
     root = resolve_data_dir(data_dir)
@@ -129,19 +107,10 @@ def load_dataset(name: str, data_dir: Optional[PathLike] = None, *,
     return _load_ogb(key, root)
 
 
-# ---------------------------------------------------------------------------
 # Planetoid
-# ---------------------------------------------------------------------------
 def seed_planetoid(source: PathLike, data_dir: Optional[PathLike] = None) -> List[str]:
-    """Copy raw Planetoid files from ``source`` into the data directory.
-
-    ``source`` is laid out like PyG's Planetoid root, ``<source>/<Name>/raw/ind.*``
-    (``<source>/Planetoid/<Name>/raw`` also works). Only missing files are
-    copied; ``source`` is only read.
-
-    Returns:
-        The names (``"Cora"``, ...) whose complete raw file set was found.
-    """
+    """Copy the missing raw Planetoid files from ``source`` (laid out as ``<Name>/raw/ind.*`` or
+    ``Planetoid/<Name>/raw``) into the data directory; returns the names whose complete file set was found."""
     source, found = Path(source), []
     for pretty in PLANETOID.values():
         src = _planetoid_raw_in(source, pretty)
@@ -194,9 +163,7 @@ def _load_planetoid(key: str, root: Path, seed_from: Optional[PathLike]) -> Node
     return NodeDataset(key, data, split, ds.num_classes)
 
 
-# ---------------------------------------------------------------------------
 # OGB
-# ---------------------------------------------------------------------------
 def _allow_pyg_pickles() -> None:
     """ogb ``torch.load``s its processed PyG file with torch's default
     ``weights_only=True`` (torch >= 2.6): allow-list the PyG classes inside."""
@@ -286,9 +253,7 @@ def _from_ogb(ds, name: str, evaluator) -> NodeDataset:
                        ds.eval_metric, evaluator)
 
 
-# ---------------------------------------------------------------------------
 # Download guards
-# ---------------------------------------------------------------------------
 def _unreachable(url: str, timeout: float = _PROBE_TIMEOUT_S) -> Optional[str]:
     """``None`` if ``url`` answers within ``timeout`` seconds, else why not."""
     try:

@@ -25,15 +25,7 @@ _VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 @dataclass
 class Distributed:
-    """This process's place in a torch.distributed job.
-
-    Attributes:
-        rank: global rank, ``0 <= rank < world_size``.
-        world_size: number of processes.
-        local_rank: rank on this node (picks the GPU).
-        device: where this process trains.
-        backend: the process group's backend (``"gloo"`` or ``"nccl"``).
-    """
+    """This process's place in a torch.distributed job (``local_rank`` picks the GPU)."""
 
     rank: int
     world_size: int
@@ -95,20 +87,10 @@ def launched_by_torchrun() -> bool:
 
 
 def from_env(device: Optional[str] = None) -> Optional[Distributed]:
-    """Join the process group described by torchrun's environment variables.
+    """Join the process group of torchrun's environment; ``None`` for a single process.
 
-    Args:
-        device: ``"cpu"``, ``"cuda"`` (this process's ``cuda:LOCAL_RANK``) or
-            ``None`` (CUDA if available, else CPU). An explicit CUDA index is
-            refused: under torchrun each process takes the GPU of its local rank.
-
-    Returns:
-        ``None`` for a single process (``WORLD_SIZE`` unset or 1); else the
-        joined :class:`Distributed`.
-
-    Raises:
-        ValueError: a variable is missing or malformed, or ``device`` names a
-            CUDA index or a device torchrun's processes cannot share out.
+    ``device``: ``"cpu"``, ``"cuda"`` (this process's ``cuda:LOCAL_RANK``; an explicit index is refused) or
+    ``None`` (CUDA if available). Raises ``ValueError`` for a missing or malformed variable.
     """
     if not launched_by_torchrun():
         return None

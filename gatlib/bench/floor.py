@@ -1,121 +1,9 @@
-r"""The bandwidth floor of one layer pass or training step: the bytes a fused
-implementation must move.
+"""The bandwidth floor of one layer pass or training step: the bytes (and GEMM flops) a fused
+implementation must move, set against each measured time (issue 29, item 5).
 
-What a GPU report sets each measured time against (issue 29, item 5). A layer
-pass is modelled as the kernels a fused implementation needs — the projection
-GEMM(s), one attention kernel forward, a destination-major and a
-source-major attention kernel backward (no atomics), the projection GEMMs'
-backward — and each kernel as the tensors it must read and write. Two floors:
-
-* **lo**: every tensor a kernel touches is moved once by that kernel — a
-  written ``[N, ·]`` tensor once, each reader reads it once, rows gathered
-  along the edges included (a perfect cache for them);
-* **hi**: the same, except that the rows a kernel gathers along the edges
-  (a source's ``h_j`` in the forward, a destination's ``g_i`` in the
-  source-major backward) come from memory once per edge: ``E`` rows instead
-  of ``N``.
-
-Time floor of a pass: :math:`\sum_k \max(\text{bytes}_k / B, \text{flops}_k / P)`
-over its kernels, with ``B`` the memory bandwidth and ``P`` the GEMM peak of the
-math that ran (float32 GEMMs run as FP32 under torch's default
-``float32_matmul_precision("highest")``, as TF32 otherwise). Each kernel must
-finish before the next reads its output, so the kernels' floors add up; within
-one kernel, memory and arithmetic overlap at best. Only the GEMMs' flops count
-(the attention kernels' own arithmetic is left out: the floor stays a lower
-bound). A measured time divided by the floor is 1.0 at the floor.
-
-**The terms.** ``Ns``/``Nd`` source/destination nodes (one ``x`` when they are
-equal, the full-batch case; else ``x_src [Ns, F]`` and ``x_dst [Nd, F]``), ``E``
-edges (self-loops included), ``F`` input width, ``H`` heads, ``C`` channels,
-``HC = H·C``, ``D`` edge-feature width (``edge_dim``), ``s`` the dtype's bytes,
-``a`` the accumulator's (4; 8 for float64), ``i`` an index's (4; 8 from 2^31).
-"gather" is ``Ns·w·s`` bytes in lo and ``E·w·s`` in hi (``Nd`` for destination
-rows gathered by the source-major kernel). PyG's defaults: GATConv's ``lin``
-has no bias, one output bias ``[HC]``; GATv2Conv's ``lin_l``/``lin_r`` and
-TransformerConv's four linears (query, key, value, skip) have biases; heads
-concatenated; no dropout. Parameters are counted (read once per kernel that
-uses them, their gradients written once); they are small.
-
-GAT (``a_src``/``a_dst`` are ``x·(W·att)``: extra GEMM columns, as gatlib
-computes them):
-
-* forward, ``project``: read ``x [N, F]``, ``W [F, HC + 2H]``; write
-  ``h [Ns, HC]``, ``a_src [Ns, H]``, ``a_dst [Nd, H]``; ``2·N·F·(HC + 2H)``
-  flops.
-* forward, ``attend``: read CSR ``ptr (Nd + 1)·i``, ``src E·i``,
-  ``a_dst [Nd, H]``, ``bias [HC]``; gather ``a_src`` (``H`` wide) and ``h``
-  (``HC`` wide); write ``out [Nd, HC]`` and, when a backward follows, the
-  log-sum-exp ``lse [Nd, H]·a``.
-* backward, ``attend.dst``: read the CSR, ``g = grad out [Nd, HC]``,
-  ``out [Nd, HC]`` (``Δ_i = <g_i, out_i − bias>``), ``lse``, ``a_dst``,
-  ``bias``; gather ``a_src``, ``h``; write ``alpha``, ``dscore [E, H]·a`` each
-  (for the source-major kernel), ``grad a_dst [Nd, H]``, ``grad bias [HC]``.
-* backward, ``attend.src``: read CSC ``ptr (Ns + 1)·i``, ``dst E·i``, each
-  edge's CSR position ``E·i``, ``alpha``, ``dscore``; gather ``g``; write
-  ``grad h [Ns, HC]``, ``grad a_src [Ns, H]``.
-* backward, ``project``: read ``grad h``, ``grad a_src``, ``grad a_dst``,
-  ``x``; write ``grad W``; with ``input_grad`` also read ``W`` and write
-  ``grad x [N, F]``; ``2·N·F·K`` flops per product, ``K = HC + 2H``: two
-  products with ``grad x``, one without. (The same for the other layers'
-  projections, whose biases add ``b`` read and ``grad b`` written.)
-* edge features: ``project.edge`` reads ``edge_attr [E, D]``, ``W_e [D, H]``,
-  writes ``a_edge [E, H]``; the attention kernels read ``a_edge`` and an edge-id
-  map ``E·i`` (``attend``, ``attend.dst``); ``attend.dst`` writes
-  ``grad a_edge [E, H]``; ``project.edge`` backward reads ``grad a_edge`` and
-  ``edge_attr`` and writes ``grad W_e`` (no gradient for ``edge_attr``).
-
-GATv2 (the source projection is also the value):
-
-* ``project``: read ``x``, ``W [F, 2HC]``, ``b [2HC]``; write
-  ``x_l [Ns, HC]``, ``x_r [Nd, HC]``; ``2·N·F·2HC`` flops.
-* ``attend``: read the CSR, ``x_r [Nd, HC]``, ``att [HC]``, ``bias``; gather
-  ``x_l``; write ``out`` (and ``lse``).
-* ``attend.dst``: read the CSR, ``g``, ``out``, ``lse``, ``x_r``, ``att``,
-  ``bias``; gather ``x_l``; write ``alpha``, ``dscore``, ``grad x_r [Nd, HC]``,
-  ``grad att``, ``grad bias``.
-* ``attend.src``: read the CSC, positions, ``alpha``, ``dscore``,
-  ``x_l [Ns, HC]`` (its own rows: the LeakyReLU's slope), ``att``; gather
-  ``g`` and ``x_r`` (both ``HC`` wide); write ``grad x_l [Ns, HC]``.
-* ``project`` backward: read ``grad x_l``, ``grad x_r``, ``x`` (``W``); write
-  ``grad W``, ``grad b`` (``grad x``).
-* edge features: ``e = edge_attr·W_e [E, HC]`` written by ``project.edge``
-  (``2·E·D·HC`` flops) and read by ``attend``, ``attend.dst`` and
-  ``attend.src`` (with the edge-id map); ``attend.dst`` writes
-  ``grad e [E, HC]``, which ``project.edge`` backward reads.
-
-Transformer (``root_weight``: a skip ``r = x·W_skip`` added to the output):
-
-* ``project``: read ``x``, ``W [F, 4HC]``, ``b [4HC]``; write ``q [Nd, HC]``,
-  ``k``, ``v [Ns, HC]``, ``r [Nd, HC]``; ``2·N·F·4HC`` flops.
-* ``attend``: read the CSR, ``q``, ``r``; gather ``k`` and ``v``; write
-  ``out`` (and ``lse``).
-* ``attend.dst``: read the CSR, ``g``, ``out``, ``r`` (``Δ_i = <g_i, out_i −
-  r_i>``), ``lse``, ``q``; gather ``k``, ``v``; write ``alpha``, ``dscore``,
-  ``grad q [Nd, HC]``.
-* ``attend.src``: read the CSC, positions, ``alpha``, ``dscore``; gather ``g``
-  and ``q``; write ``grad k``, ``grad v [Ns, HC]``.
-* ``project`` backward: read ``grad q``, ``grad k``, ``grad v`` and ``g`` (the
-  skip's gradient), ``x`` (``W``); write ``grad W``, ``grad b`` (``grad x``).
-* edge features: ``e [E, HC]`` enters key and value: read by ``attend`` and
-  ``attend.dst`` (with the edge-id map), ``grad e [E, HC]`` written by
-  ``attend.dst``.
-
-The training step of ``gatlib compare --scope model`` (:func:`step_floor`):
-conv1 ``Layer(F, C, heads=H)`` forward and backward without ``grad x`` (the
-features take no gradient), an ELU (``elu``: read ``h [N, HC]``, write ``y``;
-``elu.backward``: read ``grad y`` and ``h``, write ``grad h``), conv2
-``Layer(HC, K, heads=1)`` forward and backward with ``grad x`` (``K`` classes),
-the cross-entropy (``cross_entropy``: read the logits ``[N, K]`` and the int64
-labels, write ``lse [N]·a``; ``cross_entropy.backward``: read them and ``lse``,
-write ``grad logits [N, K]``) and Adam (``adam``: read each of the ``P``
-parameters, its gradient and its two moments, write the parameter and the
-moments: ``7·P·s``). ``P`` is PyG's parameters of the two layers
-(:func:`num_parameters`).
-
-**Bandwidth** (:func:`bandwidths`): NVIDIA's published peak memory bandwidth
-of the device (:data:`DEVICES`, looked up by the CUDA device name) and a
-device-to-device copy measured in the same run (:func:`measure_copy`); an
-unknown device (or a MIG slice) has the measured one only, and no GEMM peak.
+Per kernel the floor is max(bytes / bandwidth, flops / GEMM peak), summed over a pass's kernels, in two
+variants (lo: gathered rows read once; hi: once per edge). docs/gpu.md ("Against the bandwidth floor")
+lists every term, tensor by tensor.
 """
 from __future__ import annotations
 
@@ -132,22 +20,11 @@ PASSES = ("forward", "forward+backward")
 STEP = "train_step"  # gatlib compare --scope model
 
 
-# ---------------------------------------------------------------------------
 # Bytes and flops of a pass
-# ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Shape:
-    """Sizes of one layer call.
-
-    Args:
-        num_src, num_dst: ``Ns``, ``Nd``; equal means one ``x`` for both sides.
-        num_edges: ``E``, self-loops included (what the layer attends over).
-        in_channels: ``F``.
-        heads, channels: ``H``, ``C``.
-        dtype_bytes: ``s`` (4 float32, 2 bfloat16/float16, 8 float64).
-        edge_dim: ``D``, or ``None`` without edge features.
-        input_grad: the backward computes ``grad x`` (``gatlib compare``'s layer scope does).
-    """
+    """Sizes of one layer call, named as in docs/gpu.md's floor terms (``num_src == num_dst``: one
+    ``x``; ``input_grad``: the backward computes ``grad x``)."""
 
     num_src: int
     num_dst: int
@@ -304,7 +181,7 @@ def _csc(k: Kernel, sh: Shape, edge_ids: bool = False) -> Kernel:
 
 
 def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
-    """The kernels of ``layer``'s ``pass_`` (see the module docstring for every term)."""
+    """The kernels of ``layer``'s ``pass_`` (every term: docs/gpu.md, "The floor's terms")."""
     if layer not in LAYERS or pass_ not in PASSES:
         raise ValueError(f"layer must be one of {LAYERS} and pass one of {PASSES}; "
                          f"got {layer!r}, {pass_!r}")
@@ -316,32 +193,32 @@ def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
     edge = sh.edge_dim is not None
     kernels: List[Kernel] = []
 
-    def project(src_out, dst_out, bias, backward=False):
+    def project(src_out, dst_out, bias, edge_tensor, edge_width, backward=False):
         kernels.extend(_projections(sh, src_out, dst_out, bias, backward))
+        if edge_tensor:
+            kernels.append(_edge_projection(sh, edge_width, edge_tensor, backward))
 
-    def attend(reads, gathers, edge_tensor=None, edge_width=0):
-        k = _csr(Kernel("attend"), sh)
+    def fill(k, reads, gathers, rows, edge_tensor, edge_width):
         for name, n in reads:
             k.read(name, n)
         if edge_tensor:
             k.read(f"{edge_tensor} [E, {edge_width}]", E * edge_width * s)
-        for name, width in gathers:
-            k.gather(name, Ns, E, width)
+        for name, width in gathers:  # rows along the edges
+            k.gather(name, rows, E, width)
+        return k
+
+    def attend(reads, gathers, edge_tensor, edge_width):
+        k = fill(_csr(Kernel("attend"), sh), reads, gathers, Ns, edge_tensor, edge_width)
         k.write("out [Nd, HC]", Nd * node)
         if training:
             k.write("lse [Nd, H]", Nd * H * a)
         kernels.append(k)
 
-    def backward_dst(reads, gathers, writes, edge_tensor=None, edge_width=0):
+    def backward_dst(reads, gathers, writes, edge_tensor, edge_width):
         k = _csr(Kernel("attend.dst"), sh)
         k.read("g [Nd, HC]", Nd * node).read("out [Nd, HC]", Nd * node)
         k.read("lse [Nd, H]", Nd * H * a)
-        for name, n in reads:
-            k.read(name, n)
-        if edge_tensor:
-            k.read(f"{edge_tensor} [E, {edge_width}]", E * edge_width * s)
-        for name, width in gathers:
-            k.gather(name, Ns, E, width)
+        fill(k, reads, gathers, Ns, edge_tensor, edge_width)
         k.write("alpha [E, H]", E * H * a).write("dscore [E, H]", E * H * a)
         for name, n in writes:
             k.write(name, n)
@@ -352,68 +229,48 @@ def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
     def backward_src(reads, gathers, writes, edge_tensor=None, edge_width=0):
         k = _csc(Kernel("attend.src"), sh, edge_ids=edge_tensor is not None)
         k.read("alpha [E, H]", E * H * a).read("dscore [E, H]", E * H * a)
-        for name, n in reads:
-            k.read(name, n)
-        if edge_tensor:
-            k.read(f"{edge_tensor} [E, {edge_width}]", E * edge_width * s)
-        for name, width in gathers:  # destination rows, along the edges
-            k.gather(name, Nd, E, width)
+        fill(k, reads, gathers, Nd, edge_tensor, edge_width)  # destination rows
         for name, n in writes:
             k.write(name, n)
         kernels.append(k)
 
     if layer == "gat":
         src_out, dst_out = [("h", HC), ("a_src", H)], [("a_dst", H)]
-        project(src_out, dst_out, bias=False)
-        if edge:
-            kernels.append(_edge_projection(sh, H, "a_edge", False))
+        e, ew = ("a_edge" if edge else None), H
+        project(src_out, dst_out, False, e, ew)
         bias = ("bias [HC]", node)
-        attend([("a_dst [Nd, H]", Nd * head), bias], [("a_src", head), ("h", node)],
-               "a_edge" if edge else None, H)
+        attend([("a_dst [Nd, H]", Nd * head), bias], [("a_src", head), ("h", node)], e, ew)
         if training:
             backward_dst([("a_dst [Nd, H]", Nd * head), bias], [("a_src", head), ("h", node)],
-                         [("grad a_dst [Nd, H]", Nd * head), ("grad bias [HC]", node)],
-                         "a_edge" if edge else None, H)
+                         [("grad a_dst [Nd, H]", Nd * head), ("grad bias [HC]", node)], e, ew)
             backward_src([], [("g", node)],
                          [("grad h [Ns, HC]", Ns * node), ("grad a_src [Ns, H]", Ns * head)])
-            project(src_out, dst_out, bias=False, backward=True)
-            if edge:
-                kernels.append(_edge_projection(sh, H, "a_edge", True))
+            project(src_out, dst_out, False, e, ew, backward=True)
     elif layer == "gatv2":
         src_out, dst_out = [("x_l", HC)], [("x_r", HC)]
-        project(src_out, dst_out, bias=True)
-        if edge:
-            kernels.append(_edge_projection(sh, HC, "e", False))
+        e, ew = ("e" if edge else None), HC
+        project(src_out, dst_out, True, e, ew)
         params = [("att [HC]", node), ("bias [HC]", node)]
-        attend([("x_r [Nd, HC]", Nd * node), *params], [("x_l", node)],
-               "e" if edge else None, HC)
+        attend([("x_r [Nd, HC]", Nd * node), *params], [("x_l", node)], e, ew)
         if training:
             backward_dst([("x_r [Nd, HC]", Nd * node), *params], [("x_l", node)],
                          [("grad x_r [Nd, HC]", Nd * node), ("grad att [HC]", node),
-                          ("grad bias [HC]", node)], "e" if edge else None, HC)
+                          ("grad bias [HC]", node)], e, ew)
             backward_src([("x_l [Ns, HC]", Ns * node), ("att [HC]", node)],
-                         [("g", node), ("x_r", node)], [("grad x_l [Ns, HC]", Ns * node)],
-                         "e" if edge else None, HC)
-            project(src_out, dst_out, bias=True, backward=True)
-            if edge:
-                kernels.append(_edge_projection(sh, HC, "e", True))
+                         [("g", node), ("x_r", node)], [("grad x_l [Ns, HC]", Ns * node)], e, ew)
+            project(src_out, dst_out, True, e, ew, backward=True)
     else:
         src_out, dst_out = [("k", HC), ("v", HC)], [("q", HC), ("r", HC)]
-        project(src_out, dst_out, bias=True)
-        if edge:
-            kernels.append(_edge_projection(sh, HC, "e", False))
-        attend([("q [Nd, HC]", Nd * node), ("r [Nd, HC]", Nd * node)],
-               [("k", node), ("v", node)], "e" if edge else None, HC)
+        e, ew = ("e" if edge else None), HC
+        project(src_out, dst_out, True, e, ew)
+        attend([("q [Nd, HC]", Nd * node), ("r [Nd, HC]", Nd * node)], [("k", node), ("v", node)], e, ew)
         if training:
             backward_dst([("r [Nd, HC]", Nd * node), ("q [Nd, HC]", Nd * node)],
-                         [("k", node), ("v", node)], [("grad q [Nd, HC]", Nd * node)],
-                         "e" if edge else None, HC)
+                         [("k", node), ("v", node)], [("grad q [Nd, HC]", Nd * node)], e, ew)
             backward_src([], [("g", node), ("q", node)],
                          [("grad k [Ns, HC]", Ns * node), ("grad v [Ns, HC]", Ns * node)])
             # the skip's gradient is g itself: the GEMM reads it as "grad r"
-            project(src_out, dst_out, bias=True, backward=True)
-            if edge:
-                kernels.append(_edge_projection(sh, HC, "e", True))
+            project(src_out, dst_out, True, e, ew, backward=True)
     return Floor(layer, pass_, sh, kernels)
 
 
@@ -429,7 +286,7 @@ def num_parameters(layer: str, in_channels: int, heads: int, channels: int) -> i
 
 def step_floor(layer: str, shape: Shape, num_classes: int) -> Floor:
     """The kernels of one training step of ``gatlib compare --scope model``'s 2-layer model
-    (see the module docstring): ``shape`` is conv1's call; conv2 runs on the same graph
+    (docs/gpu.md): ``shape`` is conv1's call; conv2 runs on the same graph
     from ``H·C`` inputs to ``num_classes`` channels of one head."""
     sh1 = dataclasses.replace(shape, input_grad=False)
     HC, s, a = sh1.heads * sh1.channels, sh1.dtype_bytes, sh1.acc_bytes
@@ -459,9 +316,7 @@ def step_floor(layer: str, shape: Shape, num_classes: int) -> Floor:
     return Floor(layer, STEP, shape, kernels)
 
 
-# ---------------------------------------------------------------------------
 # Device bandwidth and GEMM peaks
-# ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DeviceSpec:
     """A part's published peaks: memory bandwidth (bytes/s) and dense GEMM flops/s
@@ -572,9 +427,7 @@ def bandwidths(device_name: str, record: Optional[Dict] = None
     return out, spec
 
 
-# ---------------------------------------------------------------------------
 # Against a `gatlib compare` report
-# ---------------------------------------------------------------------------
 IMPLS = ("pyg", "pyg_compiled", "gatlib", "gatlib_compiled")
 HEADERS = ["layer", "pass", "bandwidth", "MB lo", "MB hi", "GFLOP", "floor ms lo",
            "floor ms hi", "PyG", "PyG comp.", "gatlib", "gatlib comp."]

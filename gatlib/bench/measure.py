@@ -1,31 +1,10 @@
-"""Measuring calls: time, peak memory, and out-of-memory as a result.
+"""Measuring calls: time, peak memory, and out-of-memory as a result (``{"status": "OOM"}``).
 
-Nothing here knows what is measured. A *measured call* is a callable without
-arguments that has a ``clear()`` method, which drops what a call leaves behind
-(gradients), so that the next call starts from the same state.
-
-* **Time** (:func:`time_interleaved`): warm-up, then rounds in A B B A order
-  (so drift on a shared machine hits every call alike), each a
-  ``torch.utils.benchmark.Timer`` block of at least ``min_block_s``
-  (CUDA-synchronised); :func:`time_once` times a single call.
-* **Peak extra memory** of one call after a warm-up call. CUDA
-  (:func:`peak_cuda`): ``max_memory_allocated`` minus what was allocated
-  before the call. CPU (:func:`peak_rss_child`): a *fresh* child process
-  builds the call and reports ``VmHWM`` after it minus ``VmRSS`` before it,
-  with the inputs loaded and the high-water mark reset — a process's peak RSS
-  never goes down, and ``ru_maxrss`` is inherited across ``exec``, so
-  in-process or forked numbers would be those of whatever ran before.
-* **Out of memory** is a result (``{"status": "OOM"}``), not a crash: a CUDA
-  ``OutOfMemoryError``, a CPU allocation failure, or a child killed by the OOM
-  killer. :func:`memory_budget` caps a process at the free memory, so that an
-  allocation beyond it fails where it can be reported instead of summoning the
-  OOM killer.
-
-The child protocol: :func:`peak_rss_child` writes a JSON spec naming a
-builder (``"package.module:function"``) and runs ``python -m package.module
---_child SPEC``; that module's command line hands ``SPEC`` to
-:func:`child_main`, which calls ``function(spec)`` for the measured call,
-measures it (:func:`measure_peak_rss`) and writes the result beside the spec.
+A *measured call* is a callable without arguments with a ``clear()`` method that drops what a call leaves
+behind (gradients). On CPU peak memory is measured in a fresh child process, because a process's peak RSS
+never goes down and ``ru_maxrss`` is inherited across ``exec``: :func:`peak_rss_child` writes a JSON spec
+naming a builder (``"package.module:function"``) and runs ``python -m package.module --_child SPEC``, whose
+command line hands ``SPEC`` to :func:`child_main`.
 """
 from __future__ import annotations
 
@@ -79,9 +58,7 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# ---------------------------------------------------------------------------
 # Time
-# ---------------------------------------------------------------------------
 def time_once(fn: Callable, device: torch.device) -> Dict:
     """Seconds of one call of ``fn`` (CUDA-synchronised): ``{"status": "ok",
     "seconds": ...}``, or the :func:`failure`."""
@@ -100,17 +77,10 @@ def time_once(fn: Callable, device: torch.device) -> Dict:
 
 def time_interleaved(fns: Dict[str, Callable], device: torch.device, repeats: int,
                      warmup: int = 1, min_block_s: float = 0.5) -> Dict[str, Dict]:
-    """Median seconds per call of each function, measured in A B B A rounds.
+    """Median seconds per call of each function, in A B B A rounds after ``warmup`` calls.
 
-    Each function is warmed up ``warmup`` times; the last warm-up call sizes its
-    timing block (enough calls to last ``min_block_s``, so that one block
-    averages over short bursts of load on a shared machine and small graphs are not
-    all launch overhead). A function that raises is recorded as ``"OOM"`` or
-    ``"error"`` and left out of later rounds; the others carry on.
-
-    Returns:
-        Per function: ``status``, ``times_s`` (the mean of each round's block),
-        ``calls_per_block`` and ``median_s``; or the :func:`failure`.
+    Each block lasts at least ``min_block_s``, so it averages over bursts of load and a small graph is not all
+    launch overhead. A function that raises is recorded as ``"OOM"`` or ``"error"`` and left out of later rounds.
     """
     from torch.utils.benchmark import Timer
 
@@ -147,9 +117,7 @@ def time_interleaved(fns: Dict[str, Callable], device: torch.device, repeats: in
     return res
 
 
-# ---------------------------------------------------------------------------
 # Memory: CUDA
-# ---------------------------------------------------------------------------
 def peak_cuda(fn: Callable, device: torch.device) -> Dict:
     """Peak extra CUDA memory of one call of the measured call ``fn`` after a warm-up call."""
     try:
@@ -173,9 +141,7 @@ def peak_cuda(fn: Callable, device: torch.device) -> Dict:
         return failure(exc)
 
 
-# ---------------------------------------------------------------------------
 # Memory: CPU (Linux /proc)
-# ---------------------------------------------------------------------------
 def proc_status() -> Dict[str, int]:
     """VmRSS / VmHWM / VmSize / ... of this process in bytes (Linux; empty elsewhere)."""
     try:
@@ -208,14 +174,9 @@ def mem_available() -> Optional[int]:
 
 @contextlib.contextmanager
 def memory_budget(budget: Optional[int] = None):
-    """Cap this process's address space at its current size plus ``budget`` bytes.
-
-    Default budget: the free memory (``MemAvailable``) less 1 GiB. Going over
-    then fails an allocation here — reported as OOM — instead of waking the
-    kernel's OOM killer, which on a shared machine may pick someone else's
-    process. Restores the previous limit on exit; a no-op off Linux. Yields the
-    budget in bytes (``None`` when no limit was set).
-    """
+    """Cap this process's address space at its size plus ``budget`` bytes (default: free memory less
+    1 GiB), so going over fails an allocation here instead of waking the OOM killer, which may pick another
+    process. A no-op off Linux; yields the budget (``None`` when no limit was set)."""
     if budget is None:
         avail = mem_available()
         budget = None if avail is None else max(avail - 2**30, 2**30)
@@ -236,21 +197,8 @@ def memory_budget(budget: Optional[int] = None):
 
 def measure_peak_rss(build: Callable[[], Callable], limit_memory: bool = False,
                      mem_budget_bytes: Optional[int] = None) -> Dict:
-    """Peak extra RSS of one call, in *this* process (meant for a fresh one:
-    :func:`peak_rss_child`).
-
-    ``build()`` loads the inputs and returns the measured call. Then: one
-    warm-up call, the high-water mark reset, and ``VmHWM`` after the measured
-    call minus ``VmRSS`` before it. With ``limit_memory``, the calls run under
-    :func:`memory_budget` (``mem_budget_bytes``), so that running out is
-    reported instead of waking the OOM killer.
-
-    Returns:
-        ``status``, ``peak_extra_bytes``, ``rss_inputs_bytes`` (after ``build``),
-        ``rss_before_bytes`` (after the warm-up: the inputs plus what the
-        warm-up kept), ``hwm_bytes``, ``hwm_reset``, ``mem_budget_bytes``; or
-        the :func:`failure` if memory ran out (other errors propagate).
-    """
+    """Peak extra RSS of ``build()``'s call in this process (meant for a fresh one): ``VmHWM``
+    after the call minus ``VmRSS`` before it, after a warm-up call and a reset of the high-water mark."""
     fn = build()
     gc.collect()
     res = {"rss_inputs_bytes": proc_status()["VmRSS"]}
@@ -291,20 +239,8 @@ def child_env() -> Dict[str, str]:
 
 
 def peak_rss_child(spec: Dict, workdir: Path, timeout: Optional[float] = None) -> Dict:
-    """:func:`measure_peak_rss` of ``spec["builder"]``'s call, in a fresh process.
-
-    Args:
-        spec: JSON-serialisable; ``builder`` is ``"package.module:function"``,
-            the rest is for the builder. Optional ``threads`` (torch threads
-            of the child) and ``mem_budget_bytes`` (see :func:`memory_budget`).
-        workdir: where the spec and the result are written.
-        timeout: seconds before the child is killed (default: none).
-
-    Returns:
-        The child's result, or ``{"status": "OOM"}`` when it was killed by
-        SIGKILL (the OOM killer, most likely) or ran out of memory on its way,
-        or ``{"status": "error"}`` with the tail of its stderr.
-    """
+    """:func:`measure_peak_rss` of ``spec["builder"]``'s call in a fresh process (spec and result
+    in ``workdir``); ``{"status": "OOM"}`` when the child was killed by SIGKILL or ran out of memory."""
     module = spec["builder"].split(":")[0]
     fd, name = tempfile.mkstemp(prefix="child-", suffix=".spec.json", dir=workdir)
     spec_path = Path(name)

@@ -1,36 +1,6 @@
-"""Training recipes: everything that defines an experiment besides the seed.
-
-A :class:`Recipe` is everything that defines an experiment besides the seed:
-model and its arguments, optimiser, epochs and the model-selection rule.
-:func:`recipe` holds the published set-ups:
-
-* Planetoid + ``gat``/``gatv2`` — the GAT paper: Adam (lr 0.005, weight decay
-  5e-4; PubMed: 8 output heads, lr 0.01, weight decay 1e-3) and the early
-  stopping of its reference code (``"gat"`` rule, patience 100).
-* Planetoid + ``transformer`` — :class:`~gatlib.models.GraphTransformer` (one
-  block of attention over the raw features + residual + LayerNorm + feed-forward,
-  attention readout, the GAT's dropout including its value dropout, self-loops
-  added to the graph as the GAT layers add them) with the same optimiser and
-  stopping rule. The layout was picked from 3-5-seed Cora runs that printed
-  test accuracy (so it is not a clean held-out choice; the self-loops and the
-  value dropout were decided on validation accuracy); the ablation is in
-  ``benchmarks/transformer_cora_ablation.md``.
-* OGB + ``gat``/``gatv2`` — :class:`~gatlib.models.DeepGAT` as in DGL's
-  ogbn-arxiv example (RMSprop lr 0.002 with a 50-epoch warm-up, 2000 epochs,
-  bidirected graph); OGB + ``transformer`` — :class:`~gatlib.models.UniMP` as in
-  PyG's UniMP example (Adam lr 0.001, weight decay 5e-4, 500 epochs). Both keep
-  the epoch with the best validation metric.
-* ``loader="neighbor"`` (any dataset) + ``gat``/``gatv2`` — mini-batches of
-  sampled neighbourhoods (:class:`SampledRecipe`, trained by
-  :mod:`gatlib.bench.sampled`) as in PyG's ogbn-products example
-  (``examples/ogbn_products_gat.py``): :class:`~gatlib.models.SampledGAT`,
-  fan-outs 10, 10, 5, batches of 512 training nodes, Adam lr 0.001 without
-  weight decay, 100 epochs, layer-wise inference over full neighbourhoods in
-  batches of 2048 nodes after epochs 60, 70, ..., 100, keeping the evaluation
-  with the best validation metric.
-
-Model selection only ever looks at the validation split. :mod:`gatlib.bench.train`
-runs a recipe.
+"""Training recipes: everything that defines an experiment besides the seed (model, optimiser, epochs,
+model-selection rule); :func:`recipe` holds the published set-ups, listed in docs/benchmarks.md ("The
+recipes"). Model selection only ever looks at the validation split.
 """
 from __future__ import annotations
 
@@ -49,27 +19,10 @@ _GAT_CLASS = {"gat": "GAT", "gatv2": "GATv2"}
 class Recipe:
     """How to train one model on one dataset.
 
-    Attributes:
-        model: class name in :mod:`gatlib.models`.
-        model_kwargs: its constructor arguments besides the sizes and ``backend``.
-        optimizer: ``"adam"`` or ``"rmsprop"``.
-        lr: learning rate.
-        weight_decay: L2 penalty (coupled, as ``torch.optim.Adam`` applies it).
-        epochs: maximum number of epochs.
-        patience: epochs without improvement before stopping (``None``: never).
-        stopping: ``"gat"`` — the GAT reference code's rule: an epoch counts as
-            an improvement when the validation loss does not rise above its
-            minimum *or* the validation accuracy does not fall below its
-            maximum; the weights kept are those of the last epoch that matched
-            both, restored at the end. ``"best_val"`` — keep the epoch with the
-            best validation metric.
-        warmup_epochs: linear learning-rate warm-up.
-        undirected: add reverse edges before training (OGB graphs are directed).
-        self_loops: give every node one self-loop before training, so that
-            layers without their own (``TransformerConv``) attend to the node too.
-        pe: positional encoding stored as ``data.pe`` (see
-            :func:`gatlib.models.positional_encoding`), or ``None``.
-        pe_dim: its width.
+    ``stopping``: ``"gat"``, the GAT reference code's rule (an epoch improves when the validation loss does not
+    rise above its minimum or the accuracy does not fall below its maximum; the last epoch that matched both is
+    restored at the end), or ``"best_val"``. ``self_loops``: one per node, so layers without their own
+    (``TransformerConv``) attend to the node too.
     """
 
     model: str
@@ -89,21 +42,9 @@ class Recipe:
 
 @dataclass
 class SampledRecipe(Recipe):
-    """A :class:`Recipe` trained on sampled mini-batches (``NeighborLoader``).
-
-    An epoch is one pass over the training nodes in batches of
-    ``batch_size`` seeds (per process: with K processes an optimiser step sees
-    K batches); evaluation is layer-wise over full neighbourhoods.
-
-    Attributes:
-        fanouts: neighbours sampled per node at each hop, one per layer
-            (``-1``: all of them).
-        batch_size: training nodes per batch and process.
-        eval_batch_size: nodes per batch of layer-wise inference.
-        eval_every: evaluate after every ``eval_every``-th epoch ...
-        eval_after: ... once more than ``eval_after`` epochs are done (and
-            always after the last epoch). A ``patience`` counts evaluations.
-    """
+    """A :class:`Recipe` trained on sampled mini-batches of ``batch_size`` seeds per process;
+    evaluated layer-wise after every ``eval_every``-th epoch past ``eval_after`` and after the last (a
+    ``patience`` counts evaluations)."""
 
     fanouts: List[int] = field(default_factory=lambda: [10, 10, 5])
     batch_size: int = 512
@@ -154,13 +95,8 @@ def recipe(model: str, dataset: str, loader: str = "full") -> Recipe:
 
 def with_sampling(rcp: Recipe, *, fanouts: Optional[List[int]] = None,
                   batch_size: Optional[int] = None) -> Recipe:
-    """``rcp`` with its fan-outs and batch size replaced where given; checks them.
-
-    Raises:
-        ValueError: options for sampling on a full-batch recipe, a fan-out count
-            other than the model's layer count, a fan-out below -1 or of 0, or a
-            batch size below 1.
-    """
+    """``rcp`` with its fan-outs and batch size replaced where given; ``ValueError`` for
+    invalid ones or sampling options on a full-batch recipe."""
     if not isinstance(rcp, SampledRecipe):
         if fanouts is not None or batch_size is not None:
             raise ValueError("fanouts and batch_size apply to loader='neighbor' (--loader neighbor)")

@@ -60,18 +60,8 @@ def cpu_model() -> str:
 
 
 def environment(device: torch.device | str) -> Dict[str, Any]:
-    """Device, library versions and git commit of a run on ``device``.
-
-    Returns:
-        ``device``, ``device_name`` (the GPU's name, or the CPU model),
-        ``cpu_model``, ``num_threads`` (torch's), ``cpu_count``, ``versions``
-        (python, torch, torch_geometric, gatlib, triton, torch_scatter,
-        torch_sparse, pyg_lib, ogb, cuda; ``None`` where not installed),
-        ``git_sha`` and ``git_dirty`` (whether the ``gatlib`` package —
-        library and harness — or the checkout's ``tools/``, untracked files
-        included, differ from that commit; both ``None`` outside a git
-        checkout) and ``platform``.
-    """
+    """Device, library versions, git commit and platform of a run on ``device``; ``git_dirty``:
+    whether the ``gatlib`` package or ``tools/`` differ from that commit (``None`` outside a checkout)."""
     from .. import __version__
 
     device = torch.device(device)
@@ -97,11 +87,8 @@ def environment(device: torch.device | str) -> Dict[str, Any]:
 
 
 def command_line(argv: Optional[Sequence[str]] = None) -> str:
-    """``argv`` (default ``sys.argv``) as a command to paste into a shell:
-    a module of this package or of the checkout's ``tools/`` as
-    ``python -m gatlib.bench.compare`` or ``python -m tools.launches``, a script
-    of the checkout as ``python benchmarks/x.py``, anything else (the ``gatlib``
-    console script) by its name."""
+    """``argv`` (default ``sys.argv``) as a command to paste into a shell (``python -m`` for a
+    module, ``python path`` for a checkout's script, else the console script's name)."""
     argv = list(sys.argv if argv is None else argv)
     prog = Path(argv[0]).resolve() if argv else Path("python")
     try:
@@ -118,13 +105,8 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
 
 
 def write_json(path: os.PathLike | str, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path``, atomically.
-
-    The text is serialised first and written to a temporary file beside
-    ``path``, which then replaces ``path`` (``os.replace``): a failure —
-    an object JSON cannot hold, a full disk, Ctrl-C — leaves the previous file
-    (or none) and no partial one. Parent folders are created.
-    """
+    """Write ``obj`` as indented JSON to ``path`` atomically (a temporary file, then ``os.replace``),
+    so a failure leaves the previous file and no partial one."""
     text = json.dumps(obj, indent=2) + "\n"
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,17 +120,8 @@ def write_json(path: os.PathLike | str, obj: Any) -> None:
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]],
                  align: Optional[str] = None, markdown: bool = False) -> str:
-    """An aligned table: the header, a rule, one line per row.
-
-    Args:
-        headers: column titles.
-        rows: cells (anything ``str`` can print), one sequence per row, as
-            many cells as headers.
-        align: one character per column, ``"<"`` (left) or ``">"`` (right);
-            default: the first column left, the others right (names, then numbers).
-        markdown: a Markdown (GitHub) table, still aligned for reading as
-            text; default plain text, columns two spaces apart.
-    """
+    """An aligned table: header, rule, one line per row; ``align`` one ``"<"``/``">"`` per column
+    (default: first left, the rest right); ``markdown`` a GitHub table."""
     cells: List[List[str]] = [[str(h) for h in headers]]
     for row in rows:
         if len(row) != len(headers):

@@ -1,35 +1,6 @@
-"""Sampled mini-batches (PyG's ``NeighborLoader``) for training in one process
-or data-parallel over several (torchrun, :mod:`gatlib.bench.distributed`).
-
-How a run of :func:`gatlib.bench.train.train_sampled_run` trains, after PyG's
-ogbn-products example:
-
-* **Batches.** Every epoch the training nodes are shuffled and cut into
-  batches of ``batch_size`` seeds; ``NeighborLoader`` samples each seed's
-  ``fanouts`` neighbourhood, and :class:`~gatlib.models.SampledGAT` runs layer
-  ``l`` only on the nodes the layers after it still need (bipartite blocks, see
-  :func:`hop_counts`). The loss is the mean over the seeds.
-* **Processes.** With K processes, :class:`torch.utils.data.DistributedSampler`
-  (``drop_last=True``) gives rank ``r`` the positions ``r, r + K, ...`` of the
-  epoch's permutation, which every rank draws from the same seed: K equal
-  shares, so all ranks take the same number of steps; the ``n mod K``
-  training nodes left over are not trained that epoch (a new permutation each
-  epoch leaves out other ones). Rank ``r``'s ``i``-th batch is therefore every
-  K-th node of the single-process run's ``i``-th batch of ``K * batch_size``
-  nodes, and :class:`~torch.nn.parallel.DistributedDataParallel` averages the
-  K equal-size batches' gradients: the gradient of the mean loss over their
-  union. Each rank samples with its own random stream (rank 0's is the
-  single-process one); dropout masks differ accordingly.
-* **Evaluation** (after the epochs :meth:`SampledRecipe.evaluates` names):
-  layer-wise inference as in PyG's example — every node's layer ``l`` output
-  from its full in-neighbourhood (``NeighborLoader(num_neighbors=[-1])``) and
-  the layer ``l - 1`` outputs of all nodes, one layer at a time. With K
-  processes each computes a contiguous K-th of the nodes per layer, and the
-  layer's output is all-gathered. The metric is the dataset's OGB
-  ``Evaluator`` (:meth:`NodeDataset.evaluate`), computed by every rank on the
-  same gathered logits, so all ranks select the same epoch.
-* **Metrics** of the training pass (loss, approximate accuracy) are summed
-  over ranks; the peak memory is the largest of any rank.
+"""Sampled mini-batches (PyG's ``NeighborLoader``) for training in one process or data-parallel over
+several (torchrun, :mod:`gatlib.bench.distributed`), after PyG's ogbn-products example; docs/distributed.md
+says what each process does.
 """
 from __future__ import annotations
 
@@ -45,19 +16,9 @@ from .distributed import Distributed
 
 
 def hop_counts(edge_index: Tensor, num_seeds: int, num_nodes: int, num_hops: int) -> List[int]:
-    """Nodes per hop of a sampled subgraph: ``[seeds, hop 1, ..., hop num_hops]``.
-
-    PyG's loader reports these (``num_sampled_nodes``) only with pyg-lib; with
-    torch_sparse's sampler they are recovered here. A node's hop is its distance
-    to the seeds along sampled edges (``src -> dst`` means ``src`` was sampled as
-    a neighbour of ``dst``). The sampler numbers nodes hop by hop (seeds first),
-    which :class:`~gatlib.models.SampledGAT` relies on to take each layer's
-    destinations as a prefix: that order is checked, not assumed.
-
-    Raises:
-        RuntimeError: the nodes are not numbered hop by hop, or a node is
-            farther than ``num_hops`` from the seeds.
-    """
+    """Nodes per hop of a sampled subgraph, ``[seeds, hop 1, ..., hop num_hops]`` (PyG reports them
+    only with pyg-lib). Checks, and raises ``RuntimeError`` otherwise, that the nodes are numbered hop by hop,
+    which :class:`~gatlib.models.SampledGAT` relies on."""
     src, dst = edge_index
     far = num_hops + 1
     hop = torch.full((num_nodes,), far, dtype=torch.long, device=edge_index.device)
@@ -100,21 +61,8 @@ def neighbor_loader(data: Data, **kwargs):
 @torch.no_grad()
 def layerwise_inference(model: torch.nn.Module, x: Tensor, loader, num_nodes: int,
                         device: torch.device, dist: Optional[Distributed] = None) -> Tensor:
-    """Every node's output of :class:`~gatlib.models.SampledGAT` ``model``
-    (in eval mode) computed layer by layer over full neighbourhoods.
-
-    Args:
-        model: the model (not its DDP wrapper).
-        x: all nodes' input features ``[N, F]``.
-        loader: a ``NeighborLoader`` with ``num_neighbors=[-1]`` over this
-            process's nodes (all of them, or its :func:`chunk_range` share).
-        num_nodes: ``N``.
-        device: where the layers run.
-        dist: with several processes, each layer's outputs are all-gathered.
-
-    Returns:
-        ``[N, C]`` logits on the CPU.
-    """
+    """Every node's ``[N, C]`` logits (on the CPU) of ``model`` in eval mode, layer by
+    layer over full neighbourhoods; with ``dist`` each layer's outputs are all-gathered."""
     for i in range(model.num_layers):
         parts = []
         for batch in loader:

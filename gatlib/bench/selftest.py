@@ -1,46 +1,8 @@
-"""``gatlib selftest``: check and measure the Triton kernels on one device.
+"""``gatlib selftest``: check the Triton kernels against the reference on one device, then compare the
+layers with PyG's using them (docs/gpu.md, "Have a GPU?").
 
-What a GPU owner runs once, and commits the JSON of::
-
-    gatlib selftest --device cuda --json selftest.json
-
-1. **Kernel checks**: :func:`gatlib.graph_attention` with ``backend="triton"``
-   against the reference (``backend="torch"``) on a small graph with duplicate
-   edges, isolated nodes and a hub of :data:`HUB_DEGREE` in-edges (the kernels
-   split rows longer than 256 edges), for every score kind (GAT's also formed by
-   the kernels from projected rows, as GATConv runs it; GAT and the dot product
-   also over values of one head, as the layers in input space) × dtype × with or
-   without edge features (a score term and a value term per edge) × attention
-   dropout on or off × attention weights returned or not, the GAT kinds with an
-   output bias (as GATConv and GATv2Conv have); forward and the
-   gradient of every input. Each case asserts that the Triton kernel ran,
-   forward and backward (:func:`gatlib.record_kernels`).
-
-   * Without dropout, every quantity is compared with the reference in float64
-     on the same (rounded) inputs. float32/float64: max abs error at most
-     ``TOL[dtype] * max|reference|``. float16/bfloat16 (flash-attention's
-     rule): at most ``LOWP_FACTOR`` times the error of the reference run in the
-     same dtype, plus ``LOWP_FLOOR_ULPS`` ulps of ``max|reference|``.
-   * With dropout (the mask is the kernels' own Philox draw): the same
-     ``torch.manual_seed`` gives the same output, the output differs from the
-     one without dropout, everything is finite, and the backward used the
-     forward's mask: with the mask fixed, ``out`` is linear in the values, so
-     ``<w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad
-     bias, bias>`` (not for ``gat_projected`` and ``dot_inputs``, whose values are the
-     scores' input).
-
-2. **Comparison with PyG**: ``python -m gatlib.bench.compare --layer all
-   --backend triton --no-compile`` per graph (``--graphs``), each in its own
-   process so a crash or an out-of-memory kill there is one failed graph, not a
-   lost run. On CUDA each pass is also set against its bandwidth floor
-   (:mod:`gatlib.bench.floor`): the bytes a fused kernel must move, and each
-   measured time divided by the floor at the device's published and measured
-   bandwidth.
-
-3. One JSON (written after every step) and a Markdown table. Exit status 0
-   when every check passed and every comparison agreed, 1 otherwise, 2 when
-   the kernels cannot run here (no CUDA; on CPU, ``TRITON_INTERPRET=1`` not set
-   at the start of the process).
+Exit status 0 when every check passed and every comparison agreed, 1 otherwise, 2 when the kernels cannot
+run here (no CUDA; on CPU, ``TRITON_INTERPRET=1`` not set at the start of the process).
 """
 from __future__ import annotations
 
@@ -84,21 +46,15 @@ DROPOUT = 0.3
 # With dropout, the output must move by more than this fraction of max|output|
 # away from the output without dropout (low-precision noise is ~1e-2).
 DROPOUT_EFFECT = 0.1
-# ... and <w, out> may differ from <grad, value> by this many ulps of the norm
-# of the terms of that sum (rounding errors of random sign add up as a norm).
-# Measured, over three seeds: under 0.5 (float16/bfloat16), under 4 (float32/
-# float64, whose kernels' own sums count). A backward that draws another mask
-# is off by over 3 (bfloat16), 1e5 (float32).
+# ... and <w, out> may differ from <grad, value> by this many ulps of the norm of the sum's terms
+# (rounding errors of random sign add up as a norm); a backward with another mask is off by far more.
 LINEARITY_ULPS = {torch.float16: 1.0, torch.bfloat16: 1.0, torch.float32: 32.0,
                   torch.float64: 32.0}
 # Max abs error allowed, in units of max|reference|, for full precision.
-# Measured in the interpreter: at most ~10 ulps of it (float32 and float64).
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
-# Low precision: Triton's error vs float64 <= LOWP_FACTOR x the reference's own
-# error in that dtype + LOWP_FLOOR_ULPS ulps of max|reference|. The reference
-# rounds once (~0.3 ulp); the Triton backward, like FlashAttention's, takes
-# Delta_i = <g_i, out_i> from out as stored in float16/bfloat16, which costs up
-# to 3.4 ulps here (tests/testing.py allows 6 on its graphs too).
+# Low precision: Triton's error vs float64 <= LOWP_FACTOR x the reference's own error in that dtype
+# + LOWP_FLOOR_ULPS ulps of max|reference|: the backward, like FlashAttention's, takes
+# Delta_i = <g_i, out_i> from out as stored in low precision (tests/testing.py allows 6 ulps too).
 LOWP_FACTOR, LOWP_FLOOR_ULPS = 4.0, 6.0
 
 
@@ -106,16 +62,10 @@ class CannotRun(Exception):
     """The Triton kernels cannot run on this device in this process."""
 
 
-# ---------------------------------------------------------------------------
 # 1. Kernel checks
-# ---------------------------------------------------------------------------
 def kernel_graph(seed: int = 0) -> Tensor:
-    """The ``[2, E]`` graph of the kernel checks, on :data:`NUM_NODES` nodes.
-
-    Random edges (self-loops and repeats included) plus 20 explicit
-    duplicates; node 0 receives :data:`HUB_DEGREE` more; nodes 1-7 receive
-    nothing, nodes ``N-8..N-1`` send nothing and node ``N-1`` has no edge at all.
-    """
+    """The kernel checks' ``[2, E]`` graph: random edges, duplicates, a hub of :data:`HUB_DEGREE`
+    in-edges at node 0, nodes receiving or sending nothing, and an isolated node."""
     g = torch.Generator().manual_seed(seed)
     N = NUM_NODES
     src = torch.randint(0, N - 8, (NUM_EDGES,), generator=g)
@@ -127,11 +77,7 @@ def kernel_graph(seed: int = 0) -> Tensor:
 
 def _inputs(kind: str, edge: bool, E: int, device, seed: int, heads: int = HEADS,
             channels: int = CHANNELS) -> Dict[str, Tensor]:
-    """float64 inputs by name: ``value``, optional ``value_edge``, the score's
-    ``src``, ``dst``, optional ``edge`` and ``att`` (:meth:`EdgeScore.tensors`) —
-    for ``gat_projected`` ``att_src`` and ``att_dst``, its ``h`` being ``value`` —
-    and the output ``bias`` of the GAT kinds (:data:`BIASED`), for :data:`NUM_NODES`
-    nodes and ``heads`` heads of ``channels`` channels."""
+    """float64 inputs of score ``kind`` by name (value, scores' tensors, optional edge terms and bias)."""
     g = torch.Generator().manual_seed(seed)
     N, H, C = NUM_NODES, heads, channels
 
@@ -177,12 +123,8 @@ def _score(kind: str, t: Dict[str, Tensor]):
 
 @contextlib.contextmanager
 def unwritten_memory_is_nan():
-    """Inside the block every new ``torch.empty`` tensor is filled with NaN (integers
-    with their largest value): PyTorch's ``fill_uninitialized_memory`` under
-    deterministic mode (warnings only, no op refused). A kernel that leaves rows of
-    its output unwritten then returns NaN there, whatever the allocator hands out;
-    without it, a buffer of the size just freed can hold the previous call's right
-    answer, and a check of a broken kernel pass by chance."""
+    """Fill every new ``torch.empty`` tensor with NaN inside the block, so a kernel that
+    leaves output rows unwritten fails its check instead of passing on a previous call's leftovers."""
     import warnings
 
     was, warn_only = (torch.are_deterministic_algorithms_enabled(),
@@ -252,7 +194,7 @@ def _ran_triton(log: List[str]) -> Optional[str]:
 
 def check_case(kind: str, dtype: torch.dtype, edge: bool, p: float, alpha: bool, plan,
                device, seed: int = 0) -> Dict:
-    """One kernel check (see the module docstring): its record for the JSON."""
+    """One kernel check: its record for the JSON."""
     name = (f"{kind} {_dtype_name(dtype)} {'edge' if edge else 'no-edge'} "
             f"{'dropout' if p else 'no-dropout'} {'alpha' if alpha else 'no-alpha'}")
     rec = {"name": name, "kind": kind, "dtype": _dtype_name(dtype),
@@ -278,7 +220,7 @@ def _case_inputs(kind, dtype, edge, plan, device, seed, heads=HEADS, channels=CH
 
 def _agreement_check(kind, dtype, edge, alpha, plan, device, seed, heads=HEADS,
                      channels=CHANNELS, relative_to_reference=False) -> Dict:
-    """One case against the float64 reference (module docstring); ``relative_to_reference``:
+    """One case against the float64 reference (TOL, LOWP_FACTOR); ``relative_to_reference``:
     the low-precision rule (a multiple of the reference's own error in ``dtype``) in
     float32 too."""
     inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed, heads, channels)
@@ -378,11 +320,8 @@ def kernel_checks(device: torch.device, quick: bool = False, log=print,
 
 
 def check_graph(n: int, e: int, seed: int, device) -> Tuple[object, Dict[str, Tensor]]:
-    """The GPU checks' graph of ``n`` nodes and its float32 GATv2 inputs (a bias
-    included): rows of many lengths and split pieces on both sides, so that two such
-    graphs of other sizes need the same kernels (only sizes differ). Node 0 takes
-    300 edges from nodes 1-10 and sends 300 to nodes 11-20; the ``e`` random edges
-    among the other nodes have degrees around 4. Returns ``(GraphPlan, inputs)``."""
+    """The GPU checks' graph of ``n`` nodes (a hub with 300 in- and 300 out-edges, so rows split on
+    both sides) and its float32 GATv2 inputs; returns ``(GraphPlan, inputs)``."""
     import gatlib
 
     g = torch.Generator().manual_seed(seed)
@@ -411,31 +350,21 @@ def check_call(plan, n: int, inputs: Dict[str, Tensor], p: float = 0.5,
     return out
 
 
-# The layer of each score kind, whose compiled training step the GPU checks run
-# (GAT's with inputs wider than its projection: the in-kernel terms, when eager), its
-# output layer one head of 40 classes as OGB arxiv's: the rows of 64 channels where
-# compiled GAT's disagreed with PyG on an H100 (docs/design.md, "Compiled GAT takes the
-# node terms"; benchmarks/results/h100_2026-11-27/)
+# The layer of each score kind whose compiled training step the GPU checks run, its output layer one head
+# of 40 classes as OGB arxiv's: the shape where compiled GAT once disagreed with PyG (docs/design.md,
+# "Compiled GAT takes the node terms").
 STEP_LAYERS = {"gat_projected": "GATConv", "gatv2": "GATv2Conv", "dot": "TransformerConv"}
 STEP_FEATURES, STEP_CLASSES = 64, 40
-# ... and its agreement: relative (norm-wise) error of the loss and of each gradient,
-# as gatlib compare's float32 rule (the compiled graph sums in another order). A
-# gradient far smaller than the step's largest is measured against STEP_FLOOR times
-# that one instead of its own norm: a gradient that is zero in exact arithmetic (a
-# key's bias, which the softmax cancels) is rounding noise on both sides, of norm
-# ~1e-9, whose own relative error means nothing (it read 0.47 on an H100).
+# ... and its agreement: norm-wise relative error of the loss and each gradient, as gatlib compare's float32
+# rule. A gradient far smaller than the largest is measured against STEP_FLOOR times that one: one that is
+# zero in exact arithmetic (a key's bias, which the softmax cancels) is rounding noise on both sides.
 STEP_TOL, STEP_FLOOR = 1e-4, 1e-4
 
 
 def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None) -> Optional[str]:
-    """``None`` where a 2-layer model of ``layer`` (``gatlib compare --scope model``'s, H=2,
-    C=16 on ``STEP_FEATURES`` inputs) on ``plan``, through the Triton kernels, computes the
-    loss and every weight's gradient of the same model in float64 on the reference backend,
-    eager (one training call) and under ``torch.compile`` (three): relative error at most
-    :data:`STEP_TOL` per quantity (a gradient below :data:`STEP_FLOOR` times the largest
-    one's norm is measured against that); else the worst quantity, eager or compiled.
-    Against float64, not against eager: a compiled step and an eager one that are wrong
-    alike would agree. ``compile_fn``: ``torch.compile`` unless given."""
+    """``None`` where a 2-layer model of ``layer`` on the Triton kernels, eager and under
+    ``torch.compile``, computes the loss and gradients of its float64 reference within :data:`STEP_TOL`; else
+    the worst quantity. Against float64, not eager: two steps wrong alike would agree."""
     import torch.nn.functional as F
 
     import gatlib
@@ -487,36 +416,17 @@ def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None)
 
 
 def output_layer_check(kind: str, device: torch.device, plan) -> Optional[str]:
-    """``None`` where the Triton kernels' call of score ``kind`` at an output layer's shape
-    (one head of :data:`STEP_CLASSES` channels, float32, no edge features) computes the
-    float64 reference, forward and every input's gradient, on ``plan`` (the GPU checks'
-    graph: node 0's 300 in-edges and 300 out-edges are split into pieces); else what
-    differs. The kernel checks' channels are narrower: this shape takes other tiles,
-    the ones of the compiled step's output layer (:func:`compiled_step_check`). The bound
-    is a multiple of the float32 reference's own error: at this shape GAT's attention
-    vectors' gradients sum over the hub's 300 rows, and PyTorch's float32 reference is off
-    by more than the kernel checks' 1e-5 of the largest value there (1.8e-5 in the
-    interpreter; the kernels in float64, 5e-14)."""
+    """``None`` where score ``kind`` at an output layer's shape (one head of
+    :data:`STEP_CLASSES` channels) computes the float64 reference on ``plan``; else what differs. The bound is a
+    multiple of the float32 reference's own error, which the hub's 300-row sums push past the kernel checks' 1e-5."""
     res = _agreement_check(kind, torch.float32, False, False, plan, device, 0, heads=1,
                            channels=STEP_CLASSES, relative_to_reference=True)
     return res.get("detail")
 
 
 def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]:
-    """What only a GPU can show (each ``{"name", "status", "detail"}``):
-
-    * *no host sync*: once a graph's plan exists, a training call (forward with
-      dropout, backward) runs under ``torch.cuda.set_sync_debug_mode("error")``;
-    * *no recompile*: a second graph of other sizes (a new mini-batch) compiles
-      no new kernel (Triton's per-device kernel caches do not grow);
-    * *CUDA graphs*: a forward with dropout captured in a ``torch.cuda.CUDAGraph``
-      draws a new mask on every replay (the seed is drawn on the device);
-    * *output layers*: each of ``kinds`` at one head of :data:`STEP_CLASSES` channels
-      computes the reference on a graph with split rows (:func:`output_layer_check`);
-    * *training steps*: a 2-layer model, eager and under ``torch.compile``, computes
-      its float64 reference's loss and gradients (:func:`compiled_step_check`), for
-      the layer of each of ``kinds`` in :data:`STEP_LAYERS`.
-    """
+    """What only a GPU can show, each ``{"name", "status", "detail"}``: no host sync, no recompile
+    for a graph of other sizes, a new dropout mask per CUDA-graph replay, output layers and training steps."""
     from gatlib import introspect
 
     call = check_call
@@ -590,9 +500,7 @@ def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]
     return checks
 
 
-# ---------------------------------------------------------------------------
 # 2. Comparison with PyG, one child process per graph
-# ---------------------------------------------------------------------------
 def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
     """``gatlib compare --layer all --backend triton --no-compile`` on ``graph`` in a child process:
     ``{"graph", "status": ok/mismatch/error, "returncode", "report"}``; its JSON goes to ``out``."""
@@ -630,9 +538,7 @@ def compare_graph(graph: str, args: argparse.Namespace, out: Path) -> Dict:
     return res
 
 
-# ---------------------------------------------------------------------------
 # 3. Table, CLI
-# ---------------------------------------------------------------------------
 def render_markdown(result: Dict) -> str:
     """The Markdown summary: kernel checks (failures listed), then the comparison rows."""
     from .compare_report import LAYERS, TABLE_HEADERS, table_rows
@@ -752,7 +658,7 @@ def _preflight(device: torch.device) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the self-test (see the module docstring); returns the exit status."""
+    """Run the self-test; returns the exit status (module docstring)."""
     device = torch.device(args.device)
     graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
     cuda = device.type == "cuda"

@@ -1,27 +1,6 @@
-r"""Synthetic stand-ins for the OGB benchmark graphs: same size, heavy-tailed degrees.
-
-The comparison against PyG (:mod:`gatlib.bench.compare`) needs graphs with the shape
-of ogbn-arxiv and ogbn-products, which cannot be downloaded here. Their cost
-profile is set by the node count, the edge count, the feature width and how
-unequal the degrees are (a hub with thousands of in-edges is what breaks
-naive kernels), so those are what the generator matches:
-
-* **Chung–Lu sampling**: both endpoints of every edge are drawn independently
-  with probability proportional to a node weight :math:`w_i`, so the expected
-  degree of node :math:`i` is :math:`2E\,w_i / \sum_k w_k`.
-* **Power-law weights** :math:`w_i = (i + i_0)^{-1/(\gamma - 1)}` give a degree
-  distribution with tail :math:`P(d) \propto d^{-\gamma}`. The offset
-  :math:`i_0` caps the largest expected degree at ``max_degree`` (without it a
-  pure power law on ogbn-products' 2.4M nodes would give a hub of ~3e5).
-* Self-loops and duplicate edges are dropped until exactly ``num_edges``
-  distinct directed edges remain, then the graph is made undirected as OGB's
-  node-property graphs are used in practice (``ToUndirected``): about
-  ``2 * num_edges`` edges, a little fewer where both directions were drawn.
-* Node ids are shuffled, so hubs are not clustered at the low ids (which would
-  flatter any kernel's cache behaviour).
-
-Everything is vectorised torch and driven by one seeded ``torch.Generator``:
-the same arguments give the same graph on every machine.
+"""Synthetic stand-ins for the OGB benchmark graphs: same size, heavy-tailed degrees (Chung–Lu sampling
+with power-law weights; docs/benchmarks.md, "Synthetic graphs", has the model). One seeded generator: the
+same arguments give the same graph on every machine.
 """
 from __future__ import annotations
 
@@ -38,19 +17,8 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class GraphSpec:
-    r"""Size and degree shape of a synthetic graph.
-
-    Args:
-        name (str): label used in reports and cache file names.
-        num_nodes (int): ``N``.
-        num_edges (int): distinct directed edges drawn before symmetrising
-            (the count OGB reports for its directed graphs).
-        num_features (int): width of the random node features ``x``.
-        exponent (float): power-law exponent :math:`\gamma` of the degree
-            tail. (default: ``2.5``)
-        max_degree (int, optional): target largest expected (undirected)
-            degree; ``None`` for a pure power law. (default: ``None``)
-    """
+    r"""Size and degree shape of a synthetic graph (``num_edges``: directed edges before
+    symmetrising; ``exponent``: the degree tail's; ``max_degree``: cap on the largest expected degree)."""
 
     name: str
     num_nodes: int
@@ -90,12 +58,8 @@ def parse_spec(text: str) -> GraphSpec:
 
 def power_law_weights(num_nodes: int, num_edges: int, exponent: float = 2.5,
                       max_degree: Optional[int] = None) -> Tensor:
-    r"""Chung–Lu node weights :math:`(i + i_0)^{-1/(\gamma-1)}`, normalised to sum 1.
-
-    ``i_0`` is found by bisection so that the heaviest node's expected degree
-    :math:`2E w_0` is ``max_degree`` (``i_0 = 0`` if the pure power law stays
-    below it). Returns a float64 ``[N]`` tensor, largest weight first.
-    """
+    r"""Chung–Lu node weights ``(i + i_0)^(-1/(exponent-1))`` summing to 1, largest first,
+    with ``i_0`` bisected so the heaviest node's expected degree is ``max_degree``."""
     if exponent <= 1:
         raise ValueError(f"exponent must be > 1; got {exponent}")
     alpha = 1.0 / (exponent - 1.0)
@@ -123,22 +87,8 @@ def power_law_weights(num_nodes: int, num_edges: int, exponent: float = 2.5,
 def power_law_edges(num_nodes: int, num_edges: int, *, exponent: float = 2.5,
                     max_degree: Optional[int] = None, seed: int = 0,
                     undirected: bool = True) -> Tensor:
-    """A Chung–Lu power-law graph as a coalesced int64 ``[2, E']`` ``edge_index``.
-
-    Args:
-        num_nodes (int): ``N``.
-        num_edges (int): distinct directed, loop-free edges to draw.
-        exponent (float): degree-tail exponent. (default: ``2.5``)
-        max_degree (int, optional): cap on the largest expected degree.
-            (default: ``None``)
-        seed (int): seed of the generator. (default: ``0``)
-        undirected (bool): add the reverse of every edge (then
-            ``num_edges <= E' <= 2 * num_edges``). (default: ``True``)
-
-    Returns:
-        ``edge_index`` sorted by source then destination, without self-loops
-        or duplicates.
-    """
+    """A Chung–Lu power-law graph: a coalesced int64 ``edge_index`` without self-loops or
+    duplicates, ``num_edges`` directed edges (with their reverses when ``undirected``)."""
     N = num_nodes
     if num_edges > N * (N - 1):
         raise ValueError(f"{num_edges} distinct directed edges do not fit on {N} nodes")
@@ -191,19 +141,8 @@ def _sorted_unique(keys: Tensor) -> Tensor:
 
 def synthetic_graph(spec: Union[str, GraphSpec], *, seed: int = 0,
                     cache_dir: Optional[Union[str, os.PathLike]] = None):
-    """A synthetic graph with random features as a ``torch_geometric.data.Data``.
-
-    Args:
-        spec (str or GraphSpec): preset name, ``"synthetic:N:E:F"`` or a spec.
-        seed (int): seed for the edges and the features. (default: ``0``)
-        cache_dir (path, optional): if given, the graph is stored there as a
-            ``.pt`` file and loaded from it next time (ogbn-products-sized
-            graphs take a minute to generate). (default: ``None``)
-
-    Returns:
-        ``Data(x [N, F] float32, edge_index [2, E'] int64)`` — undirected,
-        coalesced, no self-loops.
-    """
+    """A synthetic ``Data(x, edge_index)``, undirected and coalesced, from a preset name,
+    ``"synthetic:N:E:F"`` or a spec; cached as ``.pt`` in ``cache_dir`` when given."""
     from torch_geometric.data import Data
 
     if isinstance(spec, str):

@@ -30,18 +30,8 @@ _SPARSE_FEATURES = 0.1  # density below which prepare_graph stores features as s
 
 @dataclass
 class RunResult:
-    """One training run. Metrics are percentages.
-
-    Attributes:
-        seed: the run's seed.
-        test_acc: test metric of the selected weights (accuracy, or ROC-AUC
-            for ogbn-proteins).
-        val_acc: validation metric of the selected weights.
-        epochs: epochs trained.
-        best_epoch: epoch (1-based) whose weights were selected.
-        seconds_per_epoch: wall time per epoch (training step + validation).
-        peak_memory_mib: process peak RSS (CPU) or peak allocated (CUDA) so far.
-    """
+    """One training run; metrics in % of the selected weights (ROC-AUC for ogbn-proteins),
+    ``best_epoch`` 1-based, ``peak_memory_mib`` peak RSS (CPU) or peak allocated (CUDA)."""
 
     seed: int
     test_acc: float
@@ -54,17 +44,8 @@ class RunResult:
 
 @dataclass
 class SampledRunResult(RunResult):
-    """A run of :class:`SampledRecipe` (see :class:`RunResult`).
-
-    Attributes:
-        train_seconds_per_epoch: wall time of the training pass alone.
-        world_size: processes that trained it.
-        history: per epoch ``{"epoch", "loss", "train_acc", "val_acc"}``: the
-            mean training loss over all batches of all processes, the accuracy
-            (%) of the training batches' predictions ("approximate", as in PyG's
-            example: the model changes during the epoch), and the validation
-            metric (%) where the epoch was evaluated (else ``None``).
-    """
+    """A run of a :class:`SampledRecipe`; ``history`` per epoch: ``epoch``, mean ``loss``
+    over all processes' batches, approximate ``train_acc`` and ``val_acc`` (``None`` where not evaluated)."""
 
     train_seconds_per_epoch: float = 0.0
     world_size: int = 1
@@ -109,22 +90,8 @@ def build_model(rcp: Recipe, dataset: NodeDataset, backend: str = "auto") -> tor
 def train_run(dataset: NodeDataset, rcp: Recipe, *, seed: int, device: torch.device | str = "cpu",
               backend: str = "auto", graph: Optional[Data] = None,
               on_epoch: Optional[Callable[[int, float, float], None]] = None) -> RunResult:
-    """Train one model from scratch and evaluate the selected weights.
-
-    Args:
-        dataset: the dataset (its split and metric).
-        rcp: the recipe.
-        seed: seeds Python, NumPy and torch before the model is built.
-        device: where to train.
-        backend: attention backend of every layer.
-        graph: the output of :func:`prepare_graph` (built here if ``None``;
-            pass it to reuse one across runs).
-        on_epoch: called after every epoch with ``(epoch, training loss,
-            validation metric)`` (for progress displays).
-
-    Returns:
-        The :class:`RunResult`.
-    """
+    """Train one model from scratch (seeded) and evaluate the selected weights; ``graph``:
+    :func:`prepare_graph`'s output to reuse; ``on_epoch(epoch, loss, val)`` for progress displays."""
     from torch_geometric import seed_everything
 
     device = torch.device(device)
@@ -188,30 +155,8 @@ def train_sampled_run(dataset: NodeDataset, rcp: SampledRecipe, *, seed: int,
                       on_step: Optional[Callable[[int, torch.nn.Module], None]] = None
                       ) -> SampledRunResult:
     """Train one model on sampled mini-batches and evaluate the selected weights
-    (how, and how several processes share the work: :mod:`gatlib.bench.sampled`).
-
-    Args:
-        dataset: the dataset (its split and metric).
-        rcp: the recipe.
-        seed: seeds the model's initialisation (the same on every rank), the
-            epochs' permutations of the training nodes, and the sampling and
-            dropout streams (rank 0's is the single-process run's).
-        device: where to train (ignored with ``dist``: its device).
-        backend: attention backend of every layer.
-        graph: :func:`~gatlib.bench.train.prepare_graph`'s output, dense and on
-            the CPU (built here if ``None``).
-        on_epoch: called after every epoch with ``(epoch, training loss,
-            validation metric or None)``.
-        num_workers: ``NeighborLoader`` worker processes.
-        dist: this process's place in a multi-process job.
-        on_step: called after every backward pass (gradients reduced, before the
-            optimiser step) with the step number (1-based) and the model (not its
-            DDP wrapper): a hook for checks.
-
-    Returns:
-        The :class:`~gatlib.bench.train.SampledRunResult`; with ``dist``, every
-        rank returns the same one.
-    """
+    (docs/distributed.md says how processes share the work); with ``dist`` every rank returns the same result.
+    ``on_step(step, model)`` is called after each backward, before the optimiser step."""
     from torch.utils.data import DistributedSampler
     from torch_geometric import seed_everything
 
@@ -369,48 +314,12 @@ def benchmark(dataset: NodeDataset, model: str, *, runs: int, device: torch.devi
               loader: str = "full", fanouts: Optional[List[int]] = None,
               batch_size: Optional[int] = None, num_workers: int = 0,
               dist: Optional[Distributed] = None) -> Dict[str, Any]:
-    """Train ``runs`` models with seeds ``seed, seed+1, ...`` and summarise them.
+    """Train ``runs`` models with seeds ``seed, seed+1, ...`` and return the report (runs, test and
+    validation mean/std, config, kernels, environment); the other arguments override the recipe.
 
-    Ctrl-C stops after the run in progress is discarded; the report then holds
-    the finished runs and ``"interrupted": True``.
-
-    With ``dist`` (one process of a torchrun job, see
-    :mod:`gatlib.bench.distributed`) every process calls this; each trains on
-    its share of every batch and all of them return the same report (its
-    metrics are reduced over the processes), which rank 0 writes.
-
-    Args:
-        dataset: the dataset.
-        model: one of :data:`gatlib.bench.recipes.MODELS`.
-        runs: number of seeds.
-        device: where to train.
-        backend: attention backend.
-        seed: first seed.
-        epochs: override the recipe's maximum epochs.
-        patience: override the recipe's early-stopping patience.
-        pe: override the positional encoding of the transformer
-            (``"laplacian"``, ``"random_walk"`` or ``"none"``).
-        progress: progress bars for the runs and for the epochs of the current run
-            (training loss, validation metric, ETA); shown only when stderr is a
-            terminal.
-        on_update: called with the report after every finished run (e.g. to
-            save it, so a killed benchmark keeps its results).
-        loader: ``"full"`` (full-batch) or ``"neighbor"`` (sampled mini-batches,
-            :class:`SampledRecipe`).
-        fanouts: override the sampled recipe's fan-outs (one per layer; ``-1``:
-            all neighbours).
-        batch_size: override the sampled recipe's training nodes per batch
-            (per process).
-        num_workers: ``NeighborLoader`` worker processes (0: sample in the
-            training process).
-        dist: this process's place in a multi-process job (``None``: one process).
-
-    Returns:
-        The report: ``runs`` (one :class:`RunResult` dict each), ``test_acc``
-        (list), ``test_acc_mean``/``_std``, ``val_acc_mean``/``_std`` (in %,
-        sample std), the config, ``kernels`` (the attention kernels that ran
-        in the first run, see :func:`gatlib.record_kernels`) and the
-        :func:`~gatlib.bench.report.environment` (device, versions, git SHA).
+    Ctrl-C discards the run in progress and returns the finished ones with ``"interrupted": True``. With ``dist``
+    every process calls this and all return the same report, which rank 0 writes; ``on_update`` gets the report
+    after every run.
     """
     from tqdm.auto import tqdm
 
