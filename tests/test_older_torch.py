@@ -33,9 +33,13 @@ def test_compile_tests_pass_on_the_older_torch():
     version = subprocess.run([str(PYTHON), "-c", "import torch; print(torch.__version__)"],
                              capture_output=True, text=True, check=True).stdout.strip()
     assert version.split("+")[0] == VERSION, version
-    # (the NeighborLoader test needs pyg-lib or torch-sparse, which that venv does not build)
+    # What differs between the torches is dynamo tracing gatlib's Python code, which both
+    # backends share: every compile test on the fused CPU kernels, and the Triton backend's own
+    # dispatch in the full-graph training steps and in export (its other tests repeat those
+    # with the kernels in Triton's interpreter, alike on both: they run under 2.13). The
+    # NeighborLoader test needs pyg-lib or torch-sparse, which that venv does not build.
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_compile.py",
-           "tests/test_export.py", "-k", "not neighbor_loader"]
+           "tests/test_export.py", "-k", "(not triton or fullgraph or test_export) and not neighbor_loader"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     tail = (res.stdout + res.stderr)[-3000:]
