@@ -221,10 +221,11 @@ def test_shell_script_exists(command):
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.program == "pytest"], ids=str)
 def test_pytest_paths_exist(command):
-    # (the values of pytest's options that take one, as -m "not slow", are not paths)
+    # (the values of pytest's options that take one, as -m "not slow" or xdist's -n auto, are
+    # not paths)
     argv = command.argv
     paths = [a.split("::")[0] for i, a in enumerate(argv)
-             if not a.startswith("-") and (i == 0 or argv[i - 1] not in ("-m", "-k", "-p"))]
+             if not a.startswith("-") and (i == 0 or argv[i - 1] not in ("-m", "-k", "-p", "-n"))]
     assert all((ROOT / p).exists() for p in paths), f"{command}: a path does not exist"
 
 
