@@ -39,19 +39,17 @@ class _Schedule:
     tensors whose sizes follow from the graph's sizes alone (no value of the graph
     is read on the host: a captured or compiled call replays on a new graph).
 
-    Item ``w`` covers positions ``start[w] : start[w] + length[w]`` of segment
-    ``row[w]``; ``slot[w]`` is ``-1`` when that is the whole segment (the item
-    writes the final result) or its partial-result slot when the segment was
-    split. Items are sorted longest first; the arrays have room for
-    :attr:`max_items`, and the ones past the real items have length ``-1``.
-    ``bounds`` holds the number of real items and of split segments; split segment ``s`` is ``split_row[s]``, with
-    partial-result slots ``split_first[s] : split_first[s] + split_count[s]``.
+    Item ``w`` is row ``w`` of ``items``, ``(row, start, length, slot)`` (a kernel reads
+    the four together): it covers positions ``start : start + length`` of segment
+    ``row``; ``slot`` is ``-1`` when that is the whole segment (the item writes the
+    final result) or its partial-result slot when the segment was split. Items are
+    sorted longest first; ``items`` has room for more, and the items past the real
+    ones have length ``-1``. ``bounds`` holds the number of real items and of split
+    segments; split segment ``s`` is ``split_row[s]``, with partial-result slots
+    ``split_first[s] : split_first[s] + split_count[s]``.
     """
 
-    row: Tensor  # [max_items]
-    start: Tensor  # [max_items]
-    length: Tensor  # [max_items]
-    slot: Tensor  # [max_items]
+    items: Tensor  # [max_items, 4]: row, start, length, slot
     bounds: Tensor  # [2] int64
     split_row: Tensor  # [max_split]
     split_first: Tensor  # [max_split]
@@ -61,6 +59,22 @@ class _Schedule:
     @property
     def max_split(self) -> int:
         return self.split_row.numel()
+
+    @property
+    def row(self) -> Tensor:
+        return self.items[:, 0]
+
+    @property
+    def start(self) -> Tensor:
+        return self.items[:, 1]
+
+    @property
+    def length(self) -> Tensor:
+        return self.items[:, 2]
+
+    @property
+    def slot(self) -> Tensor:
+        return self.items[:, 3]
 
 
 def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:
@@ -110,21 +124,21 @@ def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Sc
     slot = (slot0.gather(1, row) + j).masked_fill_(spieces.gather(1, row) == 0, -1)
     # Longest first: hub pieces start before the short rows fill the gaps.
     order = torch.argsort(length, dim=1, descending=True, stable=True)
-    items = torch.stack([row, start, length, slot], 1).gather(2, order.unsqueeze(1).expand(K, 4, M))
-    bounds = _rows_aligned(torch.stack([(items[:, 2] >= 0).sum(1), splits.sum(1)], 1),
+    items = torch.stack([row, start, length, slot], 2).gather(1, order.unsqueeze(2).expand(K, M, 4))
+    bounds = _rows_aligned(torch.stack([(items[:, :, 2] >= 0).sum(1), splits.sum(1)], 1),
                            torch.int64)
     # the split rows first, in row order (a stable sort: no value-sized output)
     split_row = torch.argsort(pieces[:, :n].clamp(max=2), dim=1, descending=True, stable=True)
     first_count = torch.stack([slot0[:, :n], pieces[:, :n]], 1).gather(
         2, split_row.unsqueeze(1).expand(K, 2, n))
     idt = index_dtype(num_edges, n + 1, M, _schedule_sizes(n, num_edges, split)[2])
-    items = _rows_aligned(items.reshape(K * 4, M), idt)
+    items = _rows_aligned(items.reshape(K, M * 4), idt)
     split_row = _rows_aligned(split_row, idt)
     first_count = _rows_aligned(first_count.reshape(K * 2, n), idt)
     out = []
     for k, nk in enumerate(sizes):
         m, ms, pieces_k = _schedule_sizes(nk, num_edges, split)
-        out.append(_Schedule(*(t[:m] for t in items[4 * k:4 * k + 4]), bounds[k], split_row[k][:ms],
+        out.append(_Schedule(items[k].view(M, 4)[:m], bounds[k], split_row[k][:ms],
                              first_count[2 * k][:ms], first_count[2 * k + 1][:ms], pieces_k))
     return out
 
@@ -427,7 +441,7 @@ def _launch(name: str, items: _Schedule, *args, **consts) -> None:
     consts["STAGES"] = _stages(consts)
     if name != "_bwd_src_kernel":
         consts["HP"] = triton.next_power_of_2(H)
-    args = (items.row, items.start, items.length, items.slot, items.bounds, *args)
+    args = (items.items, items.bounds, *args)
     device = items.bounds.device
 
     def grid(meta):

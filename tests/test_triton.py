@@ -435,7 +435,7 @@ def test_schedule_is_its_item_by_item_definition(split):
             assert s.split_first.tolist() == [slot0[r] for r in order[:s.max_split]], deg
             assert s.split_count.tolist() == [pieces[r] for r in order[:s.max_split]], deg
             # each array starts on 16 bytes (Triton specialises on it: test_triton_compile.py)
-            assert all(t.data_ptr() % 16 == 0 for t in (s.row, s.start, s.length, s.slot, s.bounds,
+            assert all(t.data_ptr() % 16 == 0 for t in (s.items, s.bounds,
                                                         s.split_row, s.split_first, s.split_count))
 
 
