@@ -39,7 +39,7 @@ lane, blocks loading ahead) is a config ``triton.autotune`` times on the device
 head shares — a layer aggregating its inputs, :func:`gatlib._conv._input_space` —
 is read in place, and the backward sums its per-head gradient over the heads. The
 forward and the dst backward may then give a lane every head of its item
-(``LANE_HEADS``: ``_fwd_heads_items``, ``_bwd_dst_heads_items``): each source row is
+(``LANE_HEADS``: ``_fwd_heads_block``, ``_bwd_dst_heads_block``): each source row is
 gathered once for all heads, where a lane per (item, head) gathers it once per head.
 
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;

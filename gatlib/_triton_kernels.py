@@ -24,7 +24,7 @@ _PER_CALL = ("E", "P_ROWS")
 # Kernels. A program owns BLOCK_R *lanes*, each one (work item, head) pair —
 # lane l is item l // H, head l % H — so the heads of a row sit side by side
 # and their loads of a source's [H, C] row are contiguous; or, at values of one head
-# that all heads share (HP > 0: _fwd_heads_items, _bwd_dst_heads_items), each one
+# that all heads share (LANE_HEADS: _fwd_heads_block, _bwd_dst_heads_block), each one
 # work item with every head.
 # ---------------------------------------------------------------------------
 # The schedule's arrays are loaded by each kernel's own body, not by a helper: should
@@ -52,6 +52,26 @@ def _lane_slots(valid, slot, length):
     final = valid & (slot < 0)
     piece = valid & (slot >= 0)
     return final, piece, tl.where(piece, slot, 0), tl.max(length, 0)
+
+
+@triton.jit
+def _softmax_step(score, m_i, l_i):
+    """One step of the online softmax over the edges (axis 1) of ``score``, whose masked
+    edges are -inf: ``(p, corr, m, l)``, the step's weights (0 off the edges), the factor
+    that rescales what was summed before, and the running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(score, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
+    p = tl.exp(score - tl.expand_dims(m_safe, 1))
+    corr = tl.exp(m_i - m_safe)
+    return p, corr, m_new, l_i * corr + tl.sum(p, 1)
+
+
+@triton.jit
+def _softmax_end(m_i, l_i):
+    """``(l, lse)`` of the running max and sum: the sum, 1 where a row had no edge (its
+    output stays 0), and the log-sum-exp, -inf there."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return l_safe, tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
 
 
 @triton.jit
@@ -146,11 +166,12 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
 
 
 @triton.jit
-def _fwd_heads_items(
-    items, bounds, csr_src, s_src, s_dst, value, bias, coef, out, out_b, lse, part_out, part_lse,
-    seed, p_drop, H, CK, CV, KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DROPOUT: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
+def _fwd_heads_block(
+    row, start, length, valid, final, piece, slot, max_len, csr_src, s_src, s_dst, value, bias,
+    out, out_b, lse, part_out, part_lse, scale, slope, keep_scale, seed, p_drop, H, CK, CV, KIND: tl.constexpr,
+    HAS_DST: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr, BLOCK_CV: tl.constexpr,
+    HP: tl.constexpr,
 ):
     """:func:`_fwd_kernel` with every head of an item in one lane (``HP``, the heads padded
     to a power of two): for a value of one head that all heads share (``ONE_V``; the dot
@@ -160,95 +181,65 @@ def _fwd_heads_items(
     items, not ``BLOCK_R / H``. Scores, weights and the accumulator carry a head axis:
     ``[R, E, HP]`` and ``[R, HP, C]``. GAT from node terms (``KIND`` 0) or the dot
     product (2), without edge features."""
-    n_items = tl.load(bounds)  # the schedule's work items
-    n_blocks = tl.cdiv(n_items, BLOCK_R).to(tl.int32)
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
     c = tl.arange(0, BLOCK_CV)
     cm = c < CV
-    pid, n_prog = tl.program_id(0), tl.num_programs(0)
-    if AHEAD:  # as in _fwd_kernel: each block loads its successor's edge ranges
-        lane0, valid0, it0, head0 = _lane_items(pid, n_items, 1, BLOCK_R)
-        start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
-        length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
-    for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, head = _lane_items(blk, n_items, 1, BLOCK_R)
-        row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
-        if AHEAD:
-            start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                        n_items, 1, BLOCK_R)
-            start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
-            length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
-        else:
-            start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
-            length = tl.load(items + it * 4 + 2, mask=valid, other=0)
-        final, piece, slot, max_len = _lane_slots(
-            valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
-        scale = tl.load(coef).to(ACC)
-        slope = tl.load(coef + 1).to(ACC)
-        keep_scale = tl.load(coef + 2).to(ACC)
-        if DROPOUT:
-            rng_seed = tl.load(seed)
-        vh = valid[:, None] & hm[None, :]  # [R, HP]
-        hrow = row[:, None] * H + hh[None, :]  # [R, HP]: the rows of [N, H] and [N, H, C]
-        m_i = tl.full([BLOCK_R, HP], float("-inf"), ACC)
-        l_i = tl.zeros([BLOCK_R, HP], ACC)
-        acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
-        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
-            pos = off + tl.arange(0, BLOCK_E)[None, :]
-            emask = pos < length[:, None]  # [R, E]
-            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
-            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-            v = tl.load(value + src[:, :, None] * CV + c[None, None, :],
-                        mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
-            em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
-            if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
-                score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
-                                           row[:, None, None], src[:, :, None], em3,
-                                           vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
-                                           False, ACC, 1)
-            else:  # dot product: q_i . k_j * scale, the key being the value; head by head,
-                # so that no [R, E, HP, C] product is live (it spilled at 128 channels)
-                score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
-                for j in tl.static_range(HP):
-                    qm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
-                    qj = tl.load(s_dst + (row * H + j)[:, None, None] * CK + c[None, None, :],
-                                 mask=qm & cm[None, None, :], other=0).to(ACC)
-                    score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
-                score = score * scale
-            score = tl.where(em3, score, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(score, 1))  # [R, HP]
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(score - m_safe[:, None, :])  # [R, E, HP], 0 off the edges
-            corr = tl.exp(m_i - m_safe)
-            l_i = l_i * corr + tl.sum(p, 1)
-            if DROPOUT:  # the stream of _fwd_kernel: (CSR position * H + head)
-                keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
-                p = tl.where(keep, p * keep_scale, 0.0)
-            acc = acc * corr[:, :, None]
-            for j in tl.static_range(HP):  # each head's weighted sum of the one gather
-                pj = tl.sum(tl.where(h3 == j, p, 0.0), 2)  # [R, E]
-                acc += tl.where(hh[None, :, None] == j,
-                                tl.sum(pj[:, :, None] * v, 1)[:, None, :], 0.0)
-            m_i = m_new
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / l_safe[:, :, None]  # [R, HP, CV]; rows without in-edges stay 0
-        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
-        c3 = c[None, None, :]
-        om = vh[:, :, None] & cm[None, None, :]
-        orow = hrow[:, :, None] * CV + c3
-        prow = (slot[:, None] * H + hh[None, :])[:, :, None] * CV + c3
-        fm = final[:, None] & hm[None, :]
-        pm = piece[:, None] & hm[None, :]
-        tl.store(out + orow, o, mask=om & final[:, None, None])
-        tl.store(lse + hrow, row_lse, mask=fm)
-        tl.store(part_out + prow, o, mask=om & piece[:, None, None])
-        tl.store(part_lse + slot[:, None] * H + hh[None, :], row_lse, mask=pm)
-        if HAS_BIAS:
-            o += tl.load(bias + hh[None, :, None] * CV + c3, mask=om, other=0).to(ACC)
-            tl.store(out_b + orow, o, mask=om & final[:, None, None])
+    if DROPOUT:
+        rng_seed = tl.load(seed)
+    vh = valid[:, None] & hm[None, :]  # [R, HP]
+    hrow = row[:, None] * H + hh[None, :]  # [R, HP]: the rows of [N, H] and [N, H, C]
+    m_i = tl.full([BLOCK_R, HP], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_R, HP], ACC)
+    acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
+    for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+        pos = off + tl.arange(0, BLOCK_E)[None, :]
+        emask = pos < length[:, None]  # [R, E]
+        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
+        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+        v = tl.load(value + src[:, :, None] * CV + c[None, None, :],
+                    mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
+        em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
+        if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
+            score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
+                                       row[:, None, None], src[:, :, None], em3,
+                                       vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
+                                       False, ACC, 1)
+        else:  # dot product: q_i . k_j * scale, the key being the value; head by head,
+            # so that no [R, E, HP, C] product is live (it spilled at 128 channels)
+            score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+            for j in tl.static_range(HP):
+                qm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
+                qj = tl.load(s_dst + (row * H + j)[:, None, None] * CK + c[None, None, :],
+                             mask=qm & cm[None, None, :], other=0).to(ACC)
+                score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
+            score = score * scale
+        score = tl.where(em3, score, float("-inf"))
+        p, corr, m_i, l_i = _softmax_step(score, m_i, l_i)  # p: [R, E, HP]
+        if DROPOUT:  # the stream of _fwd_kernel: (CSR position * H + head)
+            keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
+            p = tl.where(keep, p * keep_scale, 0.0)
+        acc = acc * corr[:, :, None]
+        for j in tl.static_range(HP):  # each head's weighted sum of the one gather
+            pj = tl.sum(tl.where(h3 == j, p, 0.0), 2)  # [R, E]
+            acc += tl.where(hh[None, :, None] == j,
+                            tl.sum(pj[:, :, None] * v, 1)[:, None, :], 0.0)
+    l_safe, row_lse = _softmax_end(m_i, l_i)
+    o = acc / l_safe[:, :, None]  # [R, HP, CV]
+    c3 = c[None, None, :]
+    om = vh[:, :, None] & cm[None, None, :]
+    orow = hrow[:, :, None] * CV + c3
+    prow = (slot[:, None] * H + hh[None, :])[:, :, None] * CV + c3
+    fm = final[:, None] & hm[None, :]
+    pm = piece[:, None] & hm[None, :]
+    tl.store(out + orow, o, mask=om & final[:, None, None])
+    tl.store(lse + hrow, row_lse, mask=fm)
+    tl.store(part_out + prow, o, mask=om & piece[:, None, None])
+    tl.store(part_lse + slot[:, None] * H + hh[None, :], row_lse, mask=pm)
+    if HAS_BIAS:
+        o += tl.load(bias + hh[None, :, None] * CV + c3, mask=om, other=0).to(ACC)
+        tl.store(out_b + orow, o, mask=om & final[:, None, None])
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -264,35 +255,40 @@ def _fwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
     PER_SM: tl.constexpr,
 ):
-    if LANE_HEADS:  # every head of an item in one lane (HP: the heads padded)
-        _fwd_heads_items(items, bounds, csr_src, s_src, s_dst, value, bias, coef, out, out_b, lse,
-                         part_out, part_lse, seed, p_drop, H, CK, CV, KIND, HAS_DST, HAS_BIAS,
-                         DROPOUT, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, HP, AHEAD)
-    else:
-        n_items = tl.load(bounds)  # the schedule's work items
-        n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
-        pid, n_prog = tl.program_id(0), tl.num_programs(0)
-        if AHEAD:  # the first block's edge ranges; each block then loads its successor's
-            lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
-            start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
-            length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
-        for blk in range(pid, n_blocks, n_prog):
-            lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
-            row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
-            if AHEAD:  # the next block's, in flight while this block runs its edges
-                start, length = start_n.to(tl.int64), length_n
-                lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                         n_items, H, BLOCK_R)
-                start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
-                length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
-            else:
-                start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
-                length = tl.load(items + it * 4 + 2, mask=valid, other=0)
-            final, piece, slot, max_len = _lane_slots(
-                valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
-            scale = tl.load(coef).to(ACC)
-            slope = tl.load(coef + 1).to(ACC)
-            keep_scale = tl.load(coef + 2).to(ACC)
+    if LANE_HEADS:  # a lane per work item, with every head (HP: the heads padded)
+        LH: tl.constexpr = 1
+    else:  # a lane per (work item, head)
+        LH: tl.constexpr = H
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items * LH, BLOCK_R).to(tl.int32)
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # the first block's edge ranges; each block then loads its successor's
+        lane0, valid0, it0, h0 = _lane_items(pid, n_items, LH, BLOCK_R)
+        start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
+        length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
+        lane, valid, it, h = _lane_items(blk, n_items, LH, BLOCK_R)
+        row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
+        if AHEAD:  # the next block's, in flight while this block runs its edges
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
+                                                     n_items, LH, BLOCK_R)
+            start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
+            length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
+        else:
+            start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
+            length = tl.load(items + it * 4 + 2, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        if LANE_HEADS:
+            _fwd_heads_block(row, start, length, valid, final, piece, slot, max_len, csr_src, s_src,
+                             s_dst, value, bias, out, out_b, lse, part_out, part_lse, scale, slope,
+                             keep_scale, seed, p_drop, H, CK, CV, KIND, HAS_DST, HAS_BIAS, DROPOUT,
+                             ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, HP)
+        else:
             if DROPOUT:
                 rng_seed = tl.load(seed)
             h2 = h[:, None]  # [R, 1]
@@ -318,11 +314,7 @@ def _fwd_kernel(
                                               emask, m_dst, emask, scale, slope, KIND, HAS_DST,
                                               HAS_EDGE, ONE_K, ACC, BLOCK_CK)
                 score = tl.where(emask, score, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(score, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
-                p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
-                corr = tl.exp(m_i - m_safe)
-                l_i = l_i * corr + tl.sum(p, 1)
+                p, corr, m_i, l_i = _softmax_step(score, m_i, l_i)  # p: [R, E]
                 if DROPOUT:
                     keep = tl.rand(rng_seed, k * H + h2) >= p_drop
                     p = tl.where(keep, p * keep_scale, 0.0)
@@ -345,10 +337,8 @@ def _fwd_kernel(
                         v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
                                         other=0).to(ACC)
                 acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
-                m_i = m_new
-            l_safe = tl.where(l_i > 0, l_i, 1.0)
-            o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
-            row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
+            l_safe, row_lse = _softmax_end(m_i, l_i)
+            o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]
             cv = tl.arange(0, BLOCK_CV)[None, :]
             cm = cv < CV
             orow = row * H + h
@@ -440,9 +430,9 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
                 acc += po
         orow = row * H + h
         if SOFTMAX:
-            l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+            l_safe, row_lse = _softmax_end(m, l_sum)
             acc = acc / l_safe[:, None]
-            tl.store(lse + orow, tl.where(l_sum > 0, m + tl.log(l_safe), float("-inf")), mask=valid)
+            tl.store(lse + orow, row_lse, mask=valid)
         tl.store(out + orow[:, None] * C + c, acc, mask=valid[:, None] & cm)
         if HAS_BIAS:
             acc += tl.load(bias + h[:, None] * C + c, mask=valid[:, None] & cm, other=0).to(ACC)
@@ -450,128 +440,105 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
 
 
 @triton.jit
-def _bwd_dst_heads_items(
-    items, bounds, csr_src, csr_eid, s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha,
-    grad_alpha, a_buf, ds_buf, d_dst, part_dst, seed, p_drop, H, CV,
-    KIND: tl.constexpr, HAS_DST: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+def _bwd_dst_heads_block(
+    row, start, length, valid, final, piece, slot, max_len, csr_src, csr_eid, s_src, s_dst, value,
+    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_dst, part_dst, scale, slope,
+    keep_scale, seed, p_drop,
+    H, CV, KIND: tl.constexpr, HAS_DST: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_DST: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, HP: tl.constexpr,
 ):
     """:func:`_bwd_dst_kernel` with every head of an item in one lane (``HP``), for the
-    calls of :func:`_fwd_heads_items` that need no parameter's partials (the output
+    calls of :func:`_fwd_heads_block` that need no parameter's partials (the output
     bias's): each source row is gathered once for all heads. ``[R, E, HP]`` scores,
     weights and score gradients; the dot kind's query gradient ``[R, HP, C]``."""
-    n_items = tl.load(bounds)  # the schedule's work items
-    n_blocks = tl.cdiv(n_items, BLOCK_R).to(tl.int32)
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
     c = tl.arange(0, BLOCK_CV)
     cm = c < CV
     c3 = c[None, None, :]
-    pid, n_prog = tl.program_id(0), tl.num_programs(0)
-    if AHEAD:  # as in _fwd_kernel: each block loads its successor's edge ranges
-        lane0, valid0, it0, head0 = _lane_items(pid, n_items, 1, BLOCK_R)
-        start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
-        length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
-    for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, head = _lane_items(blk, n_items, 1, BLOCK_R)
-        row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
-        if AHEAD:
-            start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                     n_items, 1, BLOCK_R)
-            start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
-            length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
+    if DROPOUT:
+        rng_seed = tl.load(seed)
+    vh = valid[:, None] & hm[None, :]  # [R, HP]
+    hrow = row[:, None] * H + hh[None, :]  # [R, HP]
+    omask = vh[:, :, None] & cm[None, None, :]
+    ooff = hrow[:, :, None] * CV + c3
+    # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij), per head: [R, HP]
+    row_delta = tl.sum(tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)
+                       * tl.load(out + ooff, mask=omask, other=0).to(ACC), 2)
+    if GALPHA:
+        row_delta += tl.load(delta_alpha + hrow, mask=vh, other=0).to(ACC)
+    row_lse = tl.load(lse + hrow, mask=vh, other=0).to(ACC)
+    row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+    if KIND == 0:
+        d_acc = tl.zeros([BLOCK_R, HP], ACC)
+    else:
+        d_acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
+    for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+        pos = off + tl.arange(0, BLOCK_E)[None, :]
+        emask = pos < length[:, None]  # [R, E]
+        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64
+        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+        v = tl.load(value + src[:, :, None] * CV + c3,
+                    mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
+        em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
+        # per head, from the one gather: <g_i, v_j> and the dot kind's q_i . k_j
+        dp = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+        score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+        for j in tl.static_range(HP):
+            jm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
+            jm3 = jm & cm[None, None, :]
+            joff = (row * H + j)[:, None, None] * CV + c3
+            gj = tl.load(grad_out + joff, mask=jm3, other=0).to(ACC)
+            dp = tl.where(h3 == j, tl.sum(v * gj, 2)[:, :, None], dp)
+            if KIND == 2:
+                qj = tl.load(s_dst + joff, mask=jm3, other=0).to(ACC)
+                score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
+        if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
+            score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
+                                       row[:, None, None], src[:, :, None], em3,
+                                       vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
+                                       False, ACC, 1)
         else:
-            start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
-            length = tl.load(items + it * 4 + 2, mask=valid, other=0)
-        final, piece, slot, max_len = _lane_slots(
-            valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
-        scale = tl.load(coef).to(ACC)
-        slope = tl.load(coef + 1).to(ACC)
-        keep_scale = tl.load(coef + 2).to(ACC)
-        if DROPOUT:
-            rng_seed = tl.load(seed)
-        vh = valid[:, None] & hm[None, :]  # [R, HP]
-        hrow = row[:, None] * H + hh[None, :]  # [R, HP]
-        omask = vh[:, :, None] & cm[None, None, :]
-        ooff = hrow[:, :, None] * CV + c3
-        # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij), per head: [R, HP]
-        row_delta = tl.sum(tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)
-                           * tl.load(out + ooff, mask=omask, other=0).to(ACC), 2)
+            score = score * scale
+        p = tl.where(em3, tl.exp(score - row_lse[:, None, :]), 0.0)  # softmax, [R, E, HP]
+        if DROPOUT:  # the forward's stream: (CSR position * H + head)
+            keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
+            drop = tl.where(keep, keep_scale, 0.0)
+            a = p * drop
+            dp = dp * drop
+        else:
+            a = p
         if GALPHA:
-            row_delta += tl.load(delta_alpha + hrow, mask=vh, other=0).to(ACC)
-        row_lse = tl.load(lse + hrow, mask=vh, other=0).to(ACC)
-        row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+            eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+            dp = dp + tl.load(grad_alpha + eid[:, :, None] * H + h3, mask=em3,
+                              other=0).to(ACC)
+        ds = p * (dp - row_delta[:, None, :])  # softmax backward
+        eoff = k[:, :, None] * H + h3
+        tl.store(a_buf + eoff, a, mask=em3)
         if KIND == 0:
-            d_acc = tl.zeros([BLOCK_R, HP], ACC)
+            dz = ds * tl.where(z > 0, 1.0, slope)
+            tl.store(ds_buf + eoff, dz, mask=em3)
+            d_acc += tl.sum(dz, 1)
         else:
-            d_acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
-        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
-            pos = off + tl.arange(0, BLOCK_E)[None, :]
-            emask = pos < length[:, None]  # [R, E]
-            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64
-            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-            v = tl.load(value + src[:, :, None] * CV + c3,
-                        mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
-            em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
-            # per head, from the one gather: <g_i, v_j> and the dot kind's q_i . k_j
-            dp = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
-            score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
-            for j in tl.static_range(HP):
-                jm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
-                jm3 = jm & cm[None, None, :]
-                joff = (row * H + j)[:, None, None] * CV + c3
-                gj = tl.load(grad_out + joff, mask=jm3, other=0).to(ACC)
-                dp = tl.where(h3 == j, tl.sum(v * gj, 2)[:, :, None], dp)
-                if KIND == 2:
-                    qj = tl.load(s_dst + joff, mask=jm3, other=0).to(ACC)
-                    score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
-            if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
-                score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
-                                           row[:, None, None], src[:, :, None], em3,
-                                           vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
-                                           False, ACC, 1)
-            else:
-                score = score * scale
-            p = tl.where(em3, tl.exp(score - row_lse[:, None, :]), 0.0)  # softmax, [R, E, HP]
-            if DROPOUT:  # the forward's stream: (CSR position * H + head)
-                keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
-                drop = tl.where(keep, keep_scale, 0.0)
-                a = p * drop
-                dp = dp * drop
-            else:
-                a = p
-            if GALPHA:
-                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
-                dp = dp + tl.load(grad_alpha + eid[:, :, None] * H + h3, mask=em3,
-                                  other=0).to(ACC)
-            ds = p * (dp - row_delta[:, None, :])  # softmax backward
-            eoff = k[:, :, None] * H + h3
-            tl.store(a_buf + eoff, a, mask=em3)
-            if KIND == 0:
-                dz = ds * tl.where(z > 0, 1.0, slope)
-                tl.store(ds_buf + eoff, dz, mask=em3)
-                d_acc += tl.sum(dz, 1)
-            else:
-                tl.store(ds_buf + eoff, ds, mask=em3)
-                for j in tl.static_range(HP):  # dq_i = sum_j ds_ij k_j, scaled below
-                    dsj = tl.sum(tl.where(h3 == j, ds, 0.0), 2)  # [R, E]
-                    d_acc += tl.where(hh[None, :, None] == j,
-                                      tl.sum(dsj[:, :, None] * v, 1)[:, None, :], 0.0)
-        if NEED_DST:
-            prow = slot[:, None] * H + hh[None, :]
-            fm = final[:, None] & hm[None, :]
-            pm = piece[:, None] & hm[None, :]
-            if KIND == 0:
-                tl.store(d_dst + hrow, d_acc, mask=fm)
-                tl.store(part_dst + prow, d_acc, mask=pm)
-            else:
-                d_acc = d_acc * scale
-                cm3 = cm[None, None, :]
-                tl.store(d_dst + hrow[:, :, None] * CV + c3, d_acc, mask=fm[:, :, None] & cm3)
-                tl.store(part_dst + prow[:, :, None] * CV + c3, d_acc, mask=pm[:, :, None] & cm3)
+            tl.store(ds_buf + eoff, ds, mask=em3)
+            for j in tl.static_range(HP):  # dq_i = sum_j ds_ij k_j, scaled below
+                dsj = tl.sum(tl.where(h3 == j, ds, 0.0), 2)  # [R, E]
+                d_acc += tl.where(hh[None, :, None] == j,
+                                  tl.sum(dsj[:, :, None] * v, 1)[:, None, :], 0.0)
+    if NEED_DST:
+        prow = slot[:, None] * H + hh[None, :]
+        fm = final[:, None] & hm[None, :]
+        pm = piece[:, None] & hm[None, :]
+        if KIND == 0:
+            tl.store(d_dst + hrow, d_acc, mask=fm)
+            tl.store(part_dst + prow, d_acc, mask=pm)
+        else:
+            d_acc = d_acc * scale
+            cm3 = cm[None, None, :]
+            tl.store(d_dst + hrow[:, :, None] * CV + c3, d_acc, mask=fm[:, :, None] & cm3)
+            tl.store(part_dst + prow[:, :, None] * CV + c3, d_acc, mask=pm[:, :, None] & cm3)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -589,41 +556,46 @@ def _bwd_dst_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
     PER_SM: tl.constexpr,
 ):
-    if LANE_HEADS:  # (as in _fwd_kernel)
-        _bwd_dst_heads_items(items, bounds, csr_src, csr_eid, s_src, s_dst, value, coef, grad_out,
-                             out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_dst, part_dst, seed,
-                             p_drop, H, CV, KIND, HAS_DST, DROPOUT, GALPHA, NEED_DST, ACC, BLOCK_R,
-                             BLOCK_E, STAGES, BLOCK_CV, HP, AHEAD)
-    else:
-        n_items = tl.load(bounds)  # the schedule's work items
-        n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
-        # GATv2's att gradient, summed over the blocks this program runs: each lane
-        # keeps one head, as the grid is a multiple of H (_programs)
-        att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-        # the output bias's gradient likewise: the sum of grad_out over the rows
-        bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
-        pid, n_prog = tl.program_id(0), tl.num_programs(0)
-        if AHEAD:  # as in _fwd_kernel: each block loads its successor's edge ranges
-            lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
-            start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
-            length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
-        for blk in range(pid, n_blocks, n_prog):
-            lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
-            row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
-            if AHEAD:
-                start, length = start_n.to(tl.int64), length_n
-                lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                         n_items, H, BLOCK_R)
-                start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
-                length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
-            else:
-                start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
-                length = tl.load(items + it * 4 + 2, mask=valid, other=0)
-            final, piece, slot, max_len = _lane_slots(
-                valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
-            scale = tl.load(coef).to(ACC)
-            slope = tl.load(coef + 1).to(ACC)
-            keep_scale = tl.load(coef + 2).to(ACC)
+    if LANE_HEADS:  # a lane per work item, with every head (HP: the heads padded)
+        LH: tl.constexpr = 1
+    else:  # a lane per (work item, head)
+        LH: tl.constexpr = H
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items * LH, BLOCK_R).to(tl.int32)
+    # GATv2's att gradient, summed over the blocks this program runs: each lane
+    # keeps one head, as the grid is a multiple of H (_programs)
+    att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    # the output bias's gradient likewise: the sum of grad_out over the rows
+    bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # as in _fwd_kernel: each block loads its successor's edge ranges
+        lane0, valid0, it0, h0 = _lane_items(pid, n_items, LH, BLOCK_R)
+        start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
+        length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
+        lane, valid, it, h = _lane_items(blk, n_items, LH, BLOCK_R)
+        row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
+        if AHEAD:
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
+                                                     n_items, LH, BLOCK_R)
+            start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
+            length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
+        else:
+            start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
+            length = tl.load(items + it * 4 + 2, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        if LANE_HEADS:
+            _bwd_dst_heads_block(row, start, length, valid, final, piece, slot, max_len, csr_src,
+                                 csr_eid, s_src, s_dst, value, grad_out, out, lse, delta_alpha,
+                                 grad_alpha, a_buf, ds_buf, d_dst, part_dst, scale, slope,
+                                 keep_scale, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT, GALPHA,
+                                 NEED_DST, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, HP)
+        else:
             h2 = h[:, None]
             dst = row[:, None]
             m_dst = valid[:, None]
@@ -744,10 +716,10 @@ def _bwd_dst_kernel(
                     km = ckm[None, :]
                     tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
                     tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
-        if NEED_ATT:  # one partial per lane of each program, summed by the caller
-            _store_partials(part_att, att_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
-        if NEED_BIAS:  # (as att's)
-            _store_partials(part_bias, bias_acc, CV, P_ROWS, BLOCK_R, BLOCK_CV, ACC)
+    if NEED_ATT:  # one partial per lane of each program, summed by the caller
+        _store_partials(part_att, att_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
+    if NEED_BIAS:  # (as att's)
+        _store_partials(part_bias, bias_acc, CV, P_ROWS, BLOCK_R, BLOCK_CV, ACC)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
