@@ -11,12 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Integer kernel arguments that change from graph to graph (sizes). Triton specialises
-# integer arguments on their value (== 1, divisible by 16) by default, which would
-# compile a new kernel for many a new mini-batch. Heads and channels are fixed per
-# layer: compile-time constants (one compile per layer configuration), so row offsets
-# are known multiples (vector loads where rows are 16-byte aligned) and `lane // H`
-# is no runtime division.
+# Integer arguments that change with the graph: not specialised on their value, which
+# would compile anew for many a mini-batch. Heads and channels are fixed per layer and
+# constexprs: row offsets are known multiples (vector loads) and `lane // H` no division.
 _PER_CALL = ("E", "P_ROWS")
 
 
@@ -27,13 +24,9 @@ _PER_CALL = ("E", "P_ROWS")
 # that all heads share (LANE_HEADS: _fwd_heads_block, _bwd_dst_heads_block), each one
 # work item with every head.
 # ---------------------------------------------------------------------------
-# The schedule's arrays are loaded by each kernel's own body, not by a helper: should
-# torch.compile ever trace the kernels (torch.library.wrap_triton; the operators are
-# opaque to it now, _triton._operator), its analysis of what a kernel writes follows a
-# store's address back through the calls it came from and takes every pointer a helper
-# was given as written, and AOT autograd's partitioner then refused the compiled step
-# (docs/design.md, "Compiled calls launch the eager kernels"). The helpers below take
-# loaded values only.
+# The schedule's items are loaded in the kernels' own bodies and helpers take loaded
+# values: AOT autograd took arrays passed to a helper as written and refused a compiled
+# step (docs/design.md, "Compiled calls launch the eager kernels").
 @triton.jit
 def _lane_items(blk, n_items, H, BLOCK_R: tl.constexpr):
     """``(lane, valid, item, head)`` of the lanes of block ``blk`` (lanes past the
@@ -297,9 +290,7 @@ def _fwd_kernel(
             cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
             m_i = tl.full([BLOCK_R], float("-inf"), ACC)
             l_i = tl.zeros([BLOCK_R], ACC)
-            # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
-            # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
-            # which spilled at wide C (docs/design.md, "No spills at the users' shapes").
+            # the layout of the [R, E, CV] tile it sums: a 2-D slice spilled at wide C
             acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
             for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
                 pos = off + tl.arange(0, BLOCK_E)[None, :]
@@ -318,9 +309,7 @@ def _fwd_kernel(
                 if DROPOUT:
                     keep = tl.rand(rng_seed, k * H + h2) >= p_drop
                     p = tl.where(keep, p * keep_scale, 0.0)
-                # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers, the dot
-                # kind in input space) or value_edge (Transformer layers) is the same
-                # tensor; a value of one head (ONE_V, input space) is row src for every head
+                # v_j + u_ij, reusing the scorer's tiles where value or value_edge is one
                 if ONE_V:
                     vrow = src
                 else:
@@ -614,20 +603,16 @@ def _bwd_dst_kernel(
             row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
             if DROPOUT:
                 rng_seed = tl.load(seed)
-            # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
-            # backward builds no [N, H, C] temporary for it
+            # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij), no [N, H, C] temporary
             row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
             if NEED_BIAS:  # each row's gradient once: on a split row's first piece
                 row_ptr = tl.load(ptr + row, mask=piece, other=-1).to(tl.int64)
                 bias_acc += tl.where((final | (piece & (start == row_ptr)))[:, None], g2, 0.0)
             if GALPHA:
                 row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
-            # With SLOTS the dot kind's query gradient keeps one partial per edge slot of
-            # the tile, summed over the slots after the loop: a sum over the edge axis,
-            # which spans warps, at every step goes through shared memory at a barrier.
-            # Only the dot kind's: GAT's and GATv2's gained nothing so and spilled at some
-            # shapes (docs/design.md, "Per-slot sums in the backward"; the launcher's rule:
-            # _triton_schedule._slot_sums)
+            # SLOTS: the dot kind's query gradient per edge slot, summed after the loop (a
+            # sum across warps at every step meets at a barrier; docs/design.md, "Per-slot
+            # sums in the backward")
             if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
                 d_acc = tl.zeros([BLOCK_R], ACC)
             elif KIND == 2 and SLOTS:
@@ -767,14 +752,10 @@ def _bwd_src_kernel(
         ck = tl.arange(0, BLOCK_CK)
         ckm = ck < CK
         ck3 = ck[None, None, :]
-        # With SLOTS one partial per edge slot of the tile, summed over the slots after
-        # the loop (as the dst kernel's dot kind's; docs/design.md, "Per-slot sums in the
-        # backward"). GAT's scalar
-        # always: a per-step sum into an [R] accumulator failed Triton 3.6's compiler
-        # at C <= 4 (TritonGPUOptimizeThreadLocality). GATv2's value is its scorer's
-        # x_src (SUM_SRC): per slot, both its gradients go into dv_acc, one tile-sized
-        # accumulator (two spilled at C = 256); so is the dot kind's key when it is the
-        # value (input space), its gradient scaled as it is summed
+        # SLOTS: partials per edge slot, summed after the loop (as the dst kernel's); GAT's
+        # scalar always, as an [R] sum per step failed Triton's compiler at C <= 4. A value
+        # that is the scorer's x_src (SUM_SRC) sums both gradients in dv_acc: two tile-sized
+        # accumulators spilled at C = 256
         if SLOTS:
             dv_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
         else:
@@ -836,12 +817,9 @@ def _bwd_src_kernel(
             ds_acc = tl.sum(ds_acc, 1)
         prow = slot * H + h
         if KIND == 3:
-            # GAT's terms formed in-kernel from h (EdgeScore.gat_projected): h_j's
-            # source-term gradient ds_acc and, once per node (on its row's first
-            # piece: the CSC position before it is another source's), its
-            # destination-term gradient dt from the destination kernel, times the
-            # attention vectors into h's one gradient and times h_j into the
-            # vectors' gradients
+            # GAT from h (EdgeScore.gat_projected): the source term's gradient ds_acc and,
+            # once per node (its row's first piece), the destination term's dt, times the
+            # attention vectors into h's gradient and times h_j into the vectors'
             km = valid[:, None] & ckm[None, :]
             a_s = tl.load(s_att + h[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
             a_d = tl.load(s_att + (H + h)[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
