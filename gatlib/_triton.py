@@ -39,7 +39,7 @@ lane, blocks loading ahead) is a config ``triton.autotune`` times on the device
 head shares — a layer aggregating its inputs, :func:`gatlib._conv._input_space` —
 is read in place, and the backward sums its per-head gradient over the heads. The
 forward and the dst backward may then give a lane every head of its item
-(``LANE_HEADS``: ``_fwd_heads_items``, ``_bwd_dst_heads_items``): each source row is
+(``LANE_HEADS``: ``_fwd_heads_block``, ``_bwd_dst_heads_block``): each source row is
 gathered once for all heads, where a lane per (item, head) gathers it once per head.
 
 Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
@@ -160,7 +160,7 @@ def _schedule_tensors(s: _Schedule, split: bool = True) -> List[Tensor]:
     parts = (s.split_row, s.split_first, s.split_count)
     if not split:  # none of its rows is split: empty arrays, whose merge never launches
         parts = tuple(t[:0] for t in parts)
-    return [s.row, s.start, s.length, s.slot, s.bounds, *parts]
+    return [s.items, s.bounds, *parts]
 
 
 def _graph_of(ts: List[Tensor]) -> _Graph:
@@ -168,10 +168,10 @@ def _graph_of(ts: List[Tensor]) -> _Graph:
     max_pieces = _schedule_sizes(0, src.numel(), TS._SPLIT)[2]
 
     def schedule(t: List[Tensor]) -> _Schedule:  # (no split rows: no partial results either)
-        return _Schedule(*t, max_pieces if t[5].numel() else 0)
+        return _Schedule(*t, max_pieces if t[2].numel() else 0)
 
     return _Graph(ptr, src, dst, perm, csc_edge, csc_dst, csr_eid, csc_eid,
-                  schedule(ts[8:16]), schedule(ts[16:24]))
+                  schedule(ts[8:13]), schedule(ts[13:18]))
 
 
 def _split_rows(tp: _Plan, like: Tensor) -> Tuple[bool, bool]:
@@ -475,7 +475,6 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
                     _or(s_edge, dummy), _or(s_att, dummy), coef, lse, alpha, H, CK,
                     KIND=meta.kind, HAS_DST=consts["HAS_DST"], HAS_EDGE=consts["HAS_EDGE"],
                     ONE_K=meta.one_k, ACC=consts["ACC"], BLOCK_K=block_k, BLOCK_CK=consts["BLOCK_CK"],
-                    FULL_CK=consts["FULL_CK"],
                     num_warps=_warps(consts["BLOCK_CK"], consts["ACC"]))
     if out_b is None:
         return out, alpha, lse, value.new_empty(0)
@@ -580,8 +579,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
             src = dict(KIND=meta.kind, HAS_EDGE=consts["HAS_EDGE"], NEED_VALUE=need_value,
                        NEED_SRC=need_src, SUM_SRC=sum_src, NEED_ATT="att_src" in parts,
                        ACC=consts["ACC"], BLOCK_CK=consts["BLOCK_CK"],
-                       BLOCK_CV=consts["BLOCK_CV"], FULL_CK=consts["FULL_CK"],
-                       FULL_CV=consts["FULL_CV"])
+                       BLOCK_CV=consts["BLOCK_CV"])
             _launch("_bwd_src_kernel", sitems,
                     lay.csc_edge, lay.csc_dst, plan.csc_eid, lay.src, s_src, _or(s_dst, dummy),
                     _or(s_edge, dummy), _or(s_att, dummy), coef, g, a_buf, ds_buf,
@@ -642,8 +640,7 @@ def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
         HAS_VEDGE=value_edge is not None, SHARE_V=meta.share_v, SHARE_VE=meta.share_ve,
         ONE_K=meta.one_k, ONE_V=meta.one_v,
         ACC=_tl_acc(meta.acc), BLOCK_CK=triton.next_power_of_2(meta.CK),
-        BLOCK_CV=triton.next_power_of_2(meta.CV), FULL_CV=meta.CV == triton.next_power_of_2(meta.CV),
-        FULL_CK=meta.CK == triton.next_power_of_2(meta.CK),
+        BLOCK_CV=triton.next_power_of_2(meta.CV),
     )
 
 

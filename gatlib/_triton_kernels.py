@@ -11,12 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Integer kernel arguments that change from graph to graph (sizes). Triton specialises
-# integer arguments on their value (== 1, divisible by 16) by default, which would
-# compile a new kernel for many a new mini-batch. Heads and channels are fixed per
-# layer: compile-time constants (one compile per layer configuration), so row offsets
-# are known multiples (vector loads where rows are 16-byte aligned) and `lane // H`
-# is no runtime division.
+# Integer arguments that change with the graph: not specialised on their value, which
+# would compile anew for many a mini-batch. Heads and channels are fixed per layer and
+# constexprs: row offsets are known multiples (vector loads) and `lane // H` no division.
 _PER_CALL = ("E", "P_ROWS")
 
 
@@ -24,16 +21,12 @@ _PER_CALL = ("E", "P_ROWS")
 # Kernels. A program owns BLOCK_R *lanes*, each one (work item, head) pair —
 # lane l is item l // H, head l % H — so the heads of a row sit side by side
 # and their loads of a source's [H, C] row are contiguous; or, at values of one head
-# that all heads share (HP > 0: _fwd_heads_items, _bwd_dst_heads_items), each one
+# that all heads share (LANE_HEADS: _fwd_heads_block, _bwd_dst_heads_block), each one
 # work item with every head.
 # ---------------------------------------------------------------------------
-# The schedule's arrays are loaded by each kernel's own body, not by a helper: should
-# torch.compile ever trace the kernels (torch.library.wrap_triton; the operators are
-# opaque to it now, _triton._operator), its analysis of what a kernel writes follows a
-# store's address back through the calls it came from and takes every pointer a helper
-# was given as written, and AOT autograd's partitioner then refused the compiled step
-# (docs/design.md, "Compiled calls launch the eager kernels"). The helpers below take
-# loaded values only.
+# The schedule's items are loaded in the kernels' own bodies and helpers take loaded
+# values: AOT autograd took arrays passed to a helper as written and refused a compiled
+# step (docs/design.md, "Compiled calls launch the eager kernels").
 @triton.jit
 def _lane_items(blk, n_items, H, BLOCK_R: tl.constexpr):
     """``(lane, valid, item, head)`` of the lanes of block ``blk`` (lanes past the
@@ -52,6 +45,26 @@ def _lane_slots(valid, slot, length):
     final = valid & (slot < 0)
     piece = valid & (slot >= 0)
     return final, piece, tl.where(piece, slot, 0), tl.max(length, 0)
+
+
+@triton.jit
+def _softmax_step(score, m_i, l_i):
+    """One step of the online softmax over the edges (axis 1) of ``score``, whose masked
+    edges are -inf: ``(p, corr, m, l)``, the step's weights (0 off the edges), the factor
+    that rescales what was summed before, and the running max and sum."""
+    m_new = tl.maximum(m_i, tl.max(score, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
+    p = tl.exp(score - tl.expand_dims(m_safe, 1))
+    corr = tl.exp(m_i - m_safe)
+    return p, corr, m_new, l_i * corr + tl.sum(p, 1)
+
+
+@triton.jit
+def _softmax_end(m_i, l_i):
+    """``(l, lse)`` of the running max and sum: the sum, 1 where a row had no edge (its
+    output stays 0), and the log-sum-exp, -inf there."""
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    return l_safe, tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
 
 
 @triton.jit
@@ -76,8 +89,7 @@ def _store_partials(part, acc, W, P_ROWS, BLOCK_R: tl.constexpr, BLOCK_W: tl.con
 @triton.jit
 def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m_edge,
            scale, slope, KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr,
-           ONE_K: tl.constexpr, ACC: tl.constexpr, BLOCK_CK: tl.constexpr,
-           FULL_CK: tl.constexpr):
+           ONE_K: tl.constexpr, ACC: tl.constexpr, BLOCK_CK: tl.constexpr):
     """Scores of a 2-D tile of edges ``src -> dst`` (original ids ``eid``), head ``h``:
     :mod:`gatlib._scores`' formulas (``gat_edge``, ``gatv2_edge``, ``dot_edge``).
 
@@ -115,39 +127,21 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
             srow = src
         else:
             srow = src * H + h
-        if FULL_CK:
-            # CK is the tile's width: rows start at multiples of the constexpr BLOCK_CK
-            # and no channel is masked, so the compiler can prove a row's lanes aligned
-            # and contiguous and load them 64/128 bits at a time (CK itself stays an
-            # unspecialised integer: a new graph compiles nothing new)
-            xs = tl.load(s_src + srow[:, :, None] * BLOCK_CK + ck, mask=m_src[:, :, None],
-                         other=0).to(ACC)
-            xd = tl.load(s_dst + (dst * H + h)[:, :, None] * BLOCK_CK + ck, mask=m_dst[:, :, None],
-                         other=0).to(ACC)
-            if HAS_EDGE and KIND != 3:
-                xe = tl.load(s_edge + (eid * H + h)[:, :, None] * BLOCK_CK + ck,
-                             mask=m_edge[:, :, None], other=0).to(ACC)
-            else:
-                xe = xs
+        cm = ck < CK
+        xs = tl.load(s_src + srow[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
+                     other=0).to(ACC)
+        xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
+                     other=0).to(ACC)
+        if HAS_EDGE and KIND != 3:
+            xe = tl.load(s_edge + (eid * H + h)[:, :, None] * CK + ck,
+                         mask=m_edge[:, :, None] & cm, other=0).to(ACC)
         else:
-            cm = ck < CK
-            xs = tl.load(s_src + srow[:, :, None] * CK + ck, mask=m_src[:, :, None] & cm,
-                         other=0).to(ACC)
-            xd = tl.load(s_dst + (dst * H + h)[:, :, None] * CK + ck, mask=m_dst[:, :, None] & cm,
-                         other=0).to(ACC)
-            if HAS_EDGE and KIND != 3:
-                xe = tl.load(s_edge + (eid * H + h)[:, :, None] * CK + ck,
-                             mask=m_edge[:, :, None] & cm, other=0).to(ACC)
-            else:
-                xe = xs
+            xe = xs
         if KIND == 1:  # GATv2: att . leaky(x_src[j] + x_dst[i] + e_ij)
             z = xs + xd
             if HAS_EDGE:
                 z = z + xe
-            if FULL_CK:
-                att = tl.load(s_att + h[:, :, None] * BLOCK_CK + ck).to(ACC)
-            else:
-                att = tl.load(s_att + h[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
+            att = tl.load(s_att + h[:, :, None] * CK + ck, mask=cm, other=0).to(ACC)
             score = tl.sum(tl.where(z > 0, z, z * slope) * att, 2)
         elif KIND == 2:  # dot product: q_i . (k_j + e_ij) * scale
             z = xs
@@ -155,12 +149,8 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
                 z = z + xe
             score = tl.sum(xd * z, 2) * scale
         else:  # GAT from the projected rows h (KIND 3): a_src.h_j + a_dst.h_i + a_edge[ij]
-            if FULL_CK:
-                a_s = tl.load(s_att + h[:, :, None] * BLOCK_CK + ck).to(ACC)
-                a_d = tl.load(s_att + (H + h)[:, :, None] * BLOCK_CK + ck).to(ACC)
-            else:
-                a_s = tl.load(s_att + h[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
-                a_d = tl.load(s_att + (H + h)[:, :, None] * CK + ck, mask=ck < CK, other=0).to(ACC)
+            a_s = tl.load(s_att + h[:, :, None] * CK + ck, mask=cm, other=0).to(ACC)
+            a_d = tl.load(s_att + (H + h)[:, :, None] * CK + ck, mask=cm, other=0).to(ACC)
             z = tl.sum(xs * a_s, 2) + tl.sum(xd * a_d, 2)
             if HAS_EDGE:
                 z = z + tl.load(s_edge + eid * H + h, mask=m_edge, other=0).to(ACC)
@@ -169,130 +159,14 @@ def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m
 
 
 @triton.jit
-def _fwd_items(
-    item_row, item_start, item_len, item_slot, bounds,
-    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
-    out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
-    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
-    DROPOUT: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr,
-    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
+def _fwd_heads_block(
+    row, start, length, valid, final, piece, slot, max_len, csr_src, s_src, s_dst, value, bias,
+    out, out_b, lse, part_out, part_lse, scale, slope, keep_scale, seed, p_drop, H, CK, CV, KIND: tl.constexpr,
+    HAS_DST: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr, BLOCK_CV: tl.constexpr,
+    HP: tl.constexpr,
 ):
-    n_items = tl.load(bounds)  # the schedule's work items
-    n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
-    pid, n_prog = tl.program_id(0), tl.num_programs(0)
-    if AHEAD:  # the first block's edge ranges; each block then loads its successor's
-        lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
-        start_n = tl.load(item_start + it0, mask=valid0, other=0)
-        length_n = tl.load(item_len + it0, mask=valid0, other=0)
-    for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
-        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        if AHEAD:  # the next block's, in flight while this block runs its edges
-            start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                     n_items, H, BLOCK_R)
-            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
-            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
-        else:
-            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-            length = tl.load(item_len + it, mask=valid, other=0)
-        final, piece, slot, max_len = _lane_slots(
-            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
-        scale = tl.load(coef).to(ACC)
-        slope = tl.load(coef + 1).to(ACC)
-        keep_scale = tl.load(coef + 2).to(ACC)
-        if DROPOUT:
-            rng_seed = tl.load(seed)
-        h2 = h[:, None]  # [R, 1]
-        dst = row[:, None]
-        m_dst = valid[:, None]
-        cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
-        m_i = tl.full([BLOCK_R], float("-inf"), ACC)
-        l_i = tl.zeros([BLOCK_R], ACC)
-        # The accumulator keeps the layout of the [R, E, CV] tile it sums (the edge axis
-        # kept, of size 1): as a 2-D slice of it each thread would hold every channel,
-        # which spilled at wide C (docs/design.md, "No spills at the users' shapes").
-        acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
-        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
-            pos = off + tl.arange(0, BLOCK_E)[None, :]
-            emask = pos < length[:, None]  # [R, E]
-            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
-            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-            if HAS_EDGE or HAS_VEDGE:  # per-edge inputs are in original edge order
-                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
-            else:
-                eid = k
-            score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
-                                          emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                          HAS_EDGE, ONE_K, ACC, BLOCK_CK, FULL_CK)
-            score = tl.where(emask, score, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(score, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
-            p = tl.exp(score - m_safe[:, None])  # [R, E], 0 off the edges
-            corr = tl.exp(m_i - m_safe)
-            l_i = l_i * corr + tl.sum(p, 1)
-            if DROPOUT:
-                keep = tl.rand(rng_seed, k * H + h2) >= p_drop
-                p = tl.where(keep, p * keep_scale, 0.0)
-            # v_j + u_ij, reusing the scorer's tiles when value (GATv2 layers, the dot
-            # kind in input space) or value_edge (Transformer layers) is the same
-            # tensor; a value of one head (ONE_V, input space) is row src for every head
-            if ONE_V:
-                vrow = src
-            else:
-                vrow = src * H + h2
-            if FULL_CV:
-                # CV is the tile's width: rows start at multiples of it and no channel
-                # is masked, which lets the compiler prove rows aligned for wide loads
-                vmask = emask[:, :, None]
-                row_v = vrow[:, :, None] * BLOCK_CV
-            else:
-                vmask = emask[:, :, None] & (cv3 < CV)
-                row_v = vrow[:, :, None] * CV
-            if SHARE_V:
-                v = xs
-            else:
-                v = tl.load(value + row_v + cv3, mask=vmask, other=0).to(ACC)
-            if HAS_VEDGE:
-                if SHARE_VE:
-                    v = v + xe
-                else:
-                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
-                                    other=0).to(ACC)
-            acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
-            m_i = m_new
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]; rows without in-edges stay 0
-        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
-        cv = tl.arange(0, BLOCK_CV)[None, :]
-        cm = cv < CV
-        orow = row * H + h
-        prow = slot * H + h
-        tl.store(out + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
-        tl.store(lse + orow, row_lse, mask=final)
-        tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
-        if HAS_BIAS:  # the layer's output bias [H * CV]: out_b = out + bias, and out (the
-            # backward's Delta reads it) keeps the attention alone, whatever the precision
-            o += tl.load(bias + h[:, None] * CV + cv, mask=valid[:, None] & cm, other=0).to(ACC)
-            tl.store(out_b + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
-        tl.store(part_lse + prow, row_lse, mask=piece)
-
-@triton.jit
-def _fwd_heads_items(
-    item_row, item_start, item_len, item_slot, bounds,
-    csr_src, s_src, s_dst, value, bias, coef,
-    out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
-    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_E: tl.constexpr, STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr,
-    HP: tl.constexpr, AHEAD: tl.constexpr,
-):
-    """:func:`_fwd_items` with every head of an item in one lane (``HP``, the heads padded
+    """:func:`_fwd_kernel` with every head of an item in one lane (``HP``, the heads padded
     to a power of two): for a value of one head that all heads share (``ONE_V``; the dot
     kind's key is that value, ``ONE_K`` and ``SHARE_V``), i.e. a layer aggregating its
     inputs. A lane gathers each source row once for all its heads, where a lane per
@@ -300,132 +174,172 @@ def _fwd_heads_items(
     items, not ``BLOCK_R / H``. Scores, weights and the accumulator carry a head axis:
     ``[R, E, HP]`` and ``[R, HP, C]``. GAT from node terms (``KIND`` 0) or the dot
     product (2), without edge features."""
-    n_items = tl.load(bounds)  # the schedule's work items
-    n_blocks = tl.cdiv(n_items, BLOCK_R).to(tl.int32)
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
     c = tl.arange(0, BLOCK_CV)
     cm = c < CV
-    pid, n_prog = tl.program_id(0), tl.num_programs(0)
-    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
-        lane0, valid0, it0, head0 = _lane_items(pid, n_items, 1, BLOCK_R)
-        start_n = tl.load(item_start + it0, mask=valid0, other=0)
-        length_n = tl.load(item_len + it0, mask=valid0, other=0)
-    for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, head = _lane_items(blk, n_items, 1, BLOCK_R)
-        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        if AHEAD:
-            start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                        n_items, 1, BLOCK_R)
-            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
-            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
-        else:
-            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-            length = tl.load(item_len + it, mask=valid, other=0)
-        final, piece, slot, max_len = _lane_slots(
-            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
-        scale = tl.load(coef).to(ACC)
-        slope = tl.load(coef + 1).to(ACC)
-        keep_scale = tl.load(coef + 2).to(ACC)
-        if DROPOUT:
-            rng_seed = tl.load(seed)
-        vh = valid[:, None] & hm[None, :]  # [R, HP]
-        hrow = row[:, None] * H + hh[None, :]  # [R, HP]: the rows of [N, H] and [N, H, C]
-        m_i = tl.full([BLOCK_R, HP], float("-inf"), ACC)
-        l_i = tl.zeros([BLOCK_R, HP], ACC)
-        acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
-        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
-            pos = off + tl.arange(0, BLOCK_E)[None, :]
-            emask = pos < length[:, None]  # [R, E]
-            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
-            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-            if FULL_CV:
-                v = tl.load(value + src[:, :, None] * BLOCK_CV + c[None, None, :],
-                            mask=emask[:, :, None], other=0).to(ACC)
-            else:
-                v = tl.load(value + src[:, :, None] * CV + c[None, None, :],
-                            mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
-            em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
-            if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
-                score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
-                                           row[:, None, None], src[:, :, None], em3,
-                                           vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
-                                           False, ACC, 1, True)
-            else:  # dot product: q_i . k_j * scale, the key being the value; head by head,
-                # so that no [R, E, HP, C] product is live (it spilled at 128 channels)
-                score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
-                for j in tl.static_range(HP):
-                    qm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
-                    if FULL_CV:
-                        qj = tl.load(s_dst + (row * H + j)[:, None, None] * BLOCK_CV
-                                     + c[None, None, :], mask=qm, other=0).to(ACC)
-                    else:
-                        qj = tl.load(s_dst + (row * H + j)[:, None, None] * CK + c[None, None, :],
-                                     mask=qm & cm[None, None, :], other=0).to(ACC)
-                    score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
-                score = score * scale
-            score = tl.where(em3, score, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(score, 1))  # [R, HP]
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(score - m_safe[:, None, :])  # [R, E, HP], 0 off the edges
-            corr = tl.exp(m_i - m_safe)
-            l_i = l_i * corr + tl.sum(p, 1)
-            if DROPOUT:  # the stream of _fwd_items: (CSR position * H + head)
-                keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
-                p = tl.where(keep, p * keep_scale, 0.0)
-            acc = acc * corr[:, :, None]
-            for j in tl.static_range(HP):  # each head's weighted sum of the one gather
-                pj = tl.sum(tl.where(h3 == j, p, 0.0), 2)  # [R, E]
-                acc += tl.where(hh[None, :, None] == j,
-                                tl.sum(pj[:, :, None] * v, 1)[:, None, :], 0.0)
-            m_i = m_new
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / l_safe[:, :, None]  # [R, HP, CV]; rows without in-edges stay 0
-        row_lse = tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
-        c3 = c[None, None, :]
-        om = vh[:, :, None] & cm[None, None, :]
-        orow = hrow[:, :, None] * CV + c3
-        prow = (slot[:, None] * H + hh[None, :])[:, :, None] * CV + c3
-        fm = final[:, None] & hm[None, :]
-        pm = piece[:, None] & hm[None, :]
-        tl.store(out + orow, o, mask=om & final[:, None, None])
-        tl.store(lse + hrow, row_lse, mask=fm)
-        tl.store(part_out + prow, o, mask=om & piece[:, None, None])
-        tl.store(part_lse + slot[:, None] * H + hh[None, :], row_lse, mask=pm)
-        if HAS_BIAS:
-            o += tl.load(bias + hh[None, :, None] * CV + c3, mask=om, other=0).to(ACC)
-            tl.store(out_b + orow, o, mask=om & final[:, None, None])
+    if DROPOUT:
+        rng_seed = tl.load(seed)
+    vh = valid[:, None] & hm[None, :]  # [R, HP]
+    hrow = row[:, None] * H + hh[None, :]  # [R, HP]: the rows of [N, H] and [N, H, C]
+    m_i = tl.full([BLOCK_R, HP], float("-inf"), ACC)
+    l_i = tl.zeros([BLOCK_R, HP], ACC)
+    acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
+    for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+        pos = off + tl.arange(0, BLOCK_E)[None, :]
+        emask = pos < length[:, None]  # [R, E]
+        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
+        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+        v = tl.load(value + src[:, :, None] * CV + c[None, None, :],
+                    mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
+        em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
+        if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
+            score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
+                                       row[:, None, None], src[:, :, None], em3,
+                                       vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
+                                       False, ACC, 1)
+        else:  # dot product: q_i . k_j * scale, the key being the value; head by head,
+            # so that no [R, E, HP, C] product is live (it spilled at 128 channels)
+            score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+            for j in tl.static_range(HP):
+                qm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
+                qj = tl.load(s_dst + (row * H + j)[:, None, None] * CK + c[None, None, :],
+                             mask=qm & cm[None, None, :], other=0).to(ACC)
+                score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
+            score = score * scale
+        score = tl.where(em3, score, float("-inf"))
+        p, corr, m_i, l_i = _softmax_step(score, m_i, l_i)  # p: [R, E, HP]
+        if DROPOUT:  # the stream of _fwd_kernel: (CSR position * H + head)
+            keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
+            p = tl.where(keep, p * keep_scale, 0.0)
+        acc = acc * corr[:, :, None]
+        for j in tl.static_range(HP):  # each head's weighted sum of the one gather
+            pj = tl.sum(tl.where(h3 == j, p, 0.0), 2)  # [R, E]
+            acc += tl.where(hh[None, :, None] == j,
+                            tl.sum(pj[:, :, None] * v, 1)[:, None, :], 0.0)
+    l_safe, row_lse = _softmax_end(m_i, l_i)
+    o = acc / l_safe[:, :, None]  # [R, HP, CV]
+    c3 = c[None, None, :]
+    om = vh[:, :, None] & cm[None, None, :]
+    orow = hrow[:, :, None] * CV + c3
+    prow = (slot[:, None] * H + hh[None, :])[:, :, None] * CV + c3
+    fm = final[:, None] & hm[None, :]
+    pm = piece[:, None] & hm[None, :]
+    tl.store(out + orow, o, mask=om & final[:, None, None])
+    tl.store(lse + hrow, row_lse, mask=fm)
+    tl.store(part_out + prow, o, mask=om & piece[:, None, None])
+    tl.store(part_lse + slot[:, None] * H + hh[None, :], row_lse, mask=pm)
+    if HAS_BIAS:
+        o += tl.load(bias + hh[None, :, None] * CV + c3, mask=om, other=0).to(ACC)
+        tl.store(out_b + orow, o, mask=om & final[:, None, None])
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _fwd_kernel(
-    item_row, item_start, item_len, item_slot, bounds,
-    csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
+    items, bounds, csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
     out, out_b, lse, part_out, part_lse, seed, p_drop,
     H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr,
     ONE_V: tl.constexpr, DROPOUT: tl.constexpr, ACC: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr, FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
-    HP: tl.constexpr,
+    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr, HP: tl.constexpr,
     # the tuned config (_triton_schedule: PER_SM sizes the grid only)
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
     PER_SM: tl.constexpr,
 ):
-    # LANE_HEADS: every head of an item in one lane (_fwd_heads_items, HP heads padded)
-    if LANE_HEADS:
-        _fwd_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, s_src, s_dst,
-            value, bias, coef, out, out_b, lse, part_out, part_lse, seed, p_drop, H, CK, CV,
-            KIND, HAS_DST, HAS_BIAS, DROPOUT, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, FULL_CV, HP,
-            AHEAD)
-    else:
-        _fwd_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, s_src,
-            s_dst, s_edge, s_att, value, value_edge, bias, coef, out, out_b, lse, part_out,
-            part_lse, seed, p_drop, H, CK, CV, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, HAS_BIAS,
-            SHARE_V, SHARE_VE, ONE_K, ONE_V, DROPOUT, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CK,
-            BLOCK_CV, FULL_CK, FULL_CV, AHEAD)
+    if LANE_HEADS:  # a lane per work item, with every head (HP: the heads padded)
+        LH: tl.constexpr = 1
+    else:  # a lane per (work item, head)
+        LH: tl.constexpr = H
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items * LH, BLOCK_R).to(tl.int32)
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # the first block's edge ranges; each block then loads its successor's
+        lane0, valid0, it0, h0 = _lane_items(pid, n_items, LH, BLOCK_R)
+        start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
+        length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
+        lane, valid, it, h = _lane_items(blk, n_items, LH, BLOCK_R)
+        row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
+        if AHEAD:  # the next block's, in flight while this block runs its edges
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
+                                                     n_items, LH, BLOCK_R)
+            start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
+            length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
+        else:
+            start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
+            length = tl.load(items + it * 4 + 2, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        if LANE_HEADS:
+            _fwd_heads_block(row, start, length, valid, final, piece, slot, max_len, csr_src, s_src,
+                             s_dst, value, bias, out, out_b, lse, part_out, part_lse, scale, slope,
+                             keep_scale, seed, p_drop, H, CK, CV, KIND, HAS_DST, HAS_BIAS, DROPOUT,
+                             ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, HP)
+        else:
+            if DROPOUT:
+                rng_seed = tl.load(seed)
+            h2 = h[:, None]  # [R, 1]
+            dst = row[:, None]
+            m_dst = valid[:, None]
+            cv3 = tl.arange(0, BLOCK_CV)[None, None, :]
+            m_i = tl.full([BLOCK_R], float("-inf"), ACC)
+            l_i = tl.zeros([BLOCK_R], ACC)
+            # the layout of the [R, E, CV] tile it sums: a 2-D slice spilled at wide C
+            acc = tl.zeros([BLOCK_R, 1, BLOCK_CV], ACC)
+            for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+                pos = off + tl.arange(0, BLOCK_E)[None, :]
+                emask = pos < length[:, None]  # [R, E]
+                k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # CSR positions, int64
+                src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+                if HAS_EDGE or HAS_VEDGE:  # per-edge inputs are in original edge order
+                    eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+                else:
+                    eid = k
+                score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                              emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                              HAS_EDGE, ONE_K, ACC, BLOCK_CK)
+                score = tl.where(emask, score, float("-inf"))
+                p, corr, m_i, l_i = _softmax_step(score, m_i, l_i)  # p: [R, E]
+                if DROPOUT:
+                    keep = tl.rand(rng_seed, k * H + h2) >= p_drop
+                    p = tl.where(keep, p * keep_scale, 0.0)
+                # v_j + u_ij, reusing the scorer's tiles where value or value_edge is one
+                if ONE_V:
+                    vrow = src
+                else:
+                    vrow = src * H + h2
+                vmask = emask[:, :, None] & (cv3 < CV)
+                if SHARE_V:
+                    v = xs
+                else:
+                    v = tl.load(value + vrow[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
+                if HAS_VEDGE:
+                    if SHARE_VE:
+                        v = v + xe
+                    else:
+                        v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                        other=0).to(ACC)
+                acc = acc * corr[:, None, None] + tl.sum(p[:, :, None] * v, 1, keep_dims=True)
+            l_safe, row_lse = _softmax_end(m_i, l_i)
+            o = tl.sum(acc, 1) / l_safe[:, None]  # [R, CV]
+            cv = tl.arange(0, BLOCK_CV)[None, :]
+            cm = cv < CV
+            orow = row * H + h
+            prow = slot * H + h
+            tl.store(out + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
+            tl.store(lse + orow, row_lse, mask=final)
+            tl.store(part_out + prow[:, None] * CV + cv, o, mask=piece[:, None] & cm)
+            if HAS_BIAS:  # the layer's output bias [H * CV]: out_b = out + bias, and out (the
+                # backward's Delta reads it) keeps the attention alone, whatever the precision
+                o += tl.load(bias + h[:, None] * CV + cv, mask=valid[:, None] & cm, other=0).to(ACC)
+                tl.store(out_b + orow[:, None] * CV + cv, o, mask=final[:, None] & cm)
+            tl.store(part_lse + prow, row_lse, mask=piece)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
@@ -433,7 +347,7 @@ def _alpha_kernel(
     csr_src, csr_dst, csr_eid, E, s_src, s_dst, s_edge, s_att, coef, lse, alpha,
     H: tl.constexpr, CK: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, ONE_K: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr, FULL_CK: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CK: tl.constexpr,
 ):
     """``alpha[eid, h] = exp(e_ij - lse_i)``, one lane per (CSR position, head)."""
     lane = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)[:, None]  # [K, 1]
@@ -446,8 +360,7 @@ def _alpha_kernel(
     scale = tl.load(coef).to(ACC)
     slope = tl.load(coef + 1).to(ACC)
     score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m, m, m,
-                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ONE_K, ACC, BLOCK_CK,
-                                  FULL_CK)
+                                  scale, slope, KIND, HAS_DST, HAS_EDGE, ONE_K, ACC, BLOCK_CK)
     row_lse = tl.load(lse + dst * H + h, mask=m, other=0)
     tl.store(alpha + eid * H + h, tl.exp(score - row_lse), mask=m)
 
@@ -506,9 +419,9 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
                 acc += po
         orow = row * H + h
         if SOFTMAX:
-            l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+            l_safe, row_lse = _softmax_end(m, l_sum)
             acc = acc / l_safe[:, None]
-            tl.store(lse + orow, tl.where(l_sum > 0, m + tl.log(l_safe), float("-inf")), mask=valid)
+            tl.store(lse + orow, row_lse, mask=valid)
         tl.store(out + orow[:, None] * C + c, acc, mask=valid[:, None] & cm)
         if HAS_BIAS:
             acc += tl.load(bias + h[:, None] * C + c, mask=valid[:, None] & cm, other=0).to(ACC)
@@ -516,331 +429,110 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
 
 
 @triton.jit
-def _bwd_dst_items(
-    item_row, item_start, item_len, item_slot, bounds,
-    csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
-    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
-    seed, p_drop, H, CK, CV, part_att, part_bias, P_ROWS,
-    KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
-    SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
-    DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
-    NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
-    NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr,
-    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
+def _bwd_dst_heads_block(
+    row, start, length, valid, final, piece, slot, max_len, csr_src, csr_eid, s_src, s_dst, value,
+    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_dst, part_dst, scale, slope,
+    keep_scale, seed, p_drop,
+    H, CV, KIND: tl.constexpr, HAS_DST: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
+    NEED_DST: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, HP: tl.constexpr,
 ):
-    n_items = tl.load(bounds)  # the schedule's work items
-    n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
-    # GATv2's att gradient, summed over the blocks this program runs: each lane
-    # keeps one head, as the grid is a multiple of H (_programs)
-    att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-    # the output bias's gradient likewise: the sum of grad_out over the rows
-    bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
-    pid, n_prog = tl.program_id(0), tl.num_programs(0)
-    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
-        lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
-        start_n = tl.load(item_start + it0, mask=valid0, other=0)
-        length_n = tl.load(item_len + it0, mask=valid0, other=0)
-    for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
-        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        if AHEAD:
-            start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                     n_items, H, BLOCK_R)
-            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
-            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
-        else:
-            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-            length = tl.load(item_len + it, mask=valid, other=0)
-        final, piece, slot, max_len = _lane_slots(
-            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
-        scale = tl.load(coef).to(ACC)
-        slope = tl.load(coef + 1).to(ACC)
-        keep_scale = tl.load(coef + 2).to(ACC)
-        h2 = h[:, None]
-        dst = row[:, None]
-        m_dst = valid[:, None]
-        orow = row * H + h  # [R]
-        cv = tl.arange(0, BLOCK_CV)
-        cvm = cv < CV
-        cv3 = cv[None, None, :]
-        ck = tl.arange(0, BLOCK_CK)
-        ckm = ck < CK
-        ck3 = ck[None, None, :]
-        # rows of CV channels: with FULL_CV (CV is the tile's width) at the constexpr
-        # stride BLOCK_CV and masked by lane/edge only, so they load 64/128 bits wide
-        if FULL_CV:
-            ooff = orow[:, None] * BLOCK_CV + cv[None, :]
-            omask = valid[:, None]
-        else:
-            ooff = orow[:, None] * CV + cv[None, :]
-            omask = valid[:, None] & cvm[None, :]
-        g2 = tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)  # [R, CV]
-        g = g2[:, None, :]  # [R, 1, CV]
-        row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
-        row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
-        if DROPOUT:
-            rng_seed = tl.load(seed)
-        # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij): computed here, so the
-        # backward builds no [N, H, C] temporary for it
-        row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
-        if NEED_BIAS:  # each row's gradient once: on a split row's first piece
-            row_ptr = tl.load(ptr + row, mask=piece, other=-1).to(tl.int64)
-            bias_acc += tl.where((final | (piece & (start == row_ptr)))[:, None], g2, 0.0)
-        if GALPHA:
-            row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
-        # With SLOTS the dot kind's query gradient keeps one partial per edge slot of
-        # the tile, summed over the slots after the loop: a sum over the edge axis,
-        # which spans warps, at every step goes through shared memory at a barrier.
-        # Only the dot kind's: GAT's and GATv2's gained nothing so and spilled at some
-        # shapes (docs/design.md, "Per-slot sums in the backward"; the launcher's rule:
-        # _triton_schedule._slot_sums)
-        if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
-            d_acc = tl.zeros([BLOCK_R], ACC)
-        elif KIND == 2 and SLOTS:
-            d_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
-        else:
-            d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-        if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
-            att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
-                          other=0).to(ACC)  # [R, 1, CK]
-        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
-            pos = off + tl.arange(0, BLOCK_E)[None, :]
-            emask = pos < length[:, None]
-            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64, as every offset
-            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-            if HAS_EDGE or HAS_VEDGE or GALPHA:
-                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
-            else:
-                eid = k
-            score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
-                                          emask, m_dst, emask, scale, slope, KIND, HAS_DST,
-                                          HAS_EDGE, ONE_K, ACC, BLOCK_CK, FULL_CK)
-            p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
-            vmask = emask[:, :, None] & (cv3 < CV)
-            if FULL_CV:  # (as the destination rows above)
-                lmask = emask[:, :, None]
-                stride = BLOCK_CV
-            else:
-                lmask = vmask
-                stride = CV
-            if SHARE_V:
-                v = xs
-            elif ONE_V:  # (as in the forward)
-                v = tl.load(value + src[:, :, None] * stride + cv3, mask=lmask, other=0).to(ACC)
-            else:
-                v = tl.load(value + (src * H + h2)[:, :, None] * stride + cv3, mask=lmask,
-                            other=0).to(ACC)
-            if HAS_VEDGE:
-                if SHARE_VE:
-                    v = v + xe
-                else:
-                    v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * stride + cv3, mask=lmask,
-                                    other=0).to(ACC)
-            dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
-            if DROPOUT:
-                keep = tl.rand(rng_seed, k * H + h2) >= p_drop
-                drop = tl.where(keep, keep_scale, 0.0)
-                a = p * drop
-                dp = dp * drop
-            else:
-                a = p
-            if GALPHA:
-                dp = dp + tl.load(grad_alpha + eid * H + h2, mask=emask, other=0).to(ACC)
-            ds = p * (dp - row_delta[:, None])  # softmax backward, [R, E]
-            eoff = k * H + h2
-            tl.store(a_buf + eoff, a, mask=emask)
-            if NEED_VEDGE:
-                tl.store(d_vedge + (eid * H + h2)[:, :, None] * CV + cv3, a[:, :, None] * g, mask=vmask)
-            if KIND == 0 or KIND == 3:
-                dz = ds * tl.where(z > 0, 1.0, slope)
-                tl.store(ds_buf + eoff, dz, mask=emask)
-                d_acc += tl.sum(dz, 1)
-                if NEED_EDGE:
-                    tl.store(d_edge + eid * H + h2, dz, mask=emask)
-            elif KIND == 1:
-                tl.store(ds_buf + eoff, ds, mask=emask)
-                dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
-                d_acc += tl.sum(dz, 1)
-                if NEED_ATT:
-                    att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
-                if NEED_EDGE:
-                    tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
-                             mask=emask[:, :, None] & (ck3 < CK))
-            else:
-                tl.store(ds_buf + eoff, ds, mask=emask)
-                if SLOTS:
-                    d_acc += ds[:, :, None] * z  # dq_i, scaled below
-                else:
-                    d_acc += tl.sum(ds[:, :, None] * z, 1)
-                if NEED_EDGE:
-                    tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
-                             mask=emask[:, :, None] & (ck3 < CK))
-        if KIND == 2 and SLOTS:
-            d_acc = tl.sum(d_acc, 1)  # over the edge slots
-        prow = slot * H + h
-        if NEED_DST:
-            if KIND == 0 or KIND == 3:  # (KIND 3: the per-node scalar, for the source kernel)
-                tl.store(d_dst + orow, d_acc, mask=final)
-                tl.store(part_dst + prow, d_acc, mask=piece)
-            else:
-                if KIND == 2:
-                    d_acc = d_acc * scale
-                km = ckm[None, :]
-                tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
-                tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
-    if NEED_ATT:  # one partial per lane of each program, summed by the caller
-        _store_partials(part_att, att_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
-    if NEED_BIAS:  # (as att's)
-        _store_partials(part_bias, bias_acc, CV, P_ROWS, BLOCK_R, BLOCK_CV, ACC)
-
-@triton.jit
-def _bwd_dst_heads_items(
-    item_row, item_start, item_len, item_slot, bounds,
-    csr_src, csr_eid, s_src, s_dst, value, coef,
-    grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_dst, part_dst,
-    seed, p_drop, H, CV,
-    KIND: tl.constexpr, HAS_DST: tl.constexpr, DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
-    NEED_DST: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr,
-    BLOCK_CV: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr, AHEAD: tl.constexpr,
-):
-    """:func:`_bwd_dst_items` with every head of an item in one lane (``HP``), for the
-    calls of :func:`_fwd_heads_items` that need no parameter's partials (the output
+    """:func:`_bwd_dst_kernel` with every head of an item in one lane (``HP``), for the
+    calls of :func:`_fwd_heads_block` that need no parameter's partials (the output
     bias's): each source row is gathered once for all heads. ``[R, E, HP]`` scores,
     weights and score gradients; the dot kind's query gradient ``[R, HP, C]``."""
-    n_items = tl.load(bounds)  # the schedule's work items
-    n_blocks = tl.cdiv(n_items, BLOCK_R).to(tl.int32)
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
     c = tl.arange(0, BLOCK_CV)
     cm = c < CV
     c3 = c[None, None, :]
-    pid, n_prog = tl.program_id(0), tl.num_programs(0)
-    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
-        lane0, valid0, it0, head0 = _lane_items(pid, n_items, 1, BLOCK_R)
-        start_n = tl.load(item_start + it0, mask=valid0, other=0)
-        length_n = tl.load(item_len + it0, mask=valid0, other=0)
-    for blk in range(pid, n_blocks, n_prog):
-        lane, valid, it, head = _lane_items(blk, n_items, 1, BLOCK_R)
-        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
-        if AHEAD:
-            start, length = start_n.to(tl.int64), length_n
-            lane_n, valid_n, it_n, head_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
-                                                     n_items, 1, BLOCK_R)
-            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
-            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
+    if DROPOUT:
+        rng_seed = tl.load(seed)
+    vh = valid[:, None] & hm[None, :]  # [R, HP]
+    hrow = row[:, None] * H + hh[None, :]  # [R, HP]
+    omask = vh[:, :, None] & cm[None, None, :]
+    ooff = hrow[:, :, None] * CV + c3
+    # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij), per head: [R, HP]
+    row_delta = tl.sum(tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)
+                       * tl.load(out + ooff, mask=omask, other=0).to(ACC), 2)
+    if GALPHA:
+        row_delta += tl.load(delta_alpha + hrow, mask=vh, other=0).to(ACC)
+    row_lse = tl.load(lse + hrow, mask=vh, other=0).to(ACC)
+    row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+    if KIND == 0:
+        d_acc = tl.zeros([BLOCK_R, HP], ACC)
+    else:
+        d_acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
+    for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+        pos = off + tl.arange(0, BLOCK_E)[None, :]
+        emask = pos < length[:, None]  # [R, E]
+        k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64
+        src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+        v = tl.load(value + src[:, :, None] * CV + c3,
+                    mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
+        em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
+        # per head, from the one gather: <g_i, v_j> and the dot kind's q_i . k_j
+        dp = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+        score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
+        for j in tl.static_range(HP):
+            jm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
+            jm3 = jm & cm[None, None, :]
+            joff = (row * H + j)[:, None, None] * CV + c3
+            gj = tl.load(grad_out + joff, mask=jm3, other=0).to(ACC)
+            dp = tl.where(h3 == j, tl.sum(v * gj, 2)[:, :, None], dp)
+            if KIND == 2:
+                qj = tl.load(s_dst + joff, mask=jm3, other=0).to(ACC)
+                score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
+        if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
+            score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
+                                       row[:, None, None], src[:, :, None], em3,
+                                       vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
+                                       False, ACC, 1)
         else:
-            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-            length = tl.load(item_len + it, mask=valid, other=0)
-        final, piece, slot, max_len = _lane_slots(
-            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
-        scale = tl.load(coef).to(ACC)
-        slope = tl.load(coef + 1).to(ACC)
-        keep_scale = tl.load(coef + 2).to(ACC)
-        if DROPOUT:
-            rng_seed = tl.load(seed)
-        vh = valid[:, None] & hm[None, :]  # [R, HP]
-        hrow = row[:, None] * H + hh[None, :]  # [R, HP]
-        if FULL_CV:  # (rows of CV channels as in _bwd_dst_items)
-            stride = BLOCK_CV
-            omask = vh[:, :, None]
+            score = score * scale
+        p = tl.where(em3, tl.exp(score - row_lse[:, None, :]), 0.0)  # softmax, [R, E, HP]
+        if DROPOUT:  # the forward's stream: (CSR position * H + head)
+            keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
+            drop = tl.where(keep, keep_scale, 0.0)
+            a = p * drop
+            dp = dp * drop
         else:
-            stride = CV
-            omask = vh[:, :, None] & cm[None, None, :]
-        ooff = hrow[:, :, None] * stride + c3
-        # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij), per head: [R, HP]
-        row_delta = tl.sum(tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)
-                           * tl.load(out + ooff, mask=omask, other=0).to(ACC), 2)
+            a = p
         if GALPHA:
-            row_delta += tl.load(delta_alpha + hrow, mask=vh, other=0).to(ACC)
-        row_lse = tl.load(lse + hrow, mask=vh, other=0).to(ACC)
-        row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+            eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+            dp = dp + tl.load(grad_alpha + eid[:, :, None] * H + h3, mask=em3,
+                              other=0).to(ACC)
+        ds = p * (dp - row_delta[:, None, :])  # softmax backward
+        eoff = k[:, :, None] * H + h3
+        tl.store(a_buf + eoff, a, mask=em3)
         if KIND == 0:
-            d_acc = tl.zeros([BLOCK_R, HP], ACC)
+            dz = ds * tl.where(z > 0, 1.0, slope)
+            tl.store(ds_buf + eoff, dz, mask=em3)
+            d_acc += tl.sum(dz, 1)
         else:
-            d_acc = tl.zeros([BLOCK_R, HP, BLOCK_CV], ACC)
-        for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
-            pos = off + tl.arange(0, BLOCK_E)[None, :]
-            emask = pos < length[:, None]  # [R, E]
-            k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64
-            src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
-            if FULL_CV:
-                v = tl.load(value + src[:, :, None] * BLOCK_CV + c3, mask=emask[:, :, None],
-                            other=0).to(ACC)
-            else:
-                v = tl.load(value + src[:, :, None] * CV + c3,
-                            mask=emask[:, :, None] & cm[None, None, :], other=0).to(ACC)
-            em3 = emask[:, :, None] & hm[None, None, :]  # [R, E, HP]
-            # per head, from the one gather: <g_i, v_j> and the dot kind's q_i . k_j
-            dp = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
-            score = tl.zeros([BLOCK_R, BLOCK_E, HP], ACC)
-            for j in tl.static_range(HP):
-                jm = (valid & (row * 0 + j < H))[:, None, None]  # [R, 1, 1]
-                if FULL_CV:
-                    jm3 = jm
-                else:
-                    jm3 = jm & cm[None, None, :]
-                joff = (row * H + j)[:, None, None] * stride + c3
-                gj = tl.load(grad_out + joff, mask=jm3, other=0).to(ACC)
-                dp = tl.where(h3 == j, tl.sum(v * gj, 2)[:, :, None], dp)
-                if KIND == 2:
-                    qj = tl.load(s_dst + joff, mask=jm3, other=0).to(ACC)
-                    score = tl.where(h3 == j, tl.sum(v * qj, 2)[:, :, None], score)
-            if KIND == 0:  # GAT from node terms, every head: [R, E, HP]
-                score, z, zs, zd, ze = _score(s_src, s_dst, s_src, s_src, h3, H, 1, src[:, :, None],
-                                           row[:, None, None], src[:, :, None], em3,
-                                           vh[:, None, :], em3, scale, slope, 0, HAS_DST, False,
-                                           False, ACC, 1, True)
-            else:
-                score = score * scale
-            p = tl.where(em3, tl.exp(score - row_lse[:, None, :]), 0.0)  # softmax, [R, E, HP]
-            if DROPOUT:  # the forward's stream: (CSR position * H + head)
-                keep = tl.rand(rng_seed, k[:, :, None] * H + h3) >= p_drop
-                drop = tl.where(keep, keep_scale, 0.0)
-                a = p * drop
-                dp = dp * drop
-            else:
-                a = p
-            if GALPHA:
-                eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
-                dp = dp + tl.load(grad_alpha + eid[:, :, None] * H + h3, mask=em3,
-                                  other=0).to(ACC)
-            ds = p * (dp - row_delta[:, None, :])  # softmax backward
-            eoff = k[:, :, None] * H + h3
-            tl.store(a_buf + eoff, a, mask=em3)
-            if KIND == 0:
-                dz = ds * tl.where(z > 0, 1.0, slope)
-                tl.store(ds_buf + eoff, dz, mask=em3)
-                d_acc += tl.sum(dz, 1)
-            else:
-                tl.store(ds_buf + eoff, ds, mask=em3)
-                for j in tl.static_range(HP):  # dq_i = sum_j ds_ij k_j, scaled below
-                    dsj = tl.sum(tl.where(h3 == j, ds, 0.0), 2)  # [R, E]
-                    d_acc += tl.where(hh[None, :, None] == j,
-                                      tl.sum(dsj[:, :, None] * v, 1)[:, None, :], 0.0)
-        if NEED_DST:
-            prow = slot[:, None] * H + hh[None, :]
-            fm = final[:, None] & hm[None, :]
-            pm = piece[:, None] & hm[None, :]
-            if KIND == 0:
-                tl.store(d_dst + hrow, d_acc, mask=fm)
-                tl.store(part_dst + prow, d_acc, mask=pm)
-            else:
-                d_acc = d_acc * scale
-                cm3 = cm[None, None, :]
-                tl.store(d_dst + hrow[:, :, None] * CV + c3, d_acc, mask=fm[:, :, None] & cm3)
-                tl.store(part_dst + prow[:, :, None] * CV + c3, d_acc, mask=pm[:, :, None] & cm3)
+            tl.store(ds_buf + eoff, ds, mask=em3)
+            for j in tl.static_range(HP):  # dq_i = sum_j ds_ij k_j, scaled below
+                dsj = tl.sum(tl.where(h3 == j, ds, 0.0), 2)  # [R, E]
+                d_acc += tl.where(hh[None, :, None] == j,
+                                  tl.sum(dsj[:, :, None] * v, 1)[:, None, :], 0.0)
+    if NEED_DST:
+        prow = slot[:, None] * H + hh[None, :]
+        fm = final[:, None] & hm[None, :]
+        pm = piece[:, None] & hm[None, :]
+        if KIND == 0:
+            tl.store(d_dst + hrow, d_acc, mask=fm)
+            tl.store(part_dst + prow, d_acc, mask=pm)
+        else:
+            d_acc = d_acc * scale
+            cm3 = cm[None, None, :]
+            tl.store(d_dst + hrow[:, :, None] * CV + c3, d_acc, mask=fm[:, :, None] & cm3)
+            tl.store(part_dst + prow[:, :, None] * CV + c3, d_acc, mask=pm[:, :, None] & cm3)
 
 
 @triton.jit(do_not_specialize=_PER_CALL)
 def _bwd_dst_kernel(
-    item_row, item_start, item_len, item_slot, bounds,
-    csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
+    items, bounds, csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
     seed, p_drop, part_att, part_bias, P_ROWS,
     H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
@@ -849,40 +541,181 @@ def _bwd_dst_kernel(
     DROPOUT: tl.constexpr, GALPHA: tl.constexpr,
     NEED_VEDGE: tl.constexpr, NEED_EDGE: tl.constexpr, NEED_DST: tl.constexpr,
     NEED_ATT: tl.constexpr, NEED_BIAS: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, HP: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr, HP: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
     PER_SM: tl.constexpr,
 ):
-    # (as _fwd_kernel; LANE_HEADS: _bwd_dst_heads_items)
-    if LANE_HEADS:
-        _bwd_dst_heads_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid,
-            s_src, s_dst, value, coef, grad_out, out, lse, delta_alpha, grad_alpha, a_buf,
-            ds_buf, d_dst, part_dst, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT, GALPHA,
-            NEED_DST, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, FULL_CV, HP, AHEAD)
-    else:
-        _bwd_dst_items(item_row, item_start, item_len, item_slot, bounds, csr_src, csr_eid, ptr,
-            s_src, s_dst, s_edge, s_att, value, value_edge, coef, grad_out, out, lse,
-            delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst, seed, p_drop,
-            H, CK, CV, part_att, part_bias, P_ROWS, KIND, HAS_DST, HAS_EDGE, HAS_VEDGE, SHARE_V,
-            SHARE_VE, ONE_K, ONE_V, DROPOUT, GALPHA, NEED_VEDGE, NEED_EDGE, NEED_DST, NEED_ATT,
-            NEED_BIAS, SLOTS, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CK, BLOCK_CV, FULL_CK, FULL_CV,
-            AHEAD)
+    if LANE_HEADS:  # a lane per work item, with every head (HP: the heads padded)
+        LH: tl.constexpr = 1
+    else:  # a lane per (work item, head)
+        LH: tl.constexpr = H
+    n_items = tl.load(bounds)  # the schedule's work items
+    n_blocks = tl.cdiv(n_items * LH, BLOCK_R).to(tl.int32)
+    # GATv2's att gradient, summed over the blocks this program runs: each lane
+    # keeps one head, as the grid is a multiple of H (_programs)
+    att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+    # the output bias's gradient likewise: the sum of grad_out over the rows
+    bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    if AHEAD:  # as in _fwd_kernel: each block loads its successor's edge ranges
+        lane0, valid0, it0, h0 = _lane_items(pid, n_items, LH, BLOCK_R)
+        start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
+        length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
+    for blk in range(pid, n_blocks, n_prog):
+        lane, valid, it, h = _lane_items(blk, n_items, LH, BLOCK_R)
+        row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
+        if AHEAD:
+            start, length = start_n.to(tl.int64), length_n
+            lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
+                                                     n_items, LH, BLOCK_R)
+            start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
+            length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
+        else:
+            start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
+            length = tl.load(items + it * 4 + 2, mask=valid, other=0)
+        final, piece, slot, max_len = _lane_slots(
+            valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
+        scale = tl.load(coef).to(ACC)
+        slope = tl.load(coef + 1).to(ACC)
+        keep_scale = tl.load(coef + 2).to(ACC)
+        if LANE_HEADS:
+            _bwd_dst_heads_block(row, start, length, valid, final, piece, slot, max_len, csr_src,
+                                 csr_eid, s_src, s_dst, value, grad_out, out, lse, delta_alpha,
+                                 grad_alpha, a_buf, ds_buf, d_dst, part_dst, scale, slope,
+                                 keep_scale, seed, p_drop, H, CV, KIND, HAS_DST, DROPOUT, GALPHA,
+                                 NEED_DST, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CV, HP)
+        else:
+            h2 = h[:, None]
+            dst = row[:, None]
+            m_dst = valid[:, None]
+            orow = row * H + h  # [R]
+            cv = tl.arange(0, BLOCK_CV)
+            cvm = cv < CV
+            cv3 = cv[None, None, :]
+            ck = tl.arange(0, BLOCK_CK)
+            ckm = ck < CK
+            ck3 = ck[None, None, :]
+            ooff = orow[:, None] * CV + cv[None, :]
+            omask = valid[:, None] & cvm[None, :]
+            g2 = tl.load(grad_out + ooff, mask=omask, other=0).to(ACC)  # [R, CV]
+            g = g2[:, None, :]  # [R, 1, CV]
+            row_lse = tl.load(lse + orow, mask=valid, other=0).to(ACC)
+            row_lse = tl.where(row_lse == float("-inf"), 0.0, row_lse)  # rows without in-edges
+            if DROPOUT:
+                rng_seed = tl.load(seed)
+            # Delta_i = <g_i, out_i> (+ sum_j alpha_ij dL/dalpha_ij), no [N, H, C] temporary
+            row_delta = tl.sum(g2 * tl.load(out + ooff, mask=omask, other=0).to(ACC), 1)
+            if NEED_BIAS:  # each row's gradient once: on a split row's first piece
+                row_ptr = tl.load(ptr + row, mask=piece, other=-1).to(tl.int64)
+                bias_acc += tl.where((final | (piece & (start == row_ptr)))[:, None], g2, 0.0)
+            if GALPHA:
+                row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
+            # SLOTS: the dot kind's query gradient per edge slot, summed after the loop (a
+            # sum across warps at every step meets at a barrier; docs/design.md, "Per-slot
+            # sums in the backward")
+            if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
+                d_acc = tl.zeros([BLOCK_R], ACC)
+            elif KIND == 2 and SLOTS:
+                d_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CK], ACC)
+            else:
+                d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
+            if KIND == 1:  # only GATv2 has att (other kinds pass a placeholder pointer, maybe empty)
+                att = tl.load(s_att + h[:, None, None] * CK + ck3, mask=valid[:, None, None] & (ck3 < CK),
+                              other=0).to(ACC)  # [R, 1, CK]
+            for off in tl.range(0, max_len, BLOCK_E, num_stages=STAGES):
+                pos = off + tl.arange(0, BLOCK_E)[None, :]
+                emask = pos < length[:, None]
+                k = start[:, None] + off + tl.arange(0, BLOCK_E)[None, :]  # int64, as every offset
+                src = tl.load(csr_src + k, mask=emask, other=0).to(tl.int64)
+                if HAS_EDGE or HAS_VEDGE or GALPHA:
+                    eid = tl.load(csr_eid + k, mask=emask, other=0).to(tl.int64)
+                else:
+                    eid = k
+                score, z, xs, xd, xe = _score(s_src, s_dst, s_edge, s_att, h2, H, CK, src, dst, eid,
+                                              emask, m_dst, emask, scale, slope, KIND, HAS_DST,
+                                              HAS_EDGE, ONE_K, ACC, BLOCK_CK)
+                p = tl.where(emask, tl.exp(score - row_lse[:, None]), 0.0)  # softmax, [R, E]
+                vmask = emask[:, :, None] & (cv3 < CV)
+                if SHARE_V:
+                    v = xs
+                elif ONE_V:  # (as in the forward)
+                    v = tl.load(value + src[:, :, None] * CV + cv3, mask=vmask, other=0).to(ACC)
+                else:
+                    v = tl.load(value + (src * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                other=0).to(ACC)
+                if HAS_VEDGE:
+                    if SHARE_VE:
+                        v = v + xe
+                    else:
+                        v = v + tl.load(value_edge + (eid * H + h2)[:, :, None] * CV + cv3, mask=vmask,
+                                        other=0).to(ACC)
+                dp = tl.sum(g * v, 2)  # <g_i, v_j + u_ij>
+                if DROPOUT:
+                    keep = tl.rand(rng_seed, k * H + h2) >= p_drop
+                    drop = tl.where(keep, keep_scale, 0.0)
+                    a = p * drop
+                    dp = dp * drop
+                else:
+                    a = p
+                if GALPHA:
+                    dp = dp + tl.load(grad_alpha + eid * H + h2, mask=emask, other=0).to(ACC)
+                ds = p * (dp - row_delta[:, None])  # softmax backward, [R, E]
+                eoff = k * H + h2
+                tl.store(a_buf + eoff, a, mask=emask)
+                if NEED_VEDGE:
+                    tl.store(d_vedge + (eid * H + h2)[:, :, None] * CV + cv3, a[:, :, None] * g, mask=vmask)
+                if KIND == 0 or KIND == 3:
+                    dz = ds * tl.where(z > 0, 1.0, slope)
+                    tl.store(ds_buf + eoff, dz, mask=emask)
+                    d_acc += tl.sum(dz, 1)
+                    if NEED_EDGE:
+                        tl.store(d_edge + eid * H + h2, dz, mask=emask)
+                elif KIND == 1:
+                    tl.store(ds_buf + eoff, ds, mask=emask)
+                    dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)  # [R, E, CK]
+                    d_acc += tl.sum(dz, 1)
+                    if NEED_ATT:
+                        att_acc += tl.sum(ds[:, :, None] * tl.where(z > 0, z, z * slope), 1)
+                    if NEED_EDGE:
+                        tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, dz,
+                                 mask=emask[:, :, None] & (ck3 < CK))
+                else:
+                    tl.store(ds_buf + eoff, ds, mask=emask)
+                    if SLOTS:
+                        d_acc += ds[:, :, None] * z  # dq_i, scaled below
+                    else:
+                        d_acc += tl.sum(ds[:, :, None] * z, 1)
+                    if NEED_EDGE:
+                        tl.store(d_edge + (eid * H + h2)[:, :, None] * CK + ck3, ds[:, :, None] * xd * scale,
+                                 mask=emask[:, :, None] & (ck3 < CK))
+            if KIND == 2 and SLOTS:
+                d_acc = tl.sum(d_acc, 1)  # over the edge slots
+            prow = slot * H + h
+            if NEED_DST:
+                if KIND == 0 or KIND == 3:  # (KIND 3: the per-node scalar, for the source kernel)
+                    tl.store(d_dst + orow, d_acc, mask=final)
+                    tl.store(part_dst + prow, d_acc, mask=piece)
+                else:
+                    if KIND == 2:
+                        d_acc = d_acc * scale
+                    km = ckm[None, :]
+                    tl.store(d_dst + orow[:, None] * CK + ck[None, :], d_acc, mask=final[:, None] & km)
+                    tl.store(part_dst + prow[:, None] * CK + ck[None, :], d_acc, mask=piece[:, None] & km)
+    if NEED_ATT:  # one partial per lane of each program, summed by the caller
+        _store_partials(part_att, att_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
+    if NEED_BIAS:  # (as att's)
+        _store_partials(part_bias, bias_acc, CV, P_ROWS, BLOCK_R, BLOCK_CV, ACC)
 
 
-@triton.jit
-def _bwd_src_items(
-    item_row, item_start, item_len, item_slot, bounds,
-    csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
+@triton.jit(do_not_specialize=_PER_CALL)
+def _bwd_src_kernel(
+    items, bounds, csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    P_ROWS, H, CK, CV,
+    P_ROWS, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
-    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr,
-    ACC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-    STAGES: tl.constexpr,
-    BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr, AHEAD: tl.constexpr,
+    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
+    STAGES: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, AHEAD: tl.constexpr, PER_SM: tl.constexpr,
 ):
     n_items = tl.load(bounds)  # the schedule's work items
     n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
@@ -891,24 +724,24 @@ def _bwd_src_items(
     att_s_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     att_d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
-    if AHEAD:  # as in _fwd_items: each block loads its successor's edge ranges
+    if AHEAD:  # as in _fwd_kernel: each block loads its successor's edge ranges
         lane0, valid0, it0, h0 = _lane_items(pid, n_items, H, BLOCK_R)
-        start_n = tl.load(item_start + it0, mask=valid0, other=0)
-        length_n = tl.load(item_len + it0, mask=valid0, other=0)
+        start_n = tl.load(items + it0 * 4 + 1, mask=valid0, other=0)
+        length_n = tl.load(items + it0 * 4 + 2, mask=valid0, other=0)
     for blk in range(pid, n_blocks, n_prog):
         lane, valid, it, h = _lane_items(blk, n_items, H, BLOCK_R)
-        row = tl.load(item_row + it, mask=valid, other=0).to(tl.int64)
+        row = tl.load(items + it * 4, mask=valid, other=0).to(tl.int64)
         if AHEAD:
             start, length = start_n.to(tl.int64), length_n
             lane_n, valid_n, it_n, h_n = _lane_items(tl.cast(blk, tl.int64) + n_prog,
                                                      n_items, H, BLOCK_R)
-            start_n = tl.load(item_start + it_n, mask=valid_n, other=0)
-            length_n = tl.load(item_len + it_n, mask=valid_n, other=0)
+            start_n = tl.load(items + it_n * 4 + 1, mask=valid_n, other=0)
+            length_n = tl.load(items + it_n * 4 + 2, mask=valid_n, other=0)
         else:
-            start = tl.load(item_start + it, mask=valid, other=0).to(tl.int64)
-            length = tl.load(item_len + it, mask=valid, other=0)
+            start = tl.load(items + it * 4 + 1, mask=valid, other=0).to(tl.int64)
+            length = tl.load(items + it * 4 + 2, mask=valid, other=0)
         final, piece, slot, max_len = _lane_slots(
-            valid, tl.load(item_slot + it, mask=valid, other=-1).to(tl.int64), length)
+            valid, tl.load(items + it * 4 + 3, mask=valid, other=-1).to(tl.int64), length)
         scale = tl.load(coef).to(ACC)
         slope = tl.load(coef + 1).to(ACC)
         h2 = h[:, None]
@@ -919,14 +752,10 @@ def _bwd_src_items(
         ck = tl.arange(0, BLOCK_CK)
         ckm = ck < CK
         ck3 = ck[None, None, :]
-        # With SLOTS one partial per edge slot of the tile, summed over the slots after
-        # the loop (as the dst kernel's dot kind's; docs/design.md, "Per-slot sums in the
-        # backward"). GAT's scalar
-        # always: a per-step sum into an [R] accumulator failed Triton 3.6's compiler
-        # at C <= 4 (TritonGPUOptimizeThreadLocality). GATv2's value is its scorer's
-        # x_src (SUM_SRC): per slot, both its gradients go into dv_acc, one tile-sized
-        # accumulator (two spilled at C = 256); so is the dot kind's key when it is the
-        # value (input space), its gradient scaled as it is summed
+        # SLOTS: partials per edge slot, summed after the loop (as the dst kernel's); GAT's
+        # scalar always, as an [R] sum per step failed Triton's compiler at C <= 4. A value
+        # that is the scorer's x_src (SUM_SRC) sums both gradients in dv_acc: two tile-sized
+        # accumulators spilled at C = 256
         if SLOTS:
             dv_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
         else:
@@ -949,15 +778,8 @@ def _bwd_src_items(
             i = tl.load(csc_dst + t, mask=emask, other=0).to(tl.int64)  # destinations
             if NEED_VALUE:
                 a = tl.load(a_buf + k * H + h2, mask=emask, other=0)
-                if FULL_CV:
-                    # CV is the tile's width: rows at the constexpr stride BLOCK_CV, masked
-                    # by edge only, so the compiler can prove them aligned and contiguous
-                    # and gather them 64/128 bits at a time
-                    gi = tl.load(grad_out + (i * H + h2)[:, :, None] * BLOCK_CV + cv3,
-                                 mask=emask[:, :, None], other=0).to(ACC)
-                else:
-                    gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
-                                 mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
+                gi = tl.load(grad_out + (i * H + h2)[:, :, None] * CV + cv3,
+                             mask=emask[:, :, None] & (cv3 < CV), other=0).to(ACC)
                 if SLOTS:
                     dv_acc += a[:, :, None] * gi
                 else:
@@ -967,19 +789,14 @@ def _bwd_src_items(
                 if KIND == 0 or KIND == 3:
                     ds_acc += ds
                 else:
-                    if FULL_CK:  # (as the value rows above)
-                        cmask = emask[:, :, None]
-                        sk = BLOCK_CK
-                    else:
-                        cmask = emask[:, :, None] & (ck3 < CK)
-                        sk = CK
-                    xd = tl.load(s_dst + (i * H + h2)[:, :, None] * sk + ck3, mask=cmask,
+                    cmask = emask[:, :, None] & (ck3 < CK)
+                    xd = tl.load(s_dst + (i * H + h2)[:, :, None] * CK + ck3, mask=cmask,
                                  other=0).to(ACC)
                     if KIND == 1:
                         z = xs + xd
                         if HAS_EDGE:
                             eid = tl.load(csc_eid + t, mask=emask, other=0).to(tl.int64)
-                            z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * sk + ck3, mask=cmask,
+                            z = z + tl.load(s_edge + (eid * H + h2)[:, :, None] * CK + ck3, mask=cmask,
                                             other=0).to(ACC)
                         dz = ds[:, :, None] * att * tl.where(z > 0, 1.0, slope)
                         if SLOTS and SUM_SRC:  # (KIND 1 here)
@@ -1000,12 +817,9 @@ def _bwd_src_items(
             ds_acc = tl.sum(ds_acc, 1)
         prow = slot * H + h
         if KIND == 3:
-            # GAT's terms formed in-kernel from h (EdgeScore.gat_projected): h_j's
-            # source-term gradient ds_acc and, once per node (on its row's first
-            # piece: the CSC position before it is another source's), its
-            # destination-term gradient dt from the destination kernel, times the
-            # attention vectors into h's one gradient and times h_j into the
-            # vectors' gradients
+            # GAT from h (EdgeScore.gat_projected): the source term's gradient ds_acc and,
+            # once per node (its row's first piece), the destination term's dt, times the
+            # attention vectors into h's gradient and times h_j into the vectors'
             km = valid[:, None] & ckm[None, :]
             a_s = tl.load(s_att + h[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
             a_d = tl.load(s_att + (H + h)[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
@@ -1041,22 +855,3 @@ def _bwd_src_items(
     if NEED_ATT:  # one partial per lane of each program and vector, summed by the caller
         _store_partials(part_att, att_s_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
         _store_partials(part_att_d, att_d_acc, CK, P_ROWS, BLOCK_R, BLOCK_CK, ACC)
-
-
-@triton.jit(do_not_specialize=_PER_CALL)
-def _bwd_src_kernel(
-    item_row, item_start, item_len, item_slot, bounds,
-    csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
-    grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    P_ROWS, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
-    KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
-    SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
-    STAGES: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,
-    FULL_CK: tl.constexpr, FULL_CV: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, AHEAD: tl.constexpr, PER_SM: tl.constexpr,
-):
-    _bwd_src_items(item_row, item_start, item_len, item_slot, bounds, csc_edge, csc_dst, csc_eid,
-        csr_src, s_src, s_dst, s_edge, s_att, coef, grad_out, a_buf, ds_buf, d_value, part_value,
-        d_src, part_src, d_dst, part_att, part_att_d, P_ROWS, H, CK, CV, KIND, HAS_EDGE, NEED_VALUE,
-        NEED_SRC, SUM_SRC, NEED_ATT, SLOTS, ACC, BLOCK_R, BLOCK_E, STAGES, BLOCK_CK, BLOCK_CV,
-        FULL_CK, FULL_CV, AHEAD)

@@ -1,13 +1,6 @@
-r"""The Triton kernels' work and tiling: schedules of work items over a plan's CSR/CSC,
-the row kernels' tiling as ``triton.autotune`` configs, and the launches
-(:mod:`gatlib._triton` has the design; docs/gpu.md the tuning).
-
-Rows are cut into work items of at most :data:`_SPLIT` edges, sorted longest first;
-a :class:`_Schedule` is device tensors sized by the graph's node and edge counts
-alone, built once per graph and kept on its plan (:func:`_plan`). :func:`_launch`
-runs a row kernel over all of them in one launch of a fixed number of programs;
-:func:`_merge` combines the pieces of split rows.
-"""
+r"""The Triton kernels' work and tiling: the schedules of work items kept on a plan
+(:func:`_plan`), the row kernels' ``triton.autotune`` config spaces, and the launches
+(:mod:`gatlib._triton` has the design; docs/gpu.md the tuning)."""
 from __future__ import annotations
 
 import functools
@@ -35,23 +28,18 @@ _SPLIT = 256
 # ---------------------------------------------------------------------------
 @dataclass
 class _Schedule:
-    """Work items over the segments of a CSR ``ptr``, in launch order, as device
-    tensors whose sizes follow from the graph's sizes alone (no value of the graph
-    is read on the host: a captured or compiled call replays on a new graph).
+    """Work items over the segments of a CSR ``ptr``, longest first, as device tensors
+    sized by the graph's sizes alone (no value is read on the host: a captured or
+    compiled call replays on a new graph).
 
-    Item ``w`` covers positions ``start[w] : start[w] + length[w]`` of segment
-    ``row[w]``; ``slot[w]`` is ``-1`` when that is the whole segment (the item
-    writes the final result) or its partial-result slot when the segment was
-    split. Items are sorted longest first; the arrays have room for
-    :attr:`max_items`, and the ones past the real items have length ``-1``.
-    ``bounds`` holds the number of real items and of split segments; split segment ``s`` is ``split_row[s]``, with
-    partial-result slots ``split_first[s] : split_first[s] + split_count[s]``.
-    """
+    Row ``w`` of ``items`` is item ``w``, ``(row, start, length, slot)`` (a kernel reads
+    the four together): positions ``start : start + length`` of segment ``row``; ``slot``
+    is -1 where that is the whole segment, else the piece's partial-result slot. Rows
+    past the real items have length -1. ``bounds``: the numbers of real items and of
+    split segments; split segment ``s`` is ``split_row[s]``, its slots ``split_first[s]
+    : split_first[s] + split_count[s]``."""
 
-    row: Tensor  # [max_items]
-    start: Tensor  # [max_items]
-    length: Tensor  # [max_items]
-    slot: Tensor  # [max_items]
+    items: Tensor  # [max_items, 4]: row, start, length, slot
     bounds: Tensor  # [2] int64
     split_row: Tensor  # [max_split]
     split_first: Tensor  # [max_split]
@@ -73,15 +61,13 @@ def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int,
 
 
 def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Schedule]:
-    """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` over ``num_edges`` edges (a
-    graph's CSR and CSC: each ends at ``num_edges``), its segments cut into pieces of at
-    most ``split``.
+    """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` (a graph's CSR and CSC,
+    each ending at ``num_edges``), its segments cut into pieces of at most ``split``.
 
-    Each op is a kernel launch on a GPU, and a new graph (a mini-batch, a layer given a
-    ``[2, E]`` tensor) builds its schedules in the call; so they are built side by side,
-    one op for all, and the per-item fields are formed, sorted and converted together.
-    Each ptr goes on with segments of -1 edges to ``n + 1`` segments (``n`` the most of
-    any): the room past its real items, whose length and slot come out -1 with no mask."""
+    A new graph builds its schedules in the call, and each op is a launch on a GPU: the
+    schedules are built side by side, one op for all. Each ptr goes on with segments of
+    -1 edges to ``n + 1`` segments (``n`` the most of any): the room past its real
+    items, whose length and slot come out -1 with no mask."""
     K = len(ptrs)
     sizes = [q.numel() - 1 for q in ptrs]
     n = max(sizes)
@@ -110,21 +96,21 @@ def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Sc
     slot = (slot0.gather(1, row) + j).masked_fill_(spieces.gather(1, row) == 0, -1)
     # Longest first: hub pieces start before the short rows fill the gaps.
     order = torch.argsort(length, dim=1, descending=True, stable=True)
-    items = torch.stack([row, start, length, slot], 1).gather(2, order.unsqueeze(1).expand(K, 4, M))
-    bounds = _rows_aligned(torch.stack([(items[:, 2] >= 0).sum(1), splits.sum(1)], 1),
+    items = torch.stack([row, start, length, slot], 2).gather(1, order.unsqueeze(2).expand(K, M, 4))
+    bounds = _rows_aligned(torch.stack([(items[:, :, 2] >= 0).sum(1), splits.sum(1)], 1),
                            torch.int64)
     # the split rows first, in row order (a stable sort: no value-sized output)
     split_row = torch.argsort(pieces[:, :n].clamp(max=2), dim=1, descending=True, stable=True)
     first_count = torch.stack([slot0[:, :n], pieces[:, :n]], 1).gather(
         2, split_row.unsqueeze(1).expand(K, 2, n))
     idt = index_dtype(num_edges, n + 1, M, _schedule_sizes(n, num_edges, split)[2])
-    items = _rows_aligned(items.reshape(K * 4, M), idt)
+    items = _rows_aligned(items.reshape(K, M * 4), idt)
     split_row = _rows_aligned(split_row, idt)
     first_count = _rows_aligned(first_count.reshape(K * 2, n), idt)
     out = []
     for k, nk in enumerate(sizes):
         m, ms, pieces_k = _schedule_sizes(nk, num_edges, split)
-        out.append(_Schedule(*(t[:m] for t in items[4 * k:4 * k + 4]), bounds[k], split_row[k][:ms],
+        out.append(_Schedule(items[k].view(M, 4)[:m], bounds[k], split_row[k][:ms],
                              first_count[2 * k][:ms], first_count[2 * k + 1][:ms], pieces_k))
     return out
 
@@ -311,15 +297,11 @@ def _default(name: str, kw: dict) -> triton.Config:
     capture): four edges a step (or as many as fit), two programs per SM where the space
     has them (else one, uncapped), every head in one lane where allowed, no block loading
     ahead."""
-    lane_heads = _lane_heads(name, kw)
-    space = [c for c in _space(name, kw)
-             if not c.kwargs["AHEAD"] and c.kwargs.get("LANE_HEADS", False) == lane_heads]
-    edges = max((c.kwargs["BLOCK_E"] for c in space if c.kwargs["BLOCK_E"] <= 4), default=None)
-    for per_sm in (2, 1):
-        for c in space:
-            if c.kwargs["BLOCK_E"] == edges and c.kwargs["PER_SM"] == per_sm:
-                return c
-    raise AssertionError(f"no default config for {name} {kw}")
+    space = [c for c in _space(name, kw) if c.kwargs["BLOCK_E"] <= 4 and not c.kwargs["AHEAD"]
+             and c.kwargs.get("LANE_HEADS", False) == _lane_heads(name, kw)]
+    edges = max(c.kwargs["BLOCK_E"] for c in space)
+    return min((c for c in space if c.kwargs["BLOCK_E"] == edges),
+               key=lambda c: abs(c.kwargs["PER_SM"] - 2))
 
 
 def _interpreter_config(name: str, kw: dict) -> triton.Config:
@@ -427,7 +409,7 @@ def _launch(name: str, items: _Schedule, *args, **consts) -> None:
     consts["STAGES"] = _stages(consts)
     if name != "_bwd_src_kernel":
         consts["HP"] = triton.next_power_of_2(H)
-    args = (items.row, items.start, items.length, items.slot, items.bounds, *args)
+    args = (items.items, items.bounds, *args)
     device = items.bounds.device
 
     def grid(meta):

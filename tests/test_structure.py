@@ -33,13 +33,13 @@ HOMES = {
     "a score formula": (
         r"leaky_relu|\*\s*slope\b|\bslope\s*\*|\*\s*(self\.)?att\b|"
         r"\(\s*\w*(query|q)\w*\s*\*\s*\w*(key|k)\w*\s*\)\.sum|\(\s*\w*(key|k)\w*\s*\*\s*\w*(query|q)\w*\s*\)\.sum",
-        {"_scores.py": None, "_triton_kernels.py": {"_score", "_bwd_dst_items", "_bwd_src_items"}}),
+        {"_scores.py": None, "_triton_kernels.py": {"_score", "_bwd_dst_kernel", "_bwd_src_kernel"}}),
     "a softmax": (
         r"\bsoftmax\(|\.softmax\(|\.exp_?\(|\bexp\(|logsumexp|def \w*softmax",
         {"_core.py": {"segment_softmax", "reference_attention"},
          "_fused_cpu.py": {"_recomputed_alpha", "_softmax_aggregate", "_softmax_aggregate_backward"},
-         "_triton_kernels.py": {"_fwd_items", "_fwd_heads_items", "_alpha_kernel", "_merge_kernel",
-                                "_bwd_dst_items", "_bwd_dst_heads_items"}}),
+         "_triton_kernels.py": {"_softmax_step", "_softmax_end", "_fwd_kernel", "_fwd_heads_block",
+                                "_alpha_kernel", "_merge_kernel", "_bwd_dst_kernel", "_bwd_dst_heads_block"}}),
     "a segment reduction": (
         r"scatter_reduce|index_add|segment_reduce|(import|from) torch_scatter|segment_sum",
         {"_core.py": {"segment_reduce", "segment_softmax", "segment_aggregate"},

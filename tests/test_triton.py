@@ -129,7 +129,7 @@ def test_split_hubs_and_gpu_tiles(kind, monkeypatch):
     tplan = _triton_schedule._plan(plan)
     for items in (tplan.dst_items, tplan.src_items):
         n_items, n_split = items.bounds.tolist()
-        assert n_split > 0 and n_items == int((items.length >= 0).sum())
+        assert n_split > 0 and n_items == int((items.items[:, 2] >= 0).sum())
     E = ei.size(1)
     score = make_score(kind, n, n, E, H, C, edge=True, dtype=torch.float32, device=DEVICE)
     v = torch.randn(n, H, C, device=DEVICE, requires_grad=True)
@@ -347,8 +347,8 @@ def test_schedule_covers_every_edge_once_longest_first():
     E = int(ptr[-1])
     (items,) = _triton_schedule._build_schedules([ptr], E, 64)
     # sizes from (N, E) alone: room for N + E // 64 items, E // 65 split rows
-    assert items.length.numel() == deg.numel() + E // 64 and items.max_split == min(10, E // 65)
-    length, start, row = items.length.long(), items.start.long(), items.row.long()
+    assert items.items.shape == (deg.numel() + E // 64, 4) and items.max_split == min(10, E // 65)
+    row, start, length, slot = items.items.long().unbind(1)  # an item's fields
     assert (length[:-1] >= length[1:]).all()  # longest first, the unused room (-1) last
     bounds = items.bounds.tolist()
     W = bounds[0]
@@ -365,9 +365,9 @@ def test_schedule_covers_every_edge_once_longest_first():
     assert bounds[1] == 2
     assert items.split_row[:2].tolist() == [7, 9]
     assert items.split_first[:2].tolist() == [0, 5] and items.split_count[:2].tolist() == [5, 3]
-    assert sorted(items.slot[items.slot >= 0].tolist()) == list(range(8))
+    assert sorted(slot[slot >= 0].tolist()) == list(range(8))
     for r, first, count in ((7, 0, 5), (9, 5, 3)):
-        assert sorted(items.slot[:W][row[:W] == r].tolist()) == list(range(first, first + count))
+        assert sorted(slot[:W][row[:W] == r].tolist()) == list(range(first, first + count))
     assert items.max_pieces >= 8
 
 
@@ -426,8 +426,8 @@ def test_schedule_is_its_item_by_item_definition(split):
             items, bounds, order, slot0, pieces = _schedule_reference(deg, split)
             n, W = len(deg), len(items)
             assert s.bounds.tolist() == bounds, deg
-            assert s.length.numel() == n + E // split, deg  # the room: from the sizes alone
-            got = torch.stack([s.row, s.start, s.length, s.slot]).long()
+            assert s.items.shape == (n + E // split, 4), deg  # the room: from the sizes alone
+            got = s.items.t().long()  # [row, start, length, slot]
             assert got[:, :W].t().tolist() == [list(item) for item in items], deg
             room = got[:, W:]
             assert (room[0] >= n).all() and (room[2] == -1).all() and (room[3] == -1).all(), deg
@@ -435,7 +435,7 @@ def test_schedule_is_its_item_by_item_definition(split):
             assert s.split_first.tolist() == [slot0[r] for r in order[:s.max_split]], deg
             assert s.split_count.tolist() == [pieces[r] for r in order[:s.max_split]], deg
             # each array starts on 16 bytes (Triton specialises on it: test_triton_compile.py)
-            assert all(t.data_ptr() % 16 == 0 for t in (s.row, s.start, s.length, s.slot, s.bounds,
+            assert all(t.data_ptr() % 16 == 0 for t in (s.items, s.bounds,
                                                         s.split_row, s.split_first, s.split_count))
 
 
