@@ -1,11 +1,6 @@
-r"""The Triton kernels of :mod:`gatlib._triton` (its docstring has their design;
-:mod:`gatlib._triton_schedule` the work items and launches that feed them).
-
-Every kernel is a ``triton.jit`` function over the plan's CSR/CSC layout and a
-schedule of work items. The score formulas in :func:`_score` are
-:mod:`gatlib._scores`' (``gat_edge``, ``gatv2_edge``, ``dot_edge``), written
-again in Triton: tests/test_triton.py holds them to the reference.
-"""
+r"""The Triton kernels of :mod:`gatlib._triton` over the plan's CSR/CSC layout and the work
+items of :mod:`gatlib._triton_schedule` (docs/gpu.md has their design). :func:`_score` writes
+:mod:`gatlib._scores`' formulas again in Triton; tests/test_triton.py holds them to it."""
 from __future__ import annotations
 
 import triton
@@ -17,21 +12,13 @@ import triton.language as tl
 _PER_CALL = ("E", "P_ROWS")
 
 
-# ---------------------------------------------------------------------------
-# Kernels. A program owns BLOCK_R *lanes*, each one (work item, head) pair —
-# lane l is item l // H, head l % H — so the heads of a row sit side by side
-# and their loads of a source's [H, C] row are contiguous; or, at values of one head
-# that all heads share (LANE_HEADS: _fwd_heads_block, _bwd_dst_heads_block), each one
-# work item with every head.
-# ---------------------------------------------------------------------------
-# The schedule's items are loaded in the kernels' own bodies and helpers take loaded
-# values: AOT autograd took arrays passed to a helper as written and refused a compiled
-# step (docs/design.md, "Compiled calls launch the eager kernels").
+# A program owns BLOCK_R lanes: lane l is (work item l // H, head l % H), so a source's [H, C]
+# row is read contiguously; or (LANE_HEADS) one work item with every head. The items are
+# loaded in the kernels' own bodies: AOT autograd refused a compiled step whose helpers took
+# the arrays (docs/design.md, "Compiled calls launch the eager kernels").
 @triton.jit
 def _lane_items(blk, n_items, H, BLOCK_R: tl.constexpr):
-    """``(lane, valid, item, head)`` of the lanes of block ``blk`` (lanes past the
-    last item are empty). Index arithmetic is int64 from the block on: lane counts
-    reach E·H > 2**31."""
+    """``(lane, valid, item, head)`` of block ``blk``'s lanes, in int64 (E·H can pass 2**31)."""
     lane = (tl.zeros([BLOCK_R], tl.int64) + blk) * BLOCK_R + tl.arange(0, BLOCK_R)
     local = lane // H
     return lane, local < n_items, local, lane % H
@@ -39,9 +26,8 @@ def _lane_items(blk, n_items, H, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def _lane_slots(valid, slot, length):
-    """``(final, piece, slot, longest)`` from a block's loaded slots and lengths:
-    a lane writes its row's result (``final``) or, for a split row, a partial
-    result in ``slot`` (``piece``)."""
+    """``(final, piece, slot, longest)``: a lane writes its row's result (``final``) or a
+    split row's partial in ``slot`` (``piece``)."""
     final = valid & (slot < 0)
     piece = valid & (slot >= 0)
     return final, piece, tl.where(piece, slot, 0), tl.max(length, 0)
@@ -49,9 +35,8 @@ def _lane_slots(valid, slot, length):
 
 @triton.jit
 def _softmax_step(score, m_i, l_i):
-    """One step of the online softmax over the edges (axis 1) of ``score``, whose masked
-    edges are -inf: ``(p, corr, m, l)``, the step's weights (0 off the edges), the factor
-    that rescales what was summed before, and the running max and sum."""
+    """Online softmax over axis 1 of ``score`` (masked edges -inf): ``(p, corr, m, l)``, the
+    step's weights, the factor rescaling the sums so far, the running max and sum."""
     m_new = tl.maximum(m_i, tl.max(score, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no edge seen yet
     p = tl.exp(score - tl.expand_dims(m_safe, 1))
@@ -61,8 +46,8 @@ def _softmax_step(score, m_i, l_i):
 
 @triton.jit
 def _softmax_end(m_i, l_i):
-    """``(l, lse)`` of the running max and sum: the sum, 1 where a row had no edge (its
-    output stays 0), and the log-sum-exp, -inf there."""
+    """``(l, lse)``: the sum (1 for a row without edges, whose output stays 0) and the
+    log-sum-exp (-inf there)."""
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     return l_safe, tl.where(l_i > 0, m_i + tl.log(l_safe), float("-inf"))
 
@@ -70,12 +55,10 @@ def _softmax_end(m_i, l_i):
 @triton.jit
 def _store_partials(part, acc, W, P_ROWS, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
                     ACC: tl.constexpr):
-    """Store this program's per-lane partials ``acc`` ``[BLOCK_R, BLOCK_W]`` of a parameter's
-    gradient into rows ``pid * BLOCK_R :`` of ``part`` (``[P_ROWS, W]``; the caller sums
-    every row, row ``r`` into head ``r % H``) and zero the rows no program of this launch
-    writes: the buffer's size is the same for every config of the launch (its lanes and
-    programs per SM are tuned) and for every grid. A lane keeps one head over all its
-    blocks (the grid is a multiple of ``H``), so its row's head is the lane's."""
+    """Store this program's per-lane partials of a parameter's gradient in rows ``pid * BLOCK_R :``
+    of ``part`` ``[P_ROWS, W]`` (the caller sums row ``r`` into head ``r % H``; the grid is a
+    multiple of ``H``) and zero the rows no program writes: the buffer's size is the same for
+    every config and grid."""
     w = tl.arange(0, BLOCK_W)[None, :]
     zero = tl.zeros([BLOCK_R], tl.int64)  # (row arithmetic in int64: rows * W of wide rows)
     base = tl.arange(0, BLOCK_R)
@@ -90,27 +73,14 @@ def _store_partials(part, acc, W, P_ROWS, BLOCK_R: tl.constexpr, BLOCK_W: tl.con
 def _score(s_src, s_dst, s_edge, s_att, h, H, CK, src, dst, eid, m_src, m_dst, m_edge,
            scale, slope, KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr,
            ONE_K: tl.constexpr, ACC: tl.constexpr, BLOCK_CK: tl.constexpr):
-    """Scores of a 2-D tile of edges ``src -> dst`` (original ids ``eid``), head ``h``:
-    :mod:`gatlib._scores`' formulas (``gat_edge``, ``gatv2_edge``, ``dot_edge``).
+    """Scores of a tile of edges ``src -> dst`` (original ids ``eid``), head ``h``: int64
+    tiles broadcasting to ``[R, E]``, each with its mask; per-node terms load at their own
+    shape (a row's query once per tile). ``KIND`` 0 GAT from node terms, 1 GATv2, 2 dot
+    product, 3 GAT from the projected rows with ``s_att = [a_src; a_dst]``. ``ONE_K``: one
+    source head shared by every head (input-space keys ``[N, 1, CK]``).
 
-    ``h``, ``src``, ``dst`` and ``eid`` are int64 tiles that broadcast to the
-    edge tile (e.g. ``[R, E]`` and ``[R, 1]``), each with a mask of its shape;
-    per-node terms are loaded at their own shape, so a row's query is read
-    once per tile, not once per edge.
-
-    ``KIND`` 0 GAT from per-node terms, 1 GATv2, 2 dot product, 3 GAT from the
-    projected rows ``h`` (``s_src``, ``s_dst``) and ``s_att = [a_src; a_dst]``
-    (:meth:`gatlib.EdgeScore.gat_projected`). ``ONE_K``: the source rows ``s_src``
-    have one head that every head shares (the dot kind's key in input space,
-    ``[N, 1, CK]``): a lane reads row ``src``, not ``src * H + h``, and the
-    lanes of one item read the same row (from cache after the first).
-
-    Returns ``(score, z, xs, xd, xe)``: the ``[R, E]`` scores; ``z`` the
-    pre-activation (GAT ``[R, E]``, GATv2 ``[R, E, CK]``) or ``k_j + e_ij``
-    (dot product ``[R, E, CK]``); and the loaded channel tiles of the source,
-    destination and edge terms (placeholders where a kind has none), which
-    callers reuse instead of loading them again.
-    """
+    Returns ``(score, z, xs, xd, xe)``: the scores, the pre-activation (``k_j + e_ij`` for the
+    dot product) and the loaded source, destination and edge tiles, which callers reuse."""
     if KIND == 0:  # GAT: z = a_src[j] + a_dst[i] + a_edge[ij], per-node scalars
         z = tl.load(s_src + src * H + h, mask=m_src, other=0).to(ACC)
         if HAS_DST:
@@ -166,14 +136,10 @@ def _fwd_heads_block(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, STAGES: tl.constexpr, BLOCK_CV: tl.constexpr,
     HP: tl.constexpr,
 ):
-    """:func:`_fwd_kernel` with every head of an item in one lane (``HP``, the heads padded
-    to a power of two): for a value of one head that all heads share (``ONE_V``; the dot
-    kind's key is that value, ``ONE_K`` and ``SHARE_V``), i.e. a layer aggregating its
-    inputs. A lane gathers each source row once for all its heads, where a lane per
-    (item, head) gathers it once per head; a block of ``BLOCK_R`` lanes is ``BLOCK_R``
-    items, not ``BLOCK_R / H``. Scores, weights and the accumulator carry a head axis:
-    ``[R, E, HP]`` and ``[R, HP, C]``. GAT from node terms (``KIND`` 0) or the dot
-    product (2), without edge features."""
+    """:func:`_fwd_kernel` with every head of an item in one lane (``HP``: heads padded to a
+    power of two), for a value all heads share (``ONE_V``, input-space aggregation): each
+    source row is gathered once for all heads. GAT from node terms or the dot product
+    (``KIND`` 0, 2), no edge features; a head axis on ``[R, E, HP]`` and ``[R, HP, C]``."""
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
@@ -248,10 +214,7 @@ def _fwd_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
     PER_SM: tl.constexpr,
 ):
-    if LANE_HEADS:  # a lane per work item, with every head (HP: the heads padded)
-        LH: tl.constexpr = 1
-    else:  # a lane per (work item, head)
-        LH: tl.constexpr = H
+    LH: tl.constexpr = 1 if LANE_HEADS else H  # heads per lane's item: all, or one
     n_items = tl.load(bounds)  # the schedule's work items
     n_blocks = tl.cdiv(n_items * LH, BLOCK_R).to(tl.int32)
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
@@ -377,17 +340,13 @@ def _keep_kernel(csr_eid, E, keep, seed, p_drop, H: tl.constexpr, BLOCK_K: tl.co
     tl.store(keep + eid * H + lane % H, kept.to(tl.int8), mask=m)
 
 
-# C stays a runtime integer here: as a constant, ptxas spilled the summing merge at 40 float32
-# channels on sm_80, and the merge only reads split rows' partials.
+# C stays a runtime integer: as a constant, ptxas spilled the summing merge at 40 channels.
 @triton.jit(do_not_specialize=("C",))
 def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, out, lse, bias,
-                  out_b, H: tl.constexpr, C, SOFTMAX: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_C: tl.constexpr):
-    """One lane per (split row, head): combines the row's partial results, in
-    slot order (deterministic, no atomics). ``SOFTMAX``: the forward's
-    ``(out_p, lse_p)`` pieces by their weights ``exp(lse_p - lse)`` (and with
-    ``HAS_BIAS`` ``out_b = out + bias``, ``bias`` ``[H * C]``); else sums."""
+                  out_b, H: tl.constexpr, C, SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One lane per (split row, head) combines the row's partials in slot order (no atomics):
+    ``SOFTMAX`` weighs the forward's ``(out_p, lse_p)`` by ``exp(lse_p - lse)``; else sums."""
     n = tl.load(bounds + 1)  # split rows (_Schedule.bounds: items, split rows)
     c = tl.arange(0, BLOCK_C)[None, :]
     cm = c < C
@@ -408,13 +367,8 @@ def _merge_kernel(bounds, split_row, split_first, split_count, part, part_lse, o
             po = tl.load(part + prow[:, None] * C + c, mask=pm[:, None] & cm, other=0).to(ACC)
             if SOFTMAX:
                 pl = tl.load(part_lse + prow, mask=pm, other=float("-inf")).to(ACC)
-                m_new = tl.maximum(m, pl)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                corr = tl.exp(m - m_safe)
-                w = tl.exp(pl - m_safe)
-                l_sum = l_sum * corr + w
-                acc = acc * corr[:, None] + w[:, None] * po
-                m = m_new
+                w, corr, m, l_sum = _softmax_step(pl[:, None], m, l_sum)  # w: [R, 1]
+                acc = acc * corr[:, None] + w * po
             else:
                 acc += po
         orow = row * H + h
@@ -437,10 +391,8 @@ def _bwd_dst_heads_block(
     NEED_DST: tl.constexpr, ACC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
     STAGES: tl.constexpr, BLOCK_CV: tl.constexpr, HP: tl.constexpr,
 ):
-    """:func:`_bwd_dst_kernel` with every head of an item in one lane (``HP``), for the
-    calls of :func:`_fwd_heads_block` that need no parameter's partials (the output
-    bias's): each source row is gathered once for all heads. ``[R, E, HP]`` scores,
-    weights and score gradients; the dot kind's query gradient ``[R, HP, C]``."""
+    """:func:`_bwd_dst_kernel` with every head of an item in one lane, for the calls of
+    :func:`_fwd_heads_block` that need no parameter's partials (the output bias's)."""
     hh = tl.arange(0, HP)
     hm = hh < H
     h3 = hh[None, None, :]  # [1, 1, HP]
@@ -545,16 +497,12 @@ def _bwd_dst_kernel(
     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, LANE_HEADS: tl.constexpr, AHEAD: tl.constexpr,
     PER_SM: tl.constexpr,
 ):
-    if LANE_HEADS:  # a lane per work item, with every head (HP: the heads padded)
-        LH: tl.constexpr = 1
-    else:  # a lane per (work item, head)
-        LH: tl.constexpr = H
+    LH: tl.constexpr = 1 if LANE_HEADS else H  # heads per lane's item: all, or one
     n_items = tl.load(bounds)  # the schedule's work items
     n_blocks = tl.cdiv(n_items * LH, BLOCK_R).to(tl.int32)
-    # GATv2's att gradient, summed over the blocks this program runs: each lane
-    # keeps one head, as the grid is a multiple of H (_programs)
+    # GATv2's att and the output bias's gradients over this program's blocks (a lane keeps
+    # one head: the grid is a multiple of H)
     att_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
-    # the output bias's gradient likewise: the sum of grad_out over the rows
     bias_acc = tl.zeros([BLOCK_R, BLOCK_CV], ACC)
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     if AHEAD:  # as in _fwd_kernel: each block loads its successor's edge ranges
@@ -610,9 +558,8 @@ def _bwd_dst_kernel(
                 bias_acc += tl.where((final | (piece & (start == row_ptr)))[:, None], g2, 0.0)
             if GALPHA:
                 row_delta += tl.load(delta_alpha + orow, mask=valid, other=0).to(ACC)
-            # SLOTS: the dot kind's query gradient per edge slot, summed after the loop (a
-            # sum across warps at every step meets at a barrier; docs/design.md, "Per-slot
-            # sums in the backward")
+            # SLOTS: the dot kind's query gradient per edge slot, summed after the loop
+            # (docs/design.md, "Per-slot sums in the backward")
             if KIND == 0 or KIND == 3:  # GAT: the destination term's gradient, a scalar
                 d_acc = tl.zeros([BLOCK_R], ACC)
             elif KIND == 2 and SLOTS:
@@ -719,8 +666,7 @@ def _bwd_src_kernel(
 ):
     n_items = tl.load(bounds)  # the schedule's work items
     n_blocks = tl.cdiv(n_items * H, BLOCK_R).to(tl.int32)
-    # KIND 3's att gradients (a_src, a_dst), summed over the blocks this program
-    # runs: each lane keeps one head, as the grid is a multiple of H (_programs)
+    # KIND 3's att gradients (a_src, a_dst) over this program's blocks, as the dst kernel's
     att_s_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     att_d_acc = tl.zeros([BLOCK_R, BLOCK_CK], ACC)
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
@@ -752,10 +698,8 @@ def _bwd_src_kernel(
         ck = tl.arange(0, BLOCK_CK)
         ckm = ck < CK
         ck3 = ck[None, None, :]
-        # SLOTS: partials per edge slot, summed after the loop (as the dst kernel's); GAT's
-        # scalar always, as an [R] sum per step failed Triton's compiler at C <= 4. A value
-        # that is the scorer's x_src (SUM_SRC) sums both gradients in dv_acc: two tile-sized
-        # accumulators spilled at C = 256
+        # SLOTS: partials per edge slot, summed after the loop (GAT's scalar always: an [R] sum
+        # per step failed Triton's compiler at C <= 4); SUM_SRC sums both gradients in dv_acc
         if SLOTS:
             dv_acc = tl.zeros([BLOCK_R, BLOCK_E, BLOCK_CV], ACC)
         else:
@@ -817,9 +761,8 @@ def _bwd_src_kernel(
             ds_acc = tl.sum(ds_acc, 1)
         prow = slot * H + h
         if KIND == 3:
-            # GAT from h (EdgeScore.gat_projected): the source term's gradient ds_acc and,
-            # once per node (its row's first piece), the destination term's dt, times the
-            # attention vectors into h's gradient and times h_j into the vectors'
+            # GAT from h: the source term's gradient ds_acc and, once per node, the destination
+            # term's dt, times the attention vectors into h's gradient, times h_j into theirs
             km = valid[:, None] & ckm[None, :]
             a_s = tl.load(s_att + h[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
             a_d = tl.load(s_att + (H + h)[:, None] * CK + ck[None, :], mask=km, other=0).to(ACC)
