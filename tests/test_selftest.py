@@ -99,18 +99,20 @@ def _reference_instead(monkeypatch):  # right numbers, but not from the Triton k
     monkeypatch.setitem(_dispatch.KERNELS, "triton", _dispatch.ReferenceKernel())
 
 
+# Each break shows on the two float32 cases of one kind (the end-to-end test runs them all);
+# the kinds differ so that each kernel path is broken once.
 @pytest.mark.slow
-@pytest.mark.parametrize("mutation, expect", [
-    (_skip_split_merge, "max abs error"),
-    (_skip_gradient_merge, "grad dst: max abs error"),
-    (_unseeded_dropout, "same seed, different results"),
-    (_backward_mask_differs, "the backward's dropout mask is not the forward's"),
-    (_reference_instead, "the Triton kernel did not run"),
+@pytest.mark.parametrize("mutation, expect, kind", [
+    (_skip_split_merge, "max abs error", "gat_projected"),
+    (_skip_gradient_merge, "grad dst: max abs error", "dot"),
+    (_unseeded_dropout, "same seed, different results", "gatv2"),
+    (_backward_mask_differs, "the backward's dropout mask is not the forward's", "gat"),
+    (_reference_instead, "the Triton kernel did not run", "gat_inputs"),
 ])
-def test_broken_kernel_fails(tmp_path, capsys, monkeypatch, mutation, expect):
-    monkeypatch.setattr(selftest, "DTYPES", {"float32": torch.float32})  # 6 cases suffice
+def test_broken_kernel_fails(tmp_path, capsys, monkeypatch, mutation, expect, kind):
+    monkeypatch.setattr(selftest, "DTYPES", {"float32": torch.float32})
     mutation(monkeypatch)
-    rc, rep = _selftest(tmp_path, "--graphs", "")
+    rc, rep = _selftest(tmp_path, "--graphs", "", "--kinds", kind)
     out = capsys.readouterr().out
     assert rc == 1 and rep["status"] == "FAIL"
     failed = [c for c in rep["kernel_checks"]["cases"] if c["status"] == "FAIL"]
