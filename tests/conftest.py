@@ -27,6 +27,15 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def pytest_configure(config):
+    # xdist's workers share the machine's cores: each with torch's default (a thread per core)
+    # oversubscribes them, and OpenMP threads then wait on each other. A test that needs more
+    # threads than its share sets them (e.g. test_fused_cpu's "tiny_blocks").
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--test-order", default="default", metavar="ORDER",

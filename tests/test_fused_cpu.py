@@ -33,7 +33,10 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(fc, "RECOMPUTE_MIN_ENTRIES", 0)  # GAT recomputes alpha
     if mode == "tiny_blocks":
         monkeypatch.setattr(_blocks, "CHUNK_BYTES", 200)  # 4-5 edges per block at H*C = 5 or 6, float64
-        monkeypatch.setattr(_blocks, "MIN_PART_EDGES", 4)  # and rows split over threads
+        monkeypatch.setattr(_blocks, "MIN_PART_EDGES", 4)  # and rows split over two threads,
+        threads = torch.get_num_threads()  # whatever the machine (or xdist) gave this process
+        torch.set_num_threads(2)
+        request.addfinalizer(lambda: torch.set_num_threads(threads))
     return mode
 
 
