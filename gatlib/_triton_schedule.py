@@ -23,26 +23,20 @@ from ._plan import GraphPlan
 # (docs/design.md, "Split rows").
 _SPLIT = 256
 
-# ---------------------------------------------------------------------------
-# Scheduling: work items over the segments of a CSR-like ``ptr``.
-# ---------------------------------------------------------------------------
+
 @dataclass
 class _Schedule:
-    """Work items over the segments of a CSR ``ptr``, longest first, as device tensors
-    sized by the graph's sizes alone (no value is read on the host: a captured or
-    compiled call replays on a new graph).
+    """Work items over the segments of a CSR ``ptr``, longest first, as device tensors sized
+    by the graph's sizes alone: nothing is read on the host, so a captured or compiled call
+    replays on a new graph."""
 
-    Row ``w`` of ``items`` is item ``w``, ``(row, start, length, slot)`` (a kernel reads
-    the four together): positions ``start : start + length`` of segment ``row``; ``slot``
-    is -1 where that is the whole segment, else the piece's partial-result slot. Rows
-    past the real items have length -1. ``bounds``: the numbers of real items and of
-    split segments; split segment ``s`` is ``split_row[s]``, its slots ``split_first[s]
-    : split_first[s] + split_count[s]``."""
-
-    items: Tensor  # [max_items, 4]: row, start, length, slot
-    bounds: Tensor  # [2] int64
-    split_row: Tensor  # [max_split]
-    split_first: Tensor  # [max_split]
+    # [max_items, 4]: item w is (row, start, length, slot), positions start : start + length
+    # of segment row; slot -1 for a whole segment, else the piece's partial-result slot;
+    # length -1 past the real items
+    items: Tensor
+    bounds: Tensor  # [2] int64: the numbers of real items and of split segments
+    split_row: Tensor  # [max_split]: split segment s is row split_row[s], its slots
+    split_first: Tensor  # [max_split]  split_first[s] : split_first[s] + split_count[s]
     split_count: Tensor  # [max_split]
     max_pieces: int  # partial-result slots a call allocates
 
@@ -52,34 +46,31 @@ class _Schedule:
 
 
 def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:
-    """``(items, split segments, pieces of split segments)`` at most, from the sizes
-    alone: a segment of ``d`` edges is ``max(1, ceil(d / split))`` items, at most
-    ``1 + d // split``; a split one has ``d > split`` edges and fewer than
-    ``2 d / split`` pieces."""
+    """At most how many items, split segments and pieces of split segments, from the sizes
+    alone: a segment of ``d`` edges is at most ``1 + d // split`` items; a split one has
+    ``d > split`` edges and fewer than ``2 d / split`` pieces."""
     return (num_segments + num_edges // split, min(num_segments, num_edges // (split + 1)),
             2 * num_edges // split)
 
 
 def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Schedule]:
-    """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` (a graph's CSR and CSC,
-    each ending at ``num_edges``), its segments cut into pieces of at most ``split``.
-
-    A new graph builds its schedules in the call, and each op is a launch on a GPU: the
-    schedules are built side by side, one op for all. Each ptr goes on with segments of
-    -1 edges to ``n + 1`` segments (``n`` the most of any): the room past its real
-    items, whose length and slot come out -1 with no mask."""
+    """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` (each ending at ``num_edges``),
+    its segments cut into pieces of at most ``split``: built side by side, one op for all
+    (docs/design.md, "Fewer launches per step")."""
     K = len(ptrs)
     sizes = [q.numel() - 1 for q in ptrs]
     n = max(sizes)
     dev = ptrs[0].device
-    M = _schedule_sizes(n, num_edges, split)[0]  # room for every schedule's items
-    p = torch.empty(K, n + 2, dtype=torch.long, device=dev)  # each ptr, then its room's
-    p[:, -1] = num_edges - 1  # (column n + 1: an index that is a size would fix that size when compiled)
+    M, _, max_pieces = _schedule_sizes(n, num_edges, split)  # room for every schedule's items
+    # Each ptr goes on to n + 1 segments of -1 edges: the room past its real items, whose
+    # length and slot then come out -1 with no mask.
+    p = torch.empty(K, n + 2, dtype=torch.long, device=dev)
+    p[:, -1] = num_edges - 1  # (not a size: an index that is one would fix it when compiled)
     for k, (q, nk) in enumerate(zip(ptrs, sizes, strict=True)):
         p[k, :nk + 1] = q
         if nk < n:
             p[k, nk + 1:n + 1] = num_edges
-    deg = p.diff(dim=1)  # [K, n + 1]: the room's segments -1 (the last one always)
+    deg = p.diff(dim=1)  # [K, n + 1]
     for k, nk in enumerate(sizes):
         if nk < n:
             deg[k, nk:n] = -1
@@ -97,13 +88,11 @@ def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Sc
     # Longest first: hub pieces start before the short rows fill the gaps.
     order = torch.argsort(length, dim=1, descending=True, stable=True)
     items = torch.stack([row, start, length, slot], 2).gather(1, order.unsqueeze(2).expand(K, M, 4))
-    bounds = _rows_aligned(torch.stack([(items[:, :, 2] >= 0).sum(1), splits.sum(1)], 1),
-                           torch.int64)
+    bounds = _rows_aligned(torch.stack([(items[:, :, 2] >= 0).sum(1), splits.sum(1)], 1), torch.int64)
     # the split rows first, in row order (a stable sort: no value-sized output)
     split_row = torch.argsort(pieces[:, :n].clamp(max=2), dim=1, descending=True, stable=True)
-    first_count = torch.stack([slot0[:, :n], pieces[:, :n]], 1).gather(
-        2, split_row.unsqueeze(1).expand(K, 2, n))
-    idt = index_dtype(num_edges, n + 1, M, _schedule_sizes(n, num_edges, split)[2])
+    first_count = torch.stack([slot0[:, :n], pieces[:, :n]], 1).gather(2, split_row.unsqueeze(1).expand(K, 2, n))
+    idt = index_dtype(num_edges, n + 1, M, max_pieces)
     items = _rows_aligned(items.reshape(K, M * 4), idt)
     split_row = _rows_aligned(split_row, idt)
     first_count = _rows_aligned(first_count.reshape(K * 2, n), idt)
@@ -116,12 +105,9 @@ def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Sc
 
 
 def _rows_aligned(rows: Tensor, dtype: torch.dtype) -> List[Tensor]:
-    """The rows of ``rows`` ``[R, M]`` in ``dtype``, each starting on 16 bytes as a tensor
-    of its own would: Triton specialises a kernel on its pointers' 16-byte alignment,
-    and rows that started wherever ``M`` put them would compile kernels anew for graphs
-    of other sizes. Each row has room past its end, even where ``M`` is a multiple of
-    the step: with some rows padded and others not, ``torch.compile`` guards on which
-    (a recompile whenever a new graph's ``M`` changes side)."""
+    """The rows of ``rows`` ``[R, M]`` in ``dtype``, each on 16 bytes with room past its end,
+    whatever ``M``: Triton specialises on pointers' 16-byte alignment, and ``torch.compile``
+    guards on which rows are padded (else new graphs' sizes compile anew)."""
     step = 16 // dtype.itemsize
     M = rows.size(1)
     out = rows.new_empty(rows.size(0), (M // step + 1) * step, dtype=dtype)
@@ -138,9 +124,7 @@ class _Plan:
     csc_eid: Tensor  # [E] original edge id of each CSC position
     dst_items: _Schedule  # over destinations (CSR)
     src_items: _Schedule  # over sources (CSC)
-    # whether each schedule (destinations, sources) has split rows; None until an
-    # eager call reads it (_split_rows)
-    splits: Optional[Tuple[bool, bool]] = None
+    splits: Optional[Tuple[bool, bool]] = None  # each schedule has split rows: set by _split_rows
 
 
 def _plan(plan: GraphPlan) -> _Plan:
@@ -148,9 +132,8 @@ def _plan(plan: GraphPlan) -> _Plan:
     def build():
         lay = plan.layout()
         idt = lay.src.dtype
-        E = lay.num_edges
         return _Plan(lay, lay.perm.to(idt), lay.perm[lay.csc_edge.long()].to(idt),
-                     *_build_schedules([lay.ptr, lay.csc_ptr], E, _SPLIT))
+                     *_build_schedules([lay.ptr, lay.csc_ptr], lay.num_edges, _SPLIT))
 
     return plan.derived(("triton.plan", _SPLIT), build)
 
@@ -162,13 +145,11 @@ def _interpreted() -> bool:
     return isinstance(K._fwd_kernel, InterpretedFunction)
 
 
-# ---------------------------------------------------------------------------
-# Tiling: a config space per row kernel, timed on the device by triton.autotune.
-# ---------------------------------------------------------------------------
-# A config: lanes per program (BLOCK_R), edges per step (BLOCK_E), warps, programs per
-# SM (PER_SM: the register cap lets that many share an SM's 64K registers, and the grid
-# is that many per SM: one wave), and where a call allows it every head of an item in
-# one lane (LANE_HEADS) and each block loading its successor's edge ranges (AHEAD).
+# A config: lanes per program (BLOCK_R), edges per step (BLOCK_E), warps, programs per SM
+# (PER_SM: one wave, under the register cap that lets them share an SM's 64K registers) and,
+# where a call allows them, every head of an item in one lane (LANE_HEADS) and each block
+# loading its successor's edge ranges (AHEAD). Pruned by _keep (docs/design.md, "Tiling by
+# triton.autotune", "No spills at the users' shapes").
 _LANES = (1, 2, 4, 8, 16)
 _EDGES = (1, 2, 4, 16, 64)
 _R_MAX = _LANES[-1]  # the parameters' partial rows are sized for it, whatever the config
@@ -178,58 +159,49 @@ _PROGRAMS_INTERPRETER = 2  # the interpreter runs programs one after another: a 
 _ROW_KERNELS = ("_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel")
 
 
-def _max_registers(warps: int, per_sm: int) -> int:
-    return min(255, (1 << 16) // (per_sm * 32 * warps))
-
-
 def _all_configs(name: str) -> List[triton.Config]:
     """Every config of kernel ``name`` before :func:`_keep` prunes it for a call."""
-    heads = (False, True) if name != "_bwd_src_kernel" else (None,)
-    out = []
-    for r, e, w, s, lh, a in itertools.product(_LANES, _EDGES, (4, 8), (1, 2, _PER_SM_MAX),
-                                               heads, (False, True)):
-        kw = dict(BLOCK_R=r, BLOCK_E=e, PER_SM=s, AHEAD=a)
-        if lh is not None:
-            kw["LANE_HEADS"] = lh
-        out.append(triton.Config(kw, num_warps=w, maxnreg=_max_registers(w, s)))
-    return out
+    heads = ({},) if name == "_bwd_src_kernel" else ({"LANE_HEADS": False}, {"LANE_HEADS": True})
+    return [triton.Config(dict(BLOCK_R=r, BLOCK_E=e, PER_SM=s, AHEAD=a, **lh), num_warps=w,
+                          maxnreg=min(255, (1 << 16) // (s * 32 * w)))
+            for r, e, w, s, lh, a in itertools.product(_LANES, _EDGES, (4, 8), (1, 2, _PER_SM_MAX),
+                                                       heads, (False, True))]
+
+
+def _fit(tile: int, per_lane: int, most: int) -> int:
+    """The most lanes, a power of two up to ``most``, of ``per_lane`` elements in ``tile``; 0
+    where one does not fit."""
+    r = min(most, tile // per_lane)
+    return 1 << (r.bit_length() - 1) if r else 0
 
 
 def _width(name: str, kw: dict) -> int:
-    """Channels a row kernel's tile holds per (lane, edge): the widest of what it gathers
-    per edge. The src backward's: a value's gradient rows (CV), GATv2's and the dot kind's
-    destination terms (CK), or GAT's scalar terms alone (a first layer's inputs need no
-    gradient); GAT from projected rows (KIND 3) all of the rows."""
+    """Channels a row kernel's tile holds per (lane, edge): the widest row it gathers per edge
+    (the src backward's: the value's gradient if needed, the destination terms but GAT's
+    scalar ones; all of them from projected rows, KIND 3)."""
     if name == "_bwd_src_kernel" and kw["KIND"] != 3:
         return max(kw["BLOCK_CV"] if kw["NEED_VALUE"] else 1, kw["BLOCK_CK"] if kw["KIND"] else 1)
     return max(kw["BLOCK_CK"], kw["BLOCK_CV"])
 
 
 def _warps(width: int, acc) -> int:
-    """Warps per program: 8 for tiles of wide rows (>= 128 channels) or float64, whose
-    temporaries spilled at 4 (docs/design.md, "No spills at the users' shapes")."""
+    """Warps per program: 8 from 128 channels or in float64, which spilled at 4."""
     return 8 if width >= 128 or acc == tl.float64 else 4
 
 
 def _lanes(name: str, edges: int, width: int, warps: int) -> int:
-    """Lanes of a full tile: at most 8 elements of ``[BLOCK_R, BLOCK_E, width]`` per thread
-    (more spilled), 4 in the forward and the dst backward from 256 channels (whose tiles
-    hold the scorer's rows and the values' at once), at most :data:`_R_MAX`; 0 where one
-    lane does not fit."""
+    """Lanes of a full tile: at most 8 elements of ``[BLOCK_R, BLOCK_E, width]`` per thread, 4
+    from 256 channels where the tile holds the scorer's rows and the values' (more spilled)."""
     per_thread = 4 if name != "_bwd_src_kernel" and width >= 256 else 8
-    r = min(_R_MAX, 32 * warps * per_thread // (edges * width))
-    return 1 << (r.bit_length() - 1) if r else 0
+    return _fit(32 * warps * per_thread, edges * width, _R_MAX)
 
 
 def _lane_heads(name: str, kw: dict) -> bool:
-    """Whether a call may take every head of an item in one lane (``LANE_HEADS``): a value
-    of one head that every head shares (``ONE_V``), more than one head, no per-edge
-    feature, GAT from node terms or the dot kind whose key is that value; in the dst
-    backward only without parameters' partials, and not the dot kind's at 256 channels
-    or more (its ``[R, HP, C]`` query gradient spilled)."""
-    if name == "_bwd_src_kernel" or kw["H"] == 1 or not kw["ONE_V"]:
-        return False
-    if kw["HAS_EDGE"] or kw["HAS_VEDGE"]:
+    """Whether a call may take every head of an item in one lane (``LANE_HEADS``): heads sharing
+    a value of one head (``ONE_V``), no per-edge feature, GAT's node terms or the dot kind keyed
+    by that value; in the dst backward without parameters' partials, nor the dot kind's from
+    256 channels (its ``[R, HP, C]`` query gradient spilled)."""
+    if name == "_bwd_src_kernel" or kw["H"] == 1 or not kw["ONE_V"] or kw["HAS_EDGE"] or kw["HAS_VEDGE"]:
         return False
     if name == "_bwd_dst_kernel" and (kw["NEED_ATT"] or kw["NEED_BIAS"]
                                       or (kw["KIND"] == 2 and _width(name, kw) >= 256)):
@@ -238,9 +210,8 @@ def _lane_heads(name: str, kw: dict) -> bool:
 
 
 def _heavy(name: str, kw: dict, lane_heads: bool) -> bool:
-    """Calls that spilled under 64 registers at 256 channels (ptxas): with dropout; the dst
-    backward's with a per-edge feature or GAT's node terms; with every head in one lane,
-    GAT's."""
+    """Calls that spilled under 64 registers at 256 channels: with dropout; with every head in
+    a lane, GAT's; else the dst backward's with a per-edge feature or GAT's node terms."""
     if kw["DROPOUT"]:
         return True
     if lane_heads:
@@ -249,29 +220,24 @@ def _heavy(name: str, kw: dict, lane_heads: bool) -> bool:
 
 
 def _keep(name: str, cfg: triton.Config, kw: dict) -> bool:
-    """Whether ``cfg`` is in kernel ``name``'s space for a call with constexprs ``kw``: the
-    configs that compile without spills at the users' shapes (tests/test_triton_compile.py)
-    and fill a tile, one lane count per edge count."""
+    """Whether ``cfg`` is in kernel ``name``'s space for a call with constexprs ``kw``: one full
+    tile per edge count, without what ptxas spilled under (tests/test_triton_compile.py)."""
     c = cfg.kwargs
     width = _width(name, kw)
     warps = _warps(width, kw["ACC"])
-    r, e = c["BLOCK_R"], c["BLOCK_E"]
+    r, e, per_sm = c["BLOCK_R"], c["BLOCK_E"], c["PER_SM"]
     if cfg.num_warps != warps or r != _lanes(name, e, width, warps):
         return False
     if e < 4 and _lanes(name, 2 * e, width, warps):  # fewer than 4 only where 4 do not fit
         return False
     lane_heads = c.get("LANE_HEADS", False)
-    # every head in a lane: at most 4 edges a step (its [R, E, heads] tiles besides the
-    # rows spilled at 16)
-    if lane_heads and (not _lane_heads(name, kw) or e > 4):
+    if lane_heads and (not _lane_heads(name, kw) or e > 4):  # its [R, E, heads] tiles spilled at 16
         return False
     if kw["ACC"] == tl.float64 and cfg.maxnreg < 255:  # (float64 spilled under a cap)
         return False
-    # Register caps (ptxas spilled below these): 4-warp programs uncapped, two per SM;
-    # 8-warp ones uncapped (one) or at 128 (two) — not the dst backward's but with every
-    # head in a lane (it holds the scorer's tiles and the gradients' at once) — or at 64
-    # (four) from 256 channels, the forward and the dst backward, but the heavy calls
-    per_sm = c["PER_SM"]
+    # Register caps: 4 warps uncapped, two per SM; 8 warps uncapped, at 128 (two per SM: not the
+    # dst backward's, but with every head in a lane) or from 256 channels at 64 (four per SM:
+    # the forward and the dst backward, but the heavy calls).
     if warps == 4 and per_sm != 2:
         return False
     dst_spills = name == "_bwd_dst_kernel" and (not lane_heads or _heavy(name, kw, lane_heads))
@@ -279,12 +245,9 @@ def _keep(name: str, cfg: triton.Config, kw: dict) -> bool:
         return False
     if per_sm == 4 and (name == "_bwd_src_kernel" or width < 256 or _heavy(name, kw, lane_heads)):
         return False
-    # a block loads its successor's edge ranges: at wide rows under a register cap, but
-    # not GATv2's src backward at 256 channels (it spilled)
-    if c["AHEAD"] and (width < 128 or cfg.maxnreg == 255
-                       or (name == "_bwd_src_kernel" and kw["KIND"] == 1 and width >= 256)):
-        return False
-    return True
+    # loading ahead: at wide rows under a cap, but not GATv2's src backward from 256 channels
+    return not (c["AHEAD"] and (width < 128 or cfg.maxnreg == 255
+                                or (name == "_bwd_src_kernel" and kw["KIND"] == 1 and width >= 256)))
 
 
 def _space(name: str, kw: dict) -> List[triton.Config]:
@@ -293,41 +256,35 @@ def _space(name: str, kw: dict) -> List[triton.Config]:
 
 
 def _default(name: str, kw: dict) -> triton.Config:
-    """The config used untuned (:data:`_AUTOTUNE_ENV` off, a first call under CUDA graph
-    capture): four edges a step (or as many as fit), two programs per SM where the space
-    has them (else one, uncapped), every head in one lane where allowed, no block loading
-    ahead."""
+    """The config run untuned: the most edges a step up to 4, two programs per SM where the
+    space has them (else one), every head in one lane where allowed, no block loading ahead."""
     space = [c for c in _space(name, kw) if c.kwargs["BLOCK_E"] <= 4 and not c.kwargs["AHEAD"]
              and c.kwargs.get("LANE_HEADS", False) == _lane_heads(name, kw)]
     edges = max(c.kwargs["BLOCK_E"] for c in space)
-    return min((c for c in space if c.kwargs["BLOCK_E"] == edges),
-               key=lambda c: abs(c.kwargs["PER_SM"] - 2))
+    return min((c for c in space if c.kwargs["BLOCK_E"] == edges), key=lambda c: abs(c.kwargs["PER_SM"] - 2))
 
 
 def _interpreter_config(name: str, kw: dict) -> triton.Config:
-    """The one config the CPU interpreter runs: few wide programs (it pays per program and
-    per op, not per element)."""
-    width = _width(name, kw)
-    r = min(_R_MAX_INTERPRETER, (1 << 16) // (16 * width))
-    kw_cfg = dict(BLOCK_R=1 << (r.bit_length() - 1), BLOCK_E=16, PER_SM=1, AHEAD=False)
+    """The one config the CPU interpreter runs: few wide programs (it pays per program and per
+    op, not per element)."""
+    kw_cfg = dict(BLOCK_R=_fit(1 << 16, 16 * _width(name, kw), _R_MAX_INTERPRETER), BLOCK_E=16,
+                  PER_SM=1, AHEAD=False)
     if name != "_bwd_src_kernel":
         kw_cfg["LANE_HEADS"] = _lane_heads(name, kw)
     return triton.Config(kw_cfg, num_warps=4)
 
 
-# Set GATLIB_TRITON_AUTOTUNE=0 to run every row kernel with its default config (no
-# timing on first calls); read at each key's first launch.
+# "0": every row kernel runs its default config, untimed (read at each key's first launch).
 _AUTOTUNE_ENV = "GATLIB_TRITON_AUTOTUNE"
-# A config index every row kernel runs (modulo its space's size), bypassing the tuner:
-# the tests run each config of each space in the interpreter so (tests/test_triton_configs.py).
+# A config index every row kernel runs (modulo its space's size), bypassing the tuner: how
+# the tests run every config in the interpreter (tests/test_triton_configs.py).
 _PINNED: Optional[int] = None
 _WARNED_CAPTURE: List[bool] = []
 
 
 def _prune(name: str, configs, nargs, **kw) -> List[triton.Config]:
-    """triton.autotune's ``early_config_prune``, called on a key's first launch: the
-    configs to time, or one to use untimed — the default while a CUDA graph is captured
-    (timing synchronises; said once) or where tuning is switched off."""
+    """triton.autotune's ``early_config_prune`` at a key's first launch: the space to time, or
+    the default alone where tuning is off or a CUDA graph is captured (timing syncs)."""
     if os.environ.get(_AUTOTUNE_ENV, "1") == "0":
         return [_default(name, kw)]
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -340,8 +297,8 @@ def _prune(name: str, configs, nargs, **kw) -> List[triton.Config]:
     return _space(name, kw)
 
 
-# What a layer fixes: the tuning key (with the tensors' dtypes, which Triton adds), never
-# a graph's size, so that new graphs and mini-batches reuse a tuned config.
+# The tuning key: what a layer fixes (Triton adds the dtypes), never a graph's size, so that
+# new graphs and mini-batches reuse a tuned config.
 _KEYS = {
     "_fwd_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS",
                     "SHARE_V", "SHARE_VE", "ONE_K", "ONE_V", "DROPOUT"],
@@ -352,27 +309,23 @@ _KEYS = {
                         "SUM_SRC", "NEED_ATT"],
 }
 _CONFIGS = {name: _all_configs(name) for name in _ROW_KERNELS}
-# The tuned kernels; every launch goes through them (pinned and interpreted ones through
-# their .fn). Timings are cached on disk per device and Triton version (cache_results).
+# Every launch goes through these (pinned and interpreted ones through their .fn); Triton
+# caches the timings on disk per device and version (cache_results).
 _TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=True,
-                                prune_configs_by={"early_config_prune":
-                                                  functools.partial(_prune, name)})(
+                                prune_configs_by={"early_config_prune": functools.partial(_prune, name)})(
                                     getattr(K, name))
           for name in _ROW_KERNELS}
 
 
 def _stages(consts: dict) -> int:
-    """Pipelining stages of a row kernel's edge loops: 2, so that the next step's
-    indices and gathers are in flight while a step computes; 1 for calls with a per-edge
-    feature, whose extra stream spilled at 2 (docs/design.md, "Pipelined edge loops")."""
+    """Pipelining stages of a row kernel's edge loops: 2, 1 with a per-edge feature (whose
+    extra stream spilled; docs/design.md, "Pipelined edge loops")."""
     return 1 if consts.get("HAS_EDGE") or consts.get("HAS_VEDGE") else 2
 
 
 def _slot_sums(width: int) -> bool:
-    """Whether the backward kernels keep their gradients' sums per edge slot of the tile
-    (``SLOTS``), summed once after the edge loop rather than across the tile's warps at
-    every step: at 256 channels or more, where they were timed faster; at 128 GATv2's src
-    backward spilled so (docs/design.md, "Per-slot sums in the backward")."""
+    """Whether the backward kernels keep their sums per edge slot of the tile (``SLOTS``): from
+    256 channels (docs/design.md, "Per-slot sums in the backward")."""
     return width >= 256
 
 
@@ -382,10 +335,9 @@ def _sm_count(index: int) -> int:
 
 
 def _programs(device: torch.device, H: int, per_sm: int) -> int:
-    """Programs per launch: the kernels loop over their blocks of lanes (block ``b`` is
-    run by program ``b mod programs``), so the grid is fixed by the device and the config,
-    never by the graph. ``per_sm`` per SM, rounded down to a multiple of ``H`` (at least
-    ``H``), so that each lane of a program keeps one head (the parameters' partials)."""
+    """Programs per launch, looping over the blocks of lanes: ``per_sm`` per SM, fixed by the
+    device and the config, never by the graph; a multiple of ``H`` (at least ``H``), so that
+    each lane of a program keeps one head (the parameters' partials)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         n = _sm_count(index) * per_sm
@@ -395,60 +347,53 @@ def _programs(device: torch.device, H: int, per_sm: int) -> int:
 
 
 def _partial_rows(device: torch.device, H: int) -> int:
-    """Rows of a backward launch's parameter-partials buffer: one per lane of the most
-    programs any config runs (``_store_partials`` zeroes the rows a launch leaves)."""
+    """Rows of a backward launch's parameter-partials buffer: one per lane of the most programs
+    any config runs (``_store_partials`` zeroes the rows a launch leaves)."""
     return _programs(device, H, _PER_SM_MAX) * (_R_MAX_INTERPRETER if _interpreted() else _R_MAX)
 
 
 def _launch(name: str, items: _Schedule, *args, **consts) -> None:
-    """Launch row kernel ``name`` (``"_fwd_kernel"``, ...) over the work items of ``items``: one
-    launch of :func:`_programs` programs, tiled by the config the tuner chose for the
-    call's key (:data:`_KEYS`), by the :data:`_PINNED` one, or in the interpreter by
-    :func:`_interpreter_config`."""
+    """Launch row kernel ``name`` over the work items of ``items`` in :func:`_programs`
+    programs, at the config the tuner chose for the call's key, the :data:`_PINNED` one or, in
+    the interpreter, :func:`_interpreter_config`."""
     H = consts["H"]
     consts["STAGES"] = _stages(consts)
     if name != "_bwd_src_kernel":
         consts["HP"] = triton.next_power_of_2(H)
     args = (items.items, items.bounds, *args)
-    device = items.bounds.device
 
     def grid(meta):
-        return (_programs(device, H, meta["PER_SM"]),)
+        return (_programs(items.bounds.device, H, meta["PER_SM"]),)
 
-    tuned = _TUNED[name]
-    if _PINNED is not None or _interpreted():
-        if _PINNED is not None:
-            space = _space(name, consts)
-            cfg = space[_PINNED % len(space)]
-        else:
-            cfg = _interpreter_config(name, consts)
-        tuned.fn[grid](*args, **consts, **cfg.all_kwargs())
+    if _PINNED is not None:
+        space = _space(name, consts)
+        cfg = space[_PINNED % len(space)]
+    elif _interpreted():
+        cfg = _interpreter_config(name, consts)
     else:
-        tuned[grid](*args, **consts)
+        _TUNED[name][grid](*args, **consts)
+        return
+    _TUNED[name].fn[grid](*args, **consts, **cfg.all_kwargs())
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,
            part_lse: Optional[Tensor] = None, bias: Optional[Tensor] = None,
            out_b: Optional[Tensor] = None) -> None:
-    """Combine the pieces of split rows into their rows, one launch: plain sums
-    (``out[row] = sum_p part_p``), or with ``lse`` the pieces' softmax results
-    (``lse = log sum_p exp(lse_p)``, ``out = sum_p exp(lse_p - lse) out_p``, and
-    ``out_b = out + bias`` where a ``bias`` ``[H * C]`` is given). Its lanes fill a
-    tile of 1024 elements (the interpreter's: 64K)."""
+    """Combine the pieces of split rows into their rows, one launch: plain sums, or with
+    ``lse`` the pieces' softmax results by log-sum-exp (and ``out_b = out + bias`` for a
+    ``bias`` ``[H * C]``); lanes fill a tile of 1,024 elements (the interpreter's: 64K)."""
     if not items.max_split:  # no row can be split on a graph this small
         return
     C = out.size(2) if out.dim() == 3 else 1
     block_c = triton.next_power_of_2(C)
     tile, most = ((1 << 16), 1024) if _interpreted() else (1024, _R_MAX)
-    lanes = max(1, min(most, tile // block_c))
-    lanes = 1 << (lanes.bit_length() - 1)
     softmax = lse is not None
     K._merge_kernel[(_programs(out.device, H, _PER_SM_MAX),)](
         items.bounds, items.split_row, items.split_first, items.split_count, part,
         part_lse if softmax else part, out, lse if softmax else out,
         bias if bias is not None else out, out_b if out_b is not None else out, H, C,
         SOFTMAX=softmax, HAS_BIAS=bias is not None,
-        ACC=_tl_acc(part.dtype), BLOCK_R=lanes, BLOCK_C=block_c)
+        ACC=_tl_acc(part.dtype), BLOCK_R=max(1, _fit(tile, block_c, most)), BLOCK_C=block_c)
 
 
 def _tl_acc(dtype: torch.dtype):
