@@ -1,6 +1,6 @@
-r"""The Triton kernels' work and tiling: the schedules of work items kept on a plan
-(:func:`_plan`), the row kernels' ``triton.autotune`` config spaces, and the launches
-(:mod:`gatlib._triton` has the design; docs/gpu.md the tuning)."""
+r"""The Triton kernels' work and tiling: a plan's schedules of work items (:func:`_plan`), the
+row kernels' ``triton.autotune`` config spaces, and the launches (:mod:`gatlib._triton` has the
+design; docs/gpu.md the tuning)."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 from . import _triton_kernels as K
 from ._layout import Layout, _build_schedules, _Schedule
@@ -26,7 +27,7 @@ _SPLIT = 256
 
 @dataclass
 class _Plan:
-    """Everything the kernels need about one graph, cached on its ``edge_index``."""
+    """Everything the kernels need about one graph, kept on its plan by :func:`_plan`."""
 
     layout: Layout
     csr_eid: Tensor  # [E] original edge id of each CSR position
@@ -49,16 +50,13 @@ def _plan(plan: GraphPlan) -> _Plan:
 
 def _interpreted() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     return isinstance(K._fwd_kernel, InterpretedFunction)
 
 
-# A config: lanes per program (BLOCK_R), edges per step (BLOCK_E), warps, programs per SM
-# (PER_SM: one wave, under the register cap that lets them share an SM's 64K registers) and,
-# where a call allows them, every head of an item in one lane (LANE_HEADS) and each block
-# loading its successor's edge ranges (AHEAD). Pruned by _keep (docs/design.md, "Tiling by
-# triton.autotune", "No spills at the users' shapes").
+# A config: lanes per program (BLOCK_R), edges per step (BLOCK_E), warps, programs per SM (PER_SM: one
+# wave, under the register cap that lets them share an SM's 64K registers) and, where a call allows them,
+# every head of an item in one lane (LANE_HEADS) and each block loading its successor's edge ranges
+# (AHEAD). Pruned by _keep (docs/design.md, "Tiling by triton.autotune", "No spills at the users' shapes").
 _LANES = (1, 2, 4, 8, 16)
 _EDGES = (1, 2, 4, 16, 64)
 _R_MAX = _LANES[-1]  # the parameters' partial rows are sized for it, whatever the config
@@ -78,8 +76,7 @@ def _all_configs(name: str) -> List[triton.Config]:
 
 
 def _fit(tile: int, per_lane: int, most: int) -> int:
-    """The most lanes, a power of two up to ``most``, of ``per_lane`` elements in ``tile``; 0
-    where one does not fit."""
+    """Lanes of ``per_lane`` elements that fit ``tile``: the most, a power of two up to ``most``; 0 if none."""
     r = min(most, tile // per_lane)
     return 1 << (r.bit_length() - 1) if r else 0
 
@@ -106,10 +103,9 @@ def _lanes(name: str, edges: int, width: int, warps: int) -> int:
 
 
 def _lane_heads(name: str, kw: dict) -> bool:
-    """Whether a call may take every head of an item in one lane (``LANE_HEADS``): heads sharing
-    a value of one head (``ONE_V``), no per-edge feature, GAT's node terms or the dot kind keyed
-    by that value; in the dst backward without parameters' partials, nor the dot kind's from
-    256 channels (its ``[R, HP, C]`` query gradient spilled)."""
+    """Whether a call may give a lane every head of an item (``LANE_HEADS``): a value of one head
+    (``ONE_V``), no per-edge feature, GAT's node terms or the dot kind keyed by that value; in the
+    dst backward no parameters' partials, nor the dot kind from 256 channels (spilled)."""
     if name == "_bwd_src_kernel" or kw["H"] == 1 or not kw["ONE_V"] or kw["HAS_EDGE"] or kw["HAS_VEDGE"]:
         return False
     if name == "_bwd_dst_kernel" and (kw["NEED_ATT"] or kw["NEED_BIAS"]
@@ -209,21 +205,17 @@ def _prune(name: str, configs, nargs, **kw) -> List[triton.Config]:
 # The tuning key: what a layer fixes (Triton adds the dtypes), never a graph's size, so that
 # new graphs and mini-batches reuse a tuned config.
 _KEYS = {
-    "_fwd_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS",
-                    "SHARE_V", "SHARE_VE", "ONE_K", "ONE_V", "DROPOUT"],
-    "_bwd_dst_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "SHARE_V",
-                        "SHARE_VE", "ONE_K", "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE",
-                        "NEED_EDGE", "NEED_DST", "NEED_ATT", "NEED_BIAS"],
-    "_bwd_src_kernel": ["H", "CK", "CV", "KIND", "HAS_EDGE", "NEED_VALUE", "NEED_SRC",
-                        "SUM_SRC", "NEED_ATT"],
+    "_fwd_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS", "SHARE_V", "SHARE_VE",
+                    "ONE_K", "ONE_V", "DROPOUT"],
+    "_bwd_dst_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "SHARE_V", "SHARE_VE", "ONE_K",
+                        "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE", "NEED_EDGE", "NEED_DST", "NEED_ATT", "NEED_BIAS"],
+    "_bwd_src_kernel": ["H", "CK", "CV", "KIND", "HAS_EDGE", "NEED_VALUE", "NEED_SRC", "SUM_SRC", "NEED_ATT"],
 }
 _CONFIGS = {name: _all_configs(name) for name in _ROW_KERNELS}
 # Every launch goes through these (pinned and interpreted ones through their .fn); Triton
 # caches the timings on disk per device and version (cache_results).
-_TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=True,
-                                prune_configs_by={"early_config_prune": functools.partial(_prune, name)})(
-                                    getattr(K, name))
-          for name in _ROW_KERNELS}
+_TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=True, prune_configs_by=dict(
+    early_config_prune=functools.partial(_prune, name)))(getattr(K, name)) for name in _ROW_KERNELS}
 
 
 def _stages(consts: dict) -> int:
@@ -286,8 +278,7 @@ def _launch(name: str, items: _Schedule, *args, **consts) -> None:
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,
-           part_lse: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-           out_b: Optional[Tensor] = None) -> None:
+           part_lse: Optional[Tensor] = None, bias: Optional[Tensor] = None, out_b: Optional[Tensor] = None) -> None:
     """Combine the pieces of split rows into their rows, one launch: plain sums, or with
     ``lse`` the pieces' softmax results by log-sum-exp (and ``out_b = out + bias`` for a
     ``bias`` ``[H * C]``); lanes fill a tile of 1,024 elements (the interpreter's: 64K)."""
@@ -298,11 +289,10 @@ def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Te
     tile, most = ((1 << 16), 1024) if _interpreted() else (1024, _R_MAX)
     softmax = lse is not None
     K._merge_kernel[(_programs(out.device, H, _PER_SM_MAX),)](
-        items.bounds, items.split_row, items.split_first, items.split_count, part,
-        part_lse if softmax else part, out, lse if softmax else out,
-        bias if bias is not None else out, out_b if out_b is not None else out, H, C,
-        SOFTMAX=softmax, HAS_BIAS=bias is not None,
-        ACC=_tl_acc(part.dtype), BLOCK_R=max(1, _fit(tile, block_c, most)), BLOCK_C=block_c)
+        items.bounds, items.split_row, items.split_first, items.split_count, part, part_lse if softmax else part,
+        out, lse if softmax else out, bias if bias is not None else out, out_b if out_b is not None else out, H, C,
+        SOFTMAX=softmax, HAS_BIAS=bias is not None, ACC=_tl_acc(part.dtype),
+        BLOCK_R=max(1, _fit(tile, block_c, most)), BLOCK_C=block_c)
 
 
 def _tl_acc(dtype: torch.dtype):
