@@ -68,10 +68,10 @@ from . import _record
 from . import _triton_schedule as TS
 from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads,
                     score_heads)
+from ._layout import _Schedule, _schedule_sizes
 from ._plan import GraphPlan
 from ._triton_kernels import _alpha_kernel, _fwd_kernel, _keep_kernel
-from ._triton_schedule import (_launch, _merge, _partial_rows, _Plan, _plan, _Schedule,
-                               _schedule_sizes, _slot_sums, _tl_acc, _warps)
+from ._triton_schedule import _launch, _merge, _partial_rows, _Plan, _plan, _slot_sums, _tl_acc, _warps
 
 # Wider channel dimensions fall back to the reference.
 _MAX_C = 1024

@@ -1,6 +1,6 @@
-r"""The Triton kernels' work and tiling: the schedules of work items kept on a plan
-(:func:`_plan`), the row kernels' ``triton.autotune`` config spaces, and the launches
-(:mod:`gatlib._triton` has the design; docs/gpu.md the tuning)."""
+r"""The Triton kernels' work and tiling: a plan's schedules of work items (:func:`_plan`), the
+row kernels' ``triton.autotune`` config spaces, and the launches (:mod:`gatlib._triton` has the
+design; docs/gpu.md the tuning)."""
 from __future__ import annotations
 
 import functools
@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 from . import _triton_kernels as K
-from ._layout import Layout, index_dtype
+from ._layout import Layout, _build_schedules, _Schedule
 from ._plan import GraphPlan
 
 # Longest run of edges one work item handles; longer rows are split and merged
@@ -25,99 +26,8 @@ _SPLIT = 256
 
 
 @dataclass
-class _Schedule:
-    """Work items over the segments of a CSR ``ptr``, longest first, as device tensors sized
-    by the graph's sizes alone: nothing is read on the host, so a captured or compiled call
-    replays on a new graph."""
-
-    # [max_items, 4]: item w is (row, start, length, slot), positions start : start + length
-    # of segment row; slot -1 for a whole segment, else the piece's partial-result slot;
-    # length -1 past the real items
-    items: Tensor
-    bounds: Tensor  # [2] int64: the numbers of real items and of split segments
-    split_row: Tensor  # [max_split]: split segment s is row split_row[s], its slots
-    split_first: Tensor  # [max_split]  split_first[s] : split_first[s] + split_count[s]
-    split_count: Tensor  # [max_split]
-    max_pieces: int  # partial-result slots a call allocates
-
-    @property
-    def max_split(self) -> int:
-        return self.split_row.numel()
-
-
-def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:
-    """At most how many items, split segments and pieces of split segments, from the sizes
-    alone: a segment of ``d`` edges is at most ``1 + d // split`` items; a split one has
-    ``d > split`` edges and fewer than ``2 d / split`` pieces."""
-    return (num_segments + num_edges // split, min(num_segments, num_edges // (split + 1)),
-            2 * num_edges // split)
-
-
-def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Schedule]:
-    """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` (each ending at ``num_edges``),
-    its segments cut into pieces of at most ``split``: built side by side, one op for all
-    (docs/design.md, "Fewer launches per step")."""
-    K = len(ptrs)
-    sizes = [q.numel() - 1 for q in ptrs]
-    n = max(sizes)
-    dev = ptrs[0].device
-    M, _, max_pieces = _schedule_sizes(n, num_edges, split)  # room for every schedule's items
-    # Each ptr goes on to n + 1 segments of -1 edges: the room past its real items, whose
-    # length and slot then come out -1 with no mask.
-    p = torch.empty(K, n + 2, dtype=torch.long, device=dev)
-    p[:, -1] = num_edges - 1  # (not a size: an index that is one would fix it when compiled)
-    for k, (q, nk) in enumerate(zip(ptrs, sizes, strict=True)):
-        p[k, :nk + 1] = q
-        if nk < n:
-            p[k, nk + 1:n + 1] = num_edges
-    deg = p.diff(dim=1)  # [K, n + 1]
-    for k, nk in enumerate(sizes):
-        if nk < n:
-            deg[k, nk:n] = -1
-    pieces = (deg + (split - 1)).div_(split, rounding_mode="floor").clamp_(min=1)  # an empty row: one empty item
-    ends = pieces.cumsum(1)
-    splits = pieces > 1  # (never the room)
-    spieces = pieces * splits
-    slot0 = spieces.cumsum(1).sub_(spieces)  # a split row's first slot: slots in row order
-    w = torch.arange(M, device=dev).repeat(K, 1)
-    row = torch.searchsorted(ends, w, right=True).clamp_(max=n)  # past the last segment: the room's
-    j = w.sub_((ends - pieces).gather(1, row))  # the item's piece of its row
-    start = p.gather(1, row).add_(j, alpha=split)  # (in the room: any value will do)
-    length = deg.gather(1, row).sub_(j, alpha=split).clamp_(-1, split)
-    slot = (slot0.gather(1, row) + j).masked_fill_(spieces.gather(1, row) == 0, -1)
-    # Longest first: hub pieces start before the short rows fill the gaps.
-    order = torch.argsort(length, dim=1, descending=True, stable=True)
-    items = torch.stack([row, start, length, slot], 2).gather(1, order.unsqueeze(2).expand(K, M, 4))
-    bounds = _rows_aligned(torch.stack([(items[:, :, 2] >= 0).sum(1), splits.sum(1)], 1), torch.int64)
-    # the split rows first, in row order (a stable sort: no value-sized output)
-    split_row = torch.argsort(pieces[:, :n].clamp(max=2), dim=1, descending=True, stable=True)
-    first_count = torch.stack([slot0[:, :n], pieces[:, :n]], 1).gather(2, split_row.unsqueeze(1).expand(K, 2, n))
-    idt = index_dtype(num_edges, n + 1, M, max_pieces)
-    items = _rows_aligned(items.reshape(K, M * 4), idt)
-    split_row = _rows_aligned(split_row, idt)
-    first_count = _rows_aligned(first_count.reshape(K * 2, n), idt)
-    out = []
-    for k, nk in enumerate(sizes):
-        m, ms, pieces_k = _schedule_sizes(nk, num_edges, split)
-        out.append(_Schedule(items[k].view(M, 4)[:m], bounds[k], split_row[k][:ms],
-                             first_count[2 * k][:ms], first_count[2 * k + 1][:ms], pieces_k))
-    return out
-
-
-def _rows_aligned(rows: Tensor, dtype: torch.dtype) -> List[Tensor]:
-    """The rows of ``rows`` ``[R, M]`` in ``dtype``, each on 16 bytes with room past its end,
-    whatever ``M``: Triton specialises on pointers' 16-byte alignment, and ``torch.compile``
-    guards on which rows are padded (else new graphs' sizes compile anew)."""
-    step = 16 // dtype.itemsize
-    M = rows.size(1)
-    out = rows.new_empty(rows.size(0), (M // step + 1) * step, dtype=dtype)
-    out[:, :M] = rows
-    return list(out[:, :M])
-
-
-@dataclass
 class _Plan:
-    """Everything the kernels need about one graph, cached on its ``edge_index``."""
+    """Everything the kernels need about one graph, kept on its plan by :func:`_plan`."""
 
     layout: Layout
     csr_eid: Tensor  # [E] original edge id of each CSR position
@@ -140,16 +50,13 @@ def _plan(plan: GraphPlan) -> _Plan:
 
 def _interpreted() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
     return isinstance(K._fwd_kernel, InterpretedFunction)
 
 
-# A config: lanes per program (BLOCK_R), edges per step (BLOCK_E), warps, programs per SM
-# (PER_SM: one wave, under the register cap that lets them share an SM's 64K registers) and,
-# where a call allows them, every head of an item in one lane (LANE_HEADS) and each block
-# loading its successor's edge ranges (AHEAD). Pruned by _keep (docs/design.md, "Tiling by
-# triton.autotune", "No spills at the users' shapes").
+# A config: lanes per program (BLOCK_R), edges per step (BLOCK_E), warps, programs per SM (PER_SM: one
+# wave, under the register cap that lets them share an SM's 64K registers) and, where a call allows them,
+# every head of an item in one lane (LANE_HEADS) and each block loading its successor's edge ranges
+# (AHEAD). Pruned by _keep (docs/design.md, "Tiling by triton.autotune", "No spills at the users' shapes").
 _LANES = (1, 2, 4, 8, 16)
 _EDGES = (1, 2, 4, 16, 64)
 _R_MAX = _LANES[-1]  # the parameters' partial rows are sized for it, whatever the config
@@ -169,8 +76,7 @@ def _all_configs(name: str) -> List[triton.Config]:
 
 
 def _fit(tile: int, per_lane: int, most: int) -> int:
-    """The most lanes, a power of two up to ``most``, of ``per_lane`` elements in ``tile``; 0
-    where one does not fit."""
+    """Lanes of ``per_lane`` elements that fit ``tile``: the most, a power of two up to ``most``; 0 if none."""
     r = min(most, tile // per_lane)
     return 1 << (r.bit_length() - 1) if r else 0
 
@@ -197,10 +103,9 @@ def _lanes(name: str, edges: int, width: int, warps: int) -> int:
 
 
 def _lane_heads(name: str, kw: dict) -> bool:
-    """Whether a call may take every head of an item in one lane (``LANE_HEADS``): heads sharing
-    a value of one head (``ONE_V``), no per-edge feature, GAT's node terms or the dot kind keyed
-    by that value; in the dst backward without parameters' partials, nor the dot kind's from
-    256 channels (its ``[R, HP, C]`` query gradient spilled)."""
+    """Whether a call may give a lane every head of an item (``LANE_HEADS``): a value of one head
+    (``ONE_V``), no per-edge feature, GAT's node terms or the dot kind keyed by that value; in the
+    dst backward no parameters' partials, nor the dot kind from 256 channels (spilled)."""
     if name == "_bwd_src_kernel" or kw["H"] == 1 or not kw["ONE_V"] or kw["HAS_EDGE"] or kw["HAS_VEDGE"]:
         return False
     if name == "_bwd_dst_kernel" and (kw["NEED_ATT"] or kw["NEED_BIAS"]
@@ -302,21 +207,17 @@ def _prune(name: str, configs, nargs, **kw) -> List[triton.Config]:
 # The tuning key: what a layer fixes (Triton adds the dtypes), never a graph's size, so that
 # new graphs and mini-batches reuse a tuned config.
 _KEYS = {
-    "_fwd_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS",
-                    "SHARE_V", "SHARE_VE", "ONE_K", "ONE_V", "DROPOUT"],
-    "_bwd_dst_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "SHARE_V",
-                        "SHARE_VE", "ONE_K", "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE",
-                        "NEED_EDGE", "NEED_DST", "NEED_ATT", "NEED_BIAS"],
-    "_bwd_src_kernel": ["H", "CK", "CV", "KIND", "HAS_EDGE", "NEED_VALUE", "NEED_SRC",
-                        "SUM_SRC", "NEED_ATT"],
+    "_fwd_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS", "SHARE_V", "SHARE_VE",
+                    "ONE_K", "ONE_V", "DROPOUT"],
+    "_bwd_dst_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "SHARE_V", "SHARE_VE", "ONE_K",
+                        "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE", "NEED_EDGE", "NEED_DST", "NEED_ATT", "NEED_BIAS"],
+    "_bwd_src_kernel": ["H", "CK", "CV", "KIND", "HAS_EDGE", "NEED_VALUE", "NEED_SRC", "SUM_SRC", "NEED_ATT"],
 }
 _CONFIGS = {name: _all_configs(name) for name in _ROW_KERNELS}
 # Every launch goes through these (pinned and interpreted ones through their .fn); Triton
 # caches the timings on disk per device and version (cache_results).
-_TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=True,
-                                prune_configs_by={"early_config_prune": functools.partial(_prune, name)})(
-                                    getattr(K, name))
-          for name in _ROW_KERNELS}
+_TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=True, prune_configs_by=dict(
+    early_config_prune=functools.partial(_prune, name)))(getattr(K, name)) for name in _ROW_KERNELS}
 
 
 def _stages(consts: dict) -> int:
@@ -379,8 +280,7 @@ def _launch(name: str, items: _Schedule, *args, **consts) -> None:
 
 
 def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Tensor] = None,
-           part_lse: Optional[Tensor] = None, bias: Optional[Tensor] = None,
-           out_b: Optional[Tensor] = None) -> None:
+           part_lse: Optional[Tensor] = None, bias: Optional[Tensor] = None, out_b: Optional[Tensor] = None) -> None:
     """Combine the pieces of split rows into their rows, one launch: plain sums, or with
     ``lse`` the pieces' softmax results by log-sum-exp (and ``out_b = out + bias`` for a
     ``bias`` ``[H * C]``); lanes fill a tile of 1,024 elements (the interpreter's: 64K)."""
@@ -391,11 +291,10 @@ def _merge(out: Tensor, part: Tensor, items: _Schedule, H: int, lse: Optional[Te
     tile, most = ((1 << 16), 1024) if _interpreted() else (1024, _R_MAX)
     softmax = lse is not None
     K._merge_kernel[(_programs(out.device, H, _PER_SM_MAX),)](
-        items.bounds, items.split_row, items.split_first, items.split_count, part,
-        part_lse if softmax else part, out, lse if softmax else out,
-        bias if bias is not None else out, out_b if out_b is not None else out, H, C,
-        SOFTMAX=softmax, HAS_BIAS=bias is not None,
-        ACC=_tl_acc(part.dtype), BLOCK_R=max(1, _fit(tile, block_c, most)), BLOCK_C=block_c)
+        items.bounds, items.split_row, items.split_first, items.split_count, part, part_lse if softmax else part,
+        out, lse if softmax else out, bias if bias is not None else out, out_b if out_b is not None else out, H, C,
+        SOFTMAX=softmax, HAS_BIAS=bias is not None, ACC=_tl_acc(part.dtype),
+        BLOCK_R=max(1, _fit(tile, block_c, most)), BLOCK_C=block_c)
 
 
 def _tl_acc(dtype: torch.dtype):

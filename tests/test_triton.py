@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 triton = pytest.importorskip("triton")
 
 import gatlib  # noqa: E402
-from gatlib import EdgeScore, GraphPlan, _triton, _triton_schedule, graph_attention  # noqa: E402
+from gatlib import EdgeScore, GraphPlan, _layout, _triton, _triton_schedule, graph_attention  # noqa: E402
 from gatlib._core import reference_attention  # noqa: E402
 
 from testing import (DEVICE, KINDS, LOW_PRECISION, LOW_PRECISION_BOUND, dtype_id, graph_case,  # noqa: E402
@@ -345,7 +345,7 @@ def test_schedule_covers_every_edge_once_longest_first():
     deg = torch.tensor([0, 3, 40, 1, 0, 17, 5, 300, 2, 129])
     ptr = torch.cat([torch.zeros(1, dtype=torch.long), deg.cumsum(0)])
     E = int(ptr[-1])
-    (items,) = _triton_schedule._build_schedules([ptr], E, 64)
+    (items,) = _layout._build_schedules([ptr], E, 64)
     # sizes from (N, E) alone: room for N + E // 64 items, E // 65 split rows
     assert items.items.shape == (deg.numel() + E // 64, 4) and items.max_split == min(10, E // 65)
     row, start, length, slot = items.items.long().unbind(1)  # an item's fields
@@ -422,7 +422,7 @@ def test_schedule_is_its_item_by_item_definition(split):
                 for deg in pair]
         ptrs = [q.int() for q in ptrs] if i % 2 else ptrs
         E = int(ptrs[0][-1])
-        for deg, s in zip(pair, _triton_schedule._build_schedules(ptrs, E, split), strict=True):
+        for deg, s in zip(pair, _layout._build_schedules(ptrs, E, split), strict=True):
             items, bounds, order, slot0, pieces = _schedule_reference(deg, split)
             n, W = len(deg), len(items)
             assert s.bounds.tolist() == bounds, deg
