@@ -170,12 +170,10 @@ def _default(name: str, kw: dict) -> triton.Config:
 
 
 def _interpreter_config(name: str, kw: dict) -> triton.Config:
-    """The one config the CPU interpreter runs: few wide programs and long edge steps (it pays
-    per program and per op, not per element; a block steps to its longest row, up to a split
-    row's ``_SPLIT`` edges: docs/design.md, "The interpreter's tiles")."""
-    edges = 64
-    kw_cfg = dict(BLOCK_R=max(1, _fit(1 << 16, edges * _width(name, kw), _R_MAX_INTERPRETER)),
-                  BLOCK_E=edges, PER_SM=1, AHEAD=False)
+    """The interpreter's one config: few wide programs, long edge steps (it pays per program and
+    per op, not per element: docs/design.md, "The interpreter's tiles")."""
+    kw_cfg = dict(BLOCK_R=max(1, _fit(1 << 16, 64 * _width(name, kw), _R_MAX_INTERPRETER)),
+                  BLOCK_E=64, PER_SM=1, AHEAD=False)
     if name != "_bwd_src_kernel":
         kw_cfg["LANE_HEADS"] = _lane_heads(name, kw)
     return triton.Config(kw_cfg, num_warps=4)
