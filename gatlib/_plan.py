@@ -102,12 +102,9 @@ class GraphPlan:
 
     @property
     def num_rows(self) -> int:
-        """Destination rows the kernels compute: ``num_dst``, plus one where the plan
-        has a sink. A self-loop'ed plan built under ``torch.compile`` keeps the graph's
-        own self-loops in its edge list, pointed at a sink row ``num_dst`` (a compiled
-        graph needs the edge count known from the input's size, not from its values:
-        see :func:`_drop_and_add_loops`); the kernels compute that row too, and
-        :func:`gatlib._dispatch.attend_planned` drops it."""
+        """Destination rows the kernels compute: ``num_dst``, plus a sink row where a plan built
+        under ``torch.compile`` keeps the graph's own self-loops pointed at it
+        (:func:`_drop_and_add_loops`); :func:`gatlib._dispatch.attend_planned` drops it."""
         return self._num_dst + 1 if self._sink else self._num_dst
 
     @property
@@ -153,10 +150,8 @@ class GraphPlan:
         return size(self)
 
     def with_self_loops(self, num_nodes: Optional[int] = None) -> "GraphPlan":
-        """This graph without its self-loops, plus one self-loop on each of the
-        first ``num_nodes`` nodes (default ``min(N_src, N_dst)``), appended after
-        the other edges in the edge list — as PyG's ``remove_self_loops`` followed
-        by ``add_self_loops`` orders them. Built once per plan and ``num_nodes``."""
+        """This graph without its self-loops plus one on each of the first ``num_nodes`` nodes
+        (default ``min(N_src, N_dst)``), appended in PyG's order; built once per plan and ``num_nodes``."""
         n = min(self.num_src, self.num_dst) if num_nodes is None else num_nodes
         if not 0 <= n <= min(self.num_src, self.num_dst):
             raise ValueError(f"num_nodes must be in [0, {min(self.num_src, self.num_dst)}] "
@@ -309,11 +304,9 @@ def base_edge_index(plan: GraphPlan) -> Optional[Tensor]:
 
 def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.device,
             self_loops: bool = False, loop_nodes: Optional[int] = None) -> GraphPlan:
-    """The plan a layer runs on: ``edge_index`` itself if it is a :class:`GraphPlan`
-    of the right sizes (``num_dst=None``: any), else a throw-away plan of the
-    checked ``[2, E]`` tensor; with ``self_loops``, that plan's
-    :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)`` (whose ``_base_ei`` is the
-    edge list without them)."""
+    """The plan a layer runs on: ``edge_index`` itself if it is a :class:`GraphPlan` of the
+    right sizes, else a throw-away plan of the checked tensor; with ``self_loops``, that
+    plan's :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)``."""
     if not isinstance(edge_index, GraphPlan):
         if num_dst is None and V.is_adjacency(edge_index):  # destinations: the adjacency's rows
             num_dst = V.check_adjacency(edge_index, num_src, None, device)[1]
