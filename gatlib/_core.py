@@ -43,10 +43,8 @@ def acc_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
     return _acc_dtype(promoted_dtype(*tensors))
 
 
-# ---------------------------------------------------------------------------
 # Stage 1: the score of an edge. One type for the three layers: which formula
 # applies is ``kind``; every backend reads the same fields.
-# ---------------------------------------------------------------------------
 SCORE_KINDS = tuple(S.KINDS)  # ("gat", "gatv2", "dot")
 
 
@@ -188,9 +186,7 @@ def score_heads(kind: str, src: Tensor, dst: Optional[Tensor]) -> int:
     return dst.size(1) if kind == "dot" else src.size(1)
 
 
-# ---------------------------------------------------------------------------
 # Stages 2 and 3, reference implementation (pure PyTorch).
-# ---------------------------------------------------------------------------
 def segment_reduce(x: Tensor, index: Tensor, num_segments: int, reduce: str) -> Tensor:
     """The reference's segment reduction ``out[i] = reduce_{k: index_k = i} x[k]`` for
     ``reduce`` ``"amax"`` (``-inf`` where a segment is empty) or ``"sum"`` (zero there)."""

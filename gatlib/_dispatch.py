@@ -375,10 +375,8 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
     if score.projected and (plan.sink or value is not score.src or plan.num_dst != value.size(0)
                             or (torch.compiler.is_compiling() and not _PROJECTED_UNDER_COMPILE)):
-        # the Triton kernels form GAT's terms from the values' rows, each node both a
-        # source and a destination: where the values are not h (dropped), the
-        # destinations are fewer or gain a sink row, the terms; and inside a compiled
-        # graph (see _PROJECTED_UNDER_COMPILE)
+        # in-kernel terms need the values to be h and each node both source and destination;
+        # compiled graphs take the node terms (_PROJECTED_UNDER_COMPILE)
         score = score.node_terms()
     if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
         dst = score.dst

@@ -26,9 +26,7 @@ from ._scores import KINDS
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-# ---------------------------------------------------------------------------
 # Stages 2 and 3: softmax and aggregation (shared by every score kind).
-# ---------------------------------------------------------------------------
 def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
     """The softmax weights again from the scores ``e`` (consumed) and ``lse``."""
     return B.per_edge_(e, lse, lay, lambda eb, lb: eb.sub_(lb).exp_())
@@ -109,9 +107,7 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, lay, drop, need_v, 
         return torch.zeros_like(alpha), dv, du, d_drop
     return _native.ops().softmax_backward(lay.ptr, alpha, d_alpha), dv, du, d_drop
 
-# ---------------------------------------------------------------------------
 # The operators: forward and backward of one call, and their autograd.
-# ---------------------------------------------------------------------------
 def layout_tensors(lay: Layout) -> List[Tensor]:
     """The index tensors of ``lay`` as the operators take them, in one list: the
     CSR ``(ptr, src, dst, perm)`` and the CSC ``(csc_ptr, csc_edge, csc_dst)``."""
@@ -323,9 +319,7 @@ def _recomputes_alpha(kind: str, num_edges: int, heads: int) -> bool:
 RECOMPUTE_MIN_ENTRIES = 1 << 16
 
 
-# ---------------------------------------------------------------------------
 # Entry point (gatlib._dispatch's "fused" kernel).
-# ---------------------------------------------------------------------------
 def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -> Optional[str]:
     """Why this kernel cannot run on these tensors, or ``None`` if it can."""
     for t in (value, value_edge, *score.tensors()):

@@ -96,13 +96,9 @@ def layout_dtype(num_edges: int, num_src: int, num_dst: int) -> torch.dtype:
     return index_dtype(num_edges, num_src, num_dst)
 
 
-# Below this many edges a graph is small: its layout's indices are int64 and its
-# CSC view is derived only when first read. int32 halves a large layout, but
-# index_add_ with int32 indices is several times slower than with int64, and
-# converting costs more ops per call than a small graph's memory is worth
-# (docs/design.md, "Small graphs: int64 layouts and a lazy CSC"). A large graph's CSC view is built with its
-# CSR, while little else is in memory, not in the first backward pass (at
-# ogbn-products' scale its sort needs ~2.5 GB).
+# Below this many edges a graph is small: int64 indices and a CSC derived when first read
+# (docs/design.md, "Small graphs: int64 layouts and a lazy CSC"); a large graph's CSC is built
+# with its CSR, while little else is in memory.
 SMALL_EDGES = 1 << 16
 
 
@@ -118,9 +114,7 @@ def _normal(fn: Callable, *args):
         return fn(*args)
 
 
-# ---------------------------------------------------------------------------
 # Layout construction.
-# ---------------------------------------------------------------------------
 def _nondecreasing(x: Tensor) -> bool:
     return x.numel() == 0 or bool((x[1:] >= x[:-1]).all())
 

@@ -156,10 +156,8 @@ class GraphPlan:
         if not 0 <= n <= min(self.num_src, self.num_dst):
             raise ValueError(f"num_nodes must be in [0, {min(self.num_src, self.num_dst)}] "
                              f"(self-loops need both a source and a destination); got {n}")
-        # (one twin per form: the compiled one has a sink, see _drop_and_add_loops; an
-        # eager twin serves compiled calls too, its edge count read from its shape. The
-        # default count is keyed as None: a count as a dict key would fix it in a
-        # compiled graph, which then recompiled for every new plan's size.)
+        # (one twin per form, the compiled one with a sink; the default count keyed as None: a
+        # size as a dict key would recompile a compiled graph for every new plan's size)
         key = None if num_nodes is None else n
         looped = self._loops.get((key, False))
         if looped is None and torch.compiler.is_compiling():
@@ -178,12 +176,9 @@ class GraphPlan:
         compressed = self._layout_fn_sorted  # a sorted EdgeIndex's or an adjacency's own CSR/CSC
 
         def layout() -> Layout:
-            # Merging the loops into the base layout takes a few O(E) passes and sorts
-            # nothing: the way when that layout exists already or comes from the
-            # input's own compressed structure. A plain edge list is sorted directly,
-            # even when it is destination-sorted: building its base layout (whose CSC
-            # needs a sort anyway) and then merging is slower at every size
-            # (docs/design.md, "Self-loops sorted with the edges").
+            # merged in O(E) where the base layout exists or comes from the input's compressed
+            # structure; a plain edge list is sorted with its loops (docs/design.md, "Self-loops
+            # sorted with the edges")
             if sink or (base_layout is None and not compressed):
                 return _sorted_looped_layout(looped_ei, num_src, num_dst + 1 if sink else num_dst, n)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
@@ -313,10 +308,8 @@ def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.devi
         ei, layout_fn = checked_edge_list(edge_index, num_src, num_dst, device)
         if not self_loops:
             return GraphPlan._owned(ei, num_src, num_dst, layout_fn)
-        # The loops are computed before any plan object exists: removing self-loops
-        # has a data-dependent size, where torch.compile splits the graph, and it
-        # can resume after that only with tensors (not new objects) in flight.
-        # (A plan made here lives for one call: inference tensors in it are fine.)
+        # loops computed before any plan exists: torch.compile splits the graph at their
+        # data-dependent size and resumes only with tensors in flight
         n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
         keep, looped_ei, sink = _drop_and_add_loops(ei, n, num_dst)
         if layout_fn is not None:  # the input's own CSR/CSC: loops merge into its layout

@@ -21,10 +21,8 @@ if TYPE_CHECKING:  # (annotations only: the module needs nothing from the plan)
     from ._layout import Layout
 
 
-# ---------------------------------------------------------------------------
 # GAT (Veličković et al. 2018): e_ij = LeakyReLU(s_j + t_i + w_ij), with
 # s_j = a_src·Wh_j, t_i = a_dst·Wh_i, w_ij = a_edge·W_e e_ij.
-# ---------------------------------------------------------------------------
 def gat_edge(s_j: Tensor, t_i: Optional[Tensor], w: Optional[Tensor], negative_slope: float,
              inplace: bool = False) -> Tensor:
     """GAT's score of a batch of edges from their ``[n, H]`` terms (``t_i``, ``w``
@@ -155,12 +153,8 @@ def gat_cpu_backward(de, s, t, w, att, lay: Layout, scale, slope, need):
     return ds, dt, dw, None
 
 
-# ---------------------------------------------------------------------------
-# GATv2 (Brody et al. 2022): e_ij = att · LeakyReLU(x_j + y_i + w_ij), with
-# [*, H, C] terms: the non-linearity sits before att, so the score does not
-# split into per-node terms. The compiled passes (fused_cpu.cpp's gatv2_edge,
-# gatv2_grad) compute it per edge, one edge's z at a time.
-# ---------------------------------------------------------------------------
+# GATv2 (Brody et al. 2022): e_ij = att · LeakyReLU(x_j + y_i + w_ij), [*, H, C] terms that do
+# not split per node (fused_cpu.cpp's gatv2_edge, gatv2_grad compute it per edge).
 def gatv2_edge(x_j: Tensor, y_i: Tensor, w: Optional[Tensor], att: Tensor,
                negative_slope: float) -> Tensor:
     """GATv2's score of a batch of edges from their ``[n, H, C]`` terms (``w``
@@ -201,11 +195,9 @@ def gatv2_cpu_backward(de, x, y, w, att, lay: Layout, scale, slope, need):
             datt if need[3] else None)
 
 
-# ---------------------------------------------------------------------------
 # Scaled dot product (Vaswani et al. 2017; Shi et al. 2021 on graphs):
 # e_ij = scale * <q_i, k_j + w_ij>. The compiled sddmm pass computes the
 # <q_i, k_j> part per CSR row.
-# ---------------------------------------------------------------------------
 def dot_edge(k_j: Tensor, q_i: Tensor, w: Optional[Tensor], scale: float) -> Tensor:
     """The dot-product score of a batch of edges from their ``[n, H, C]`` key and
     query terms (``w`` optional; a key may have one head ``[n, 1, C]`` that every
@@ -264,9 +256,7 @@ def dot_cpu_backward(de, k, q, w, att, lay: Layout, scale, slope, need):
     return dk, dq, dw, None
 
 
-# ---------------------------------------------------------------------------
 # The kinds, read from EdgeScore.kind (no isinstance chain).
-# ---------------------------------------------------------------------------
 class ScoreKind(NamedTuple):
     """One kind's fused CPU forward ``(src, dst, edge, att, lay, scale, slope) ->
     e [E, H]`` (CSR order) and backward ``(de, src, dst, edge, att, lay, scale,

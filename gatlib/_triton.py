@@ -34,9 +34,7 @@ _KIND_NAMES = {**{v: k for k, v in _KINDS.items()}, 3: "gat"}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-# ---------------------------------------------------------------------------
 # Operators, autograd and entry point.
-# ---------------------------------------------------------------------------
 @dataclass
 class _Meta:
     """The non-tensor arguments of one fused call."""
@@ -100,10 +98,8 @@ def _graph_tensors(tp: _Plan, splits: Tuple[bool, bool] = (True, True)) -> List[
     """The operators' ``graph`` argument; ``splits`` (:func:`_split_rows`): whether
     each schedule's split rows are passed (if not, its merges do not launch)."""
     lay = tp.layout
-    # csr_eid is perm in the kernels' index dtype: the plan's, not converted per call
-    # (an int32 layout's copy was an ATen launch in each forward and backward); where
-    # it is perm itself, a view of it (torch.compile traces no autograd function
-    # given one tensor twice)
+    # csr_eid: perm in the kernels' index dtype, kept on the plan (no copy per call); where it
+    # is perm itself, a view (torch.compile traces no autograd function given one tensor twice)
     csr_eid = tp.csr_eid if tp.csr_eid is not lay.perm else lay.perm.view(-1)
     return [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_edge, lay.csc_dst, csr_eid, tp.csc_eid,
             *_schedule_tensors(tp.dst_items, splits[0]), *_schedule_tensors(tp.src_items, splits[1])]
@@ -424,9 +420,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     delta_alpha = None
     if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
         grad_alpha = grad_alpha.contiguous()
-        # one [E, H] temporary and the product in acc either way: a copy multiplied in
-        # place where grad_alpha is in a lower precision, else one product (it is the
-        # caller's tensor: no copy just to write into)
+        # one [E, H] temporary in acc either way (grad_alpha is the caller's: not written into)
         ag = grad_alpha.to(acc)
         ag = ag * alpha if ag is grad_alpha else ag.mul_(alpha)
         ag = ag.index_select(0, lay.perm)  # [E, H], CSR
@@ -454,11 +448,8 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind in (1, 2) else []),
                            dtype=acc, device=dev) if d_dst is not None else None
     width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-    # the parameters' gradients (_partial_sums): one partial per lane of each program
-    # (a fixed number of rows, whatever the graph and the config: the kernels zero the
-    # rows they leave), summed after the launches — in one buffer, by one launch, where
-    # they are one width. The dst kernel writes att's and bias's, the src kernel KIND 3's
-    # two vectors'.
+    # the parameters' gradients (_partial_sums): a fixed number of per-lane partial rows (the
+    # kernels zero those they leave), summed after the launches, in one buffer where one width
     names, one_width = _partial_sums(meta.kind, need, ins)
     rows = _partial_rows(dev, H)
     if one_width:
@@ -484,9 +475,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
         need_value = need[4]
         # the source term's gradient: KIND 3 needs it for h's and the att gradients
         need_src = need[0] or need_dt
-        # value is the scorer's x_src (GATv2; KIND 3: h, also its destination terms):
-        # the gradients summed in the kernel, returned as value's (no [N, H, C]
-        # gradient for autograd to add)
+        # value is the scorer's x_src (GATv2; KIND 3: h): both gradients summed in the kernel
         sum_src = need[0] and not returned[0]
         d_value = d_src = None
         if need_value or need_src:
@@ -621,9 +610,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     if kind == 3 and not (value is s_src and s_dst is s_src):
         raise ValueError("a projected GAT score's h must be the values (gatlib's dispatcher "
                          "gives any other call the per-node terms: EdgeScore.node_terms)")
-    # A value (or a dot key) of one head that all heads share ([N, 1, C]: a layer in
-    # input space) goes to the kernels as it is: their lanes of one row read its one
-    # copy (ONE_V, ONE_K), and its gradient is the sum of the heads'
+    # a value (or dot key) of one head [N, 1, C] goes to the kernels as it is (ONE_V, ONE_K)
     H = score.heads
     if bias is not None and (bias.dtype != value.dtype or bias.device != value.device
                              or bias.numel() != H * value.size(-1)):
@@ -635,9 +622,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
     seed = _draw_seed(value.device) if p > 0 else None
     alpha_dtype = promoted_dtype(s_src, s_dst, s_edge, s_att)
-    # One tensor passed twice (GATv2's x_src is its value, the Transformer's edge
-    # term its value's edge term): a view for each repeat, which torch.compile can trace as an autograd function's
-    # input and whose gradient reaches the tensor.
+    # one tensor passed twice (GATv2's x_src is its value): a view for each repeat (distinct_inputs)
     ins = [t.contiguous() if t is not None else None for t in distinct_inputs(list(tensors))]
     tp = _plan(plan)
     graph = _graph_tensors(tp, _split_rows(tp, value))
