@@ -1,11 +1,8 @@
 """gatlib: sparse graph attention — GAT, GATv2 and a graph Transformer on one core.
 
-The library is :mod:`gatlib.layers` (drop-in for PyG's layers),
-:mod:`gatlib.models`, the attention core (:func:`graph_attention`,
-:class:`EdgeScore`, the reference stages) and its kernels, and
-:class:`GraphPlan`. The benchmark harness (datasets, training recipes, the
-comparison with PyG, the ``gatlib`` command) is :mod:`gatlib.bench`; nothing in
-the library imports it.
+:mod:`gatlib.layers` (drop-in for PyG's), :mod:`gatlib.models`, the attention core
+(:func:`graph_attention`, :class:`EdgeScore`, the reference stages) and :class:`GraphPlan`; the
+``gatlib`` command's harness is :mod:`gatlib.bench`, which the library never imports.
 """
 from ._core import EdgeScore, reference_attention, segment_aggregate, segment_softmax
 from ._dispatch import BACKENDS, available_backends, graph_attention, record_kernels

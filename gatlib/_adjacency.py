@@ -1,17 +1,7 @@
-r"""Sparse adjacencies given to a layer: what their values mean, and what comes
-back with the attention weights — both as PyTorch Geometric 2.8's layers do.
-
-The graph of an adjacency ``adj_t`` (``torch.sparse`` COO/CSR/CSC or a
-``torch_sparse.SparseTensor``, shape ``[N_dst, N_src]``) is the plan's business
-(:mod:`gatlib._plan`). What is left for the layers is PyG's handling of the
-adjacency's *values* — ``[nnz, D]`` values stand in for a missing ``edge_attr``,
-1-D ones (edge weights) are ignored, as the ``collect`` that PyG 2.8 generates
-for its layers does — and the form of the returned attention weights
-(``set_sparse_value``, ``SparseTensor.set_value``; with self-loops, of the
-adjacency PyG rebuilds with them, whose entries are sorted). Where PyG's layers
-raise, or quietly drop an edge term, gatlib raises a ``ValueError`` that names
-``edge_index`` — where PyG raises ``NotImplementedError``, a
-:class:`gatlib.UnsupportedInputError`, which is both.
+r"""Sparse adjacencies given to a layer, as PyTorch Geometric 2.8's layers take them: what
+their values mean (``[nnz, D]`` ones stand in for a missing ``edge_attr``, 1-D ones are
+ignored) and what comes back with the attention weights. Where PyG raises or quietly drops an
+edge term, gatlib raises a ``ValueError`` naming ``edge_index`` (docs/pyg_compatibility.md).
 """
 from __future__ import annotations
 
@@ -125,16 +115,11 @@ def _holding(adj: Tensor, alpha: Tensor) -> Tensor:
 
 
 def attention_weights(adj, plan: GraphPlan, alpha: Tensor, looped: bool, alpha_values: bool = True):
-    """What PyG's layer returns beside ``out`` for a sparse adjacency ``adj``:
-    ``(adjacency holding alpha, alpha)`` for a ``torch.sparse`` one (with
-    ``alpha_values=False``, as PyG's ``TransformerConv``: ``(adj, alpha)``, here a
-    copy of ``adj``), the ``SparseTensor`` holding ``alpha`` for a ``SparseTensor``.
-
-    ``alpha`` ``[E, H]`` is in the plan's edge order: the adjacency's stored order,
-    or (``looped``) the stored entries that are not self-loops followed by a loop
-    per node. PyG adds the loops by rebuilding the adjacency coalesced, so then
-    the entries — and ``alpha`` with them — are sorted by row, then column (by
-    column, then row, for CSC, which PyG's layers do not take)."""
+    """What PyG's layer returns beside ``out`` for a sparse adjacency ``adj``: ``(adj holding
+    alpha, alpha)`` for a ``torch.sparse`` one (``alpha_values=False``, as PyG's
+    ``TransformerConv``: a copy of ``adj``), the ``SparseTensor`` holding ``alpha`` for a
+    ``SparseTensor``. ``alpha`` ``[E, H]`` is in the plan's edge order; with ``looped``
+    self-loops PyG rebuilds the adjacency coalesced, so its entries (and ``alpha``) are sorted."""
     if not looped:
         if isinstance(adj, SparseTensor):
             return adj.set_value(alpha, layout="coo")

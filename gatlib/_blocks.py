@@ -1,13 +1,6 @@
-r"""Edge blocks and threads of the fused CPU kernel: what it runs with torch ops.
-
-The compiled row passes (:mod:`gatlib._native`) walk whole CSR/CSC rows on
-ATen's intra-op threads. What they do not cover — GAT's ``[E, H]`` score terms,
-``[E, H, C]`` edge features in the values or the dot score, per-edge updates
-from node statistics — runs here, over blocks of consecutive CSR edges of about
-:data:`CHUNK_BYTES` each, so that no gathered ``[E, H, C]`` tensor ever exists
-whole. Large inputs are split at destination-row boundaries over one Python
-thread per intra-op thread, each running single-threaded torch ops
-(:func:`for_blocks`); the module never changes a process-wide setting.
+r"""Edge blocks and threads of the fused CPU kernel: what it runs with torch ops (GAT's
+``[E, H]`` terms, ``[E, H, C]`` edge features, per-edge updates), over blocks of CSR edges of
+about :data:`CHUNK_BYTES`, so that no gathered ``[E, H, C]`` tensor exists whole.
 """
 from __future__ import annotations
 
@@ -74,22 +67,14 @@ def one_block(lay: Layout, row_bytes: int) -> bool:
 
 def for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None],
                 ptr: Optional[Tensor] = None) -> None:
-    """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges,
-    of about :data:`CHUNK_BYTES` of ``row_bytes``-sized rows, without autograd.
-    With ``ptr=lay.csc_ptr`` the blocks are of CSC positions instead, and the
-    parts are split at source-row boundaries.
+    """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges (of CSC
+    positions with ``ptr=lay.csc_ptr``) of about :data:`CHUNK_BYTES`, without autograd.
 
-    The edges are split at destination-row boundaries into one range per intra-op
-    thread (``torch.get_num_threads()``); each range runs on its own Python thread
-    (torch releases the GIL in its ops), block after block, with single-threaded
-    torch ops: that thread's OpenMP thread count is set to 1 through the OpenMP
-    runtime, which touches no other thread and no process-wide setting. One
-    OpenMP region per op and block instead would be thousands of regions a pass,
-    each waiting for every thread (docs/design.md, "Edge blocks and threads on
-    CPU"). Parts never share a destination row, so ``fn`` may update rows of
-    ``[N_dst, ...]`` outputs in place; anything indexed by source needs one
-    accumulator per ``part``. Without a known OpenMP runtime, one part
-    runs on the calling thread.
+    The edges are split at row boundaries into one part per intra-op thread, each run on its
+    own Python thread with single-threaded torch ops (its OpenMP thread count set to 1; no
+    process-wide setting: docs/design.md, "Edge blocks and threads on CPU"). Parts never share
+    a destination row, so ``fn`` may update ``[N_dst, ...]`` rows in place; what is indexed
+    by source needs one accumulator per ``part``. Without a known OpenMP runtime, one part.
     """
     E = lay.num_edges
     if E == 0:

@@ -43,23 +43,13 @@ _HOOKS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
 class _AttentionConv(MessagePassing):
     """Shared plumbing: argument checks, input splitting, self-loops, output.
 
-    The layers are PyG ``MessagePassing`` modules, so PyG recognises them wherever
-    it looks for one (``to_hetero``, ``HeteroConv``, explainers). An ordinary call
-    runs the attention core. A call that uses one of MessagePassing's extension
-    points — a subclass's (or instance's) own ``message``, ``edge_update``,
-    ``aggregate``, ``update`` or ``explain_message``, or a registered propagate,
-    message, aggregate or edge-update hook — runs through
-    :meth:`MessagePassing.propagate` with the layer's ``edge_update`` and
-    ``message``, exactly as PyG's layer would; it is logged as ``"propagate"`` by
-    :func:`gatlib.record_kernels`, and a layer built with a backend other than
-    ``"auto"``/``"torch"`` raises instead, since that kernel cannot honour it.
-    Explain mode (PyG's explainers' edge masks) needs no such detour: the mask
-    becomes a per-edge weight of the attention core (:meth:`_explain_weight`).
-
-    A ``*_type`` comment above each ``propagate``/``edge_updater`` call names the
-    types passed, as in PyG's layers: PyG's ``Inspector`` reads it (for the
-    ``propagate`` that ``MessagePassing`` generates, and for code that inspects a
-    layer) and would otherwise take every argument for a ``Tensor``.
+    An ordinary call runs the attention core (explain mode too: the edge mask becomes a
+    per-edge weight, :meth:`_explain_weight`). A call that uses one of MessagePassing's
+    extension points (an overridden ``message``, ``edge_update``, ``aggregate``, ``update`` or
+    ``explain_message``, or a registered hook) runs through :meth:`MessagePassing.propagate`
+    as PyG's layer would, logged as ``"propagate"``; a layer built with a backend other than
+    ``"auto"``/``"torch"`` raises instead. The ``*_type`` comments above each ``propagate``/
+    ``edge_updater`` call are for PyG's ``Inspector``, which reads them.
     """
 
     def __init__(self):
@@ -155,14 +145,9 @@ class _AttentionConv(MessagePassing):
 
     def _graph(self, edge_index, edge_attr, num_src: int, num_dst: Optional[int], x: Tensor,
                self_loops: bool, fill_value=None, loop_nodes: Optional[int] = None):
-        """The :class:`GraphPlan` to attend over (with self-loops if asked) and the
-        checked ``edge_attr`` (with the self-loops' fill values).
-
-        ``edge_index`` may be a plan already (then its self-loop'ed twin is kept on
-        it for the next call) or a tensor or sparse adjacency (then the plan lives
-        for this call; an adjacency's values may be the edge features, see
-        :func:`gatlib._adjacency.edge_features`).
-        """
+        """The :class:`GraphPlan` to attend over (with self-loops if asked; a given plan keeps
+        its self-loop'ed twin) and the checked ``edge_attr`` (with the self-loops' fill values;
+        an adjacency's values may be the edge features: :func:`gatlib._adjacency.edge_features`)."""
         plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
         edges = base_edge_index(plan) if self_loops else None  # [2, E] before the loops (read-only)
         if V.is_adjacency(edge_index):
@@ -196,13 +181,8 @@ class _AttentionConv(MessagePassing):
         return plan, edge_attr
 
     def _attend(self, score, value, plan, want_alpha, value_edge=None, concat=None, bias=None):
-        """Run the attention core over ``plan`` (built by :meth:`_graph` for
-        ``value``'s sources) with this layer's dropout, head mode (or
-        ``concat``) and backend, ``bias`` added to its output.
-
-        ``alpha`` is only asked for when the caller wants it: a fused backend
-        then skips the extra ``[E, H]`` pass.
-        """
+        """Run the attention core over ``plan`` with this layer's dropout, head mode (or
+        ``concat``) and backend, ``bias`` added to its output; ``alpha`` only where wanted."""
         if self.value_dropout > 0.0:  # scores above came from the undropped features
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
         return attend_planned(score, value, plan, value_edge, self.dropout, self.training,
@@ -237,15 +217,10 @@ def _plain(lin) -> bool:
 
 
 def project(x: Tensor, *lins) -> List[Tensor]:
-    """``[lin(x) for lin in lins]``, as one batched product where the layers are
-    plain PyG ``Linear`` layers (:func:`_plain`) of one shape, all with a bias or
-    none: one kernel launch forward, one per gradient (weights, biases, input) and
-    one to gather the parameters, for all of them, where separate calls
-    launch one each per layer both ways and autograd adds their input gradients
-    up one at a time — and each output is a contiguous block, as the attention
-    kernels take it (a column slice of one wide product would have to be copied;
-    docs/design.md, "Fewer launches per step"). Any other layer, or a sparse
-    ``x``, is called as itself."""
+    """``[lin(x) for lin in lins]``, as one batched product where the layers are plain PyG
+    ``Linear`` layers (:func:`_plain`) of one shape, all with a bias or none: one launch each
+    way for all, each output a contiguous block (docs/design.md, "Fewer launches per step").
+    Any other layer, or a sparse ``x``, is called as itself."""
     lins = list(lins)
     if (len(lins) < 2 or x.layout != torch.strided or not all(map(_plain, lins))
             or len({tuple(lin.weight.shape) for lin in lins}) > 1
@@ -279,14 +254,10 @@ def _autocast_enabled(device: str) -> bool:
 
 
 class _StackedLinear(torch.autograd.Function):
-    """``y[g] = x @ w[g]^T + b[g]`` for ``x [R, F_in]`` and ``G`` weights
-    ``w [G, F_out, F_in]`` with biases ``b [G, F_out]`` (or none), all in the one
-    vector ``flat``, as one batched product. Its backward writes the weights' and
-    biases' gradients into one vector in that layout (the pieces of ``flat``'s
-    gradient are then the parameters' own, contiguous: accumulating them copies
-    nothing; autograd's backward of ``bmm(x, w^T)`` would give each weight a
-    transposed, strided gradient). Under ``create_graph`` it computes the same
-    with differentiable ops."""
+    """``y[g] = x @ w[g]^T + b[g]`` for ``x [R, F_in]`` and ``G`` weights ``w [G, F_out, F_in]``
+    and biases ``b [G, F_out]`` (or none), all in the one vector ``flat``, as one batched
+    product. Its backward writes the parameters' gradients into one vector in that layout, so
+    each is contiguous (autograd's ``bmm`` backward would give transposed, strided ones)."""
 
     @staticmethod
     def forward(x, flat, groups: int, out_f: int, biased: bool):
@@ -336,16 +307,10 @@ class _StackedLinear(torch.autograd.Function):
 
 def _input_space(x: Tensor, lin: Linear, channels: int) -> bool:
     r"""Whether a layer aggregates its sources' *inputs* and projects afterwards,
-    :math:`\mathbf{out}^h_i = \mathbf{W}_h \sum_j \alpha^h_{ij} \mathbf{x}_j`, instead
-    of aggregating the projected :math:`\mathbf{W}_h \mathbf{x}_j` (the two are
-    equal: the projection is linear). Applied where the input is narrower than a
-    head, ``F < C``: every edge then moves ``F`` instead of ``C`` values per head in
-    both passes of every backend (the fused CPU kernel's forward reads one ``F``-wide
-    row per edge for all heads, against ``H*C``; its backward one ``[H, F]`` gradient
-    row, against ``[H, C]``; a Triton lane and the reference's messages ``F`` per
-    head), while the node-sized work stays one product of the same size, moved to
-    after the aggregation (:func:`_project_heads`). Weights not yet initialised
-    (``in_channels=-1``) take the usual path on their first call."""
+    :math:`\mathbf{W}_h \sum_j \alpha^h_{ij} \mathbf{x}_j` (equal, the projection being
+    linear): where the input is narrower than a head (``F < C``), every edge then moves ``F``
+    values per head instead of ``C``, in every backend (docs/design.md, "Input-space
+    aggregation"). Weights not yet initialised take the usual path on their first call."""
     return x.size(-1) < channels and not isinstance(lin.weight, UninitializedTensorMixin)
 
 

@@ -1,25 +1,9 @@
-r"""The attention core: every layer of gatlib is these three stages.
-
-1. **score** each edge ``j -> i`` (``e_ij``, shape ``[E, H]``) — the only stage
-   in which GAT, GATv2 and the graph Transformer differ (:class:`EdgeScore`);
-2. **softmax** over each destination's in-edges:
-   ``alpha_ij = exp(e_ij - m_i) / sum_k exp(e_ik - m_i)`` with ``m_i`` the
-   segment max (numerically stable for any logits);
-3. **aggregate** the source values: ``out_i = sum_j alpha_ij (v_j + u_ij)``
-   (``u_ij`` an optional per-edge value term), shape ``[N, H, C]``, then
-   concatenate or average the heads.
-
-The pure-PyTorch functions in this module (:meth:`EdgeScore.edge_scores`,
-which applies each kind's formula from :mod:`gatlib._scores`,
-:func:`segment_softmax`, :func:`segment_aggregate`, put together by
-:func:`reference_attention`) are the *specification*: they need nothing beyond
-torch, and every other kernel is tested against them. Kernels and the switch
-between them live in :mod:`gatlib._dispatch`; a kernel either swaps stages 2
-and 3 for its own primitives or, when fused, reads the :class:`EdgeScore`
-whole and never materialises per-edge ``[E, H, C]`` tensors.
-
-Names: ``N`` nodes, ``E`` edges, ``H`` heads, ``C`` channels per head,
-``src``/``index`` the source/destination node of each edge.
+r"""The attention core, the specification every kernel is tested against: score each edge
+``j -> i`` (``[E, H]``, :class:`EdgeScore`: the only stage where GAT, GATv2 and the graph
+Transformer differ), softmax over each destination's in-edges (stable for any logits), and
+aggregate ``out_i = sum_j alpha_ij (v_j + u_ij)`` (``[N, H, C]``). Pure PyTorch; the kernels and
+the switch between them live in :mod:`gatlib._dispatch`. Names: ``N`` nodes, ``E`` edges, ``H``
+heads, ``C`` channels per head, ``src``/``index`` each edge's source/destination.
 """
 from __future__ import annotations
 
@@ -59,10 +43,8 @@ def acc_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
     return _acc_dtype(promoted_dtype(*tensors))
 
 
-# ---------------------------------------------------------------------------
 # Stage 1: the score of an edge. One type for the three layers: which formula
 # applies is ``kind``; every backend reads the same fields.
-# ---------------------------------------------------------------------------
 SCORE_KINDS = tuple(S.KINDS)  # ("gat", "gatv2", "dot")
 
 
@@ -127,14 +109,11 @@ class EdgeScore:
     @classmethod
     def gat_projected(cls, h: Tensor, att_src: Tensor, att_dst: Tensor,
                       edge: Optional[Tensor] = None, negative_slope: float = 0.2) -> "EdgeScore":
-        r"""GAT's score over one graph's nodes from their projected features
-        ``h = Wx`` ``[N, H, C]`` (each node both source and destination, ``h`` also
-        the values) and the attention vectors ``att_src``, ``att_dst`` (``[H, C]``
-        each): the per-node terms ``a·h`` are left to the kernel that runs the
-        call. The Triton kernels form them from the rows of ``h`` they gather for
-        the values anyway (no ``[N, H]`` terms, no launches for them, forward or
-        backward); every other kernel is given :meth:`node_terms`. Fields:
-        ``src = dst = h``, ``att = [att_src; att_dst]`` ``[2, H, C]``."""
+        r"""GAT's score over one graph's nodes from their projected features ``h = Wx``
+        ``[N, H, C]`` (also the values) and ``att_src``, ``att_dst`` ``[H, C]``: the per-node
+        terms ``a·h`` are left to the kernel (the Triton kernels form them from the rows they
+        gather anyway; every other kernel is given :meth:`node_terms`). Fields: ``src = dst =
+        h``, ``att = [att_src; att_dst]`` ``[2, H, C]``."""
         att = torch.stack([att_src.reshape(h.shape[1:]), att_dst.reshape(h.shape[1:])])
         return cls("gat", h, h, edge, att, 1.0, negative_slope)
 
@@ -207,15 +186,10 @@ def score_heads(kind: str, src: Tensor, dst: Optional[Tensor]) -> int:
     return dst.size(1) if kind == "dot" else src.size(1)
 
 
-# ---------------------------------------------------------------------------
 # Stages 2 and 3, reference implementation (pure PyTorch).
-# ---------------------------------------------------------------------------
 def segment_reduce(x: Tensor, index: Tensor, num_segments: int, reduce: str) -> Tensor:
-    """The reference's segment reduction: ``out[i] = reduce_{k: index_k = i} x[k]``,
-    ``[num_segments, *]``, for ``reduce`` ``"amax"`` (``-inf`` where a segment is
-    empty) or ``"sum"`` (zero there). :func:`segment_softmax` and
-    :func:`segment_aggregate` take another implementation of it as
-    ``segment_reduce=`` (torch_scatter's, in the ``"scatter"`` backend)."""
+    """The reference's segment reduction ``out[i] = reduce_{k: index_k = i} x[k]`` for
+    ``reduce`` ``"amax"`` (``-inf`` where a segment is empty) or ``"sum"`` (zero there)."""
     shape = (num_segments,) + x.shape[1:]
     if reduce == "amax":
         idx = index.view(-1, *([1] * (x.dim() - 1))).expand_as(x)
@@ -226,22 +200,10 @@ def segment_reduce(x: Tensor, index: Tensor, num_segments: int, reduce: str) -> 
 
 def segment_softmax(score: Tensor, index: Tensor, num_segments: int, *,
                     segment_reduce: Callable = segment_reduce) -> Tensor:
-    r"""Softmax of ``score`` over the groups given by ``index``.
-
-    :math:`\alpha_{ij} = \exp(e_{ij} - m_i) / \sum_{k:\,\mathrm{index}_k = i}
-    \exp(e_{ik} - m_i)` with :math:`m_i = \max_k e_{ik}`. Subtracting the
-    segment max keeps every exponent ≤ 0, so logits of any size are safe; the
-    max is detached because the softmax does not depend on it. Every group that
-    appears in ``index`` contains its max, so each denominator is ≥ 1.
-
-    Args:
-        score: ``[E, *]`` scores (any trailing shape, e.g. ``[E, H]``).
-        index: ``[E]`` int64 group (destination node) of each score.
-        num_segments: number of groups ``N``; groups with no entry are fine.
-        segment_reduce: the segment max and sum (:func:`segment_reduce`'s signature).
-
-    Returns:
-        ``[E, *]`` attention weights in ``score``'s dtype, summing to one per group.
+    r"""Softmax of ``score`` ``[E, *]`` over the groups ``index`` ``[E]`` (of ``num_segments``):
+    :math:`\alpha_{ij} = \exp(e_{ij} - m_i) / \sum_{k:\,\mathrm{index}_k = i} \exp(e_{ik} - m_i)`
+    with :math:`m_i = \max_k e_{ik}`, in ``score``'s dtype. Subtracting the (detached) segment
+    max keeps every exponent ≤ 0 and every denominator ≥ 1, for logits of any size.
     """
     dtype = score.dtype
     s = score.to(_acc_dtype(dtype))
@@ -261,20 +223,10 @@ def segment_aggregate(
     *,
     segment_reduce: Callable = segment_reduce,
 ) -> Tensor:
-    r"""``out_i = sum_{j -> i} alpha_ij * (value_j + value_edge_ij)``.
-
-    Args:
-        alpha: ``[E, H]`` weights.
-        value: ``[N_src, H, C]`` source values, or ``[N_src, 1, C]`` shared by
-            every head (input-space aggregation).
-        src, index: ``[E]`` source / destination of each edge.
-        num_segments: number of destinations ``N_dst``.
-        value_edge: optional ``[E, H, C]`` per-edge value term.
-        segment_reduce: the segment sum (:func:`segment_reduce`'s signature).
-
-    Returns:
-        ``[N_dst, H, C]`` in ``value``'s dtype (accumulated in float32 for
-        float16/bfloat16). Destinations without in-edges get zeros.
+    r"""``out_i = sum_{j -> i} alpha_ij * (value_j + value_edge_ij)``: ``[N_dst, H, C]`` in
+    ``value``'s dtype, zeros where a destination has no in-edges. ``alpha`` ``[E, H]``,
+    ``value`` ``[N_src, H, C]`` or ``[N_src, 1, C]`` shared by every head, ``value_edge``
+    ``[E, H, C]``; ``segment_reduce`` the segment sum (:func:`segment_reduce`'s signature).
     """
     acc = _acc_dtype(value.dtype)
     msg = value.to(acc).index_select(0, src)  # [E, H, C]; upcast first: backward sums in acc too
@@ -308,19 +260,12 @@ def reference_attention(
 ) -> Tuple[Tensor, Tensor]:
     """The three stages in plain PyTorch: ``(out [N_dst, H, C], alpha [E, H])``.
 
-    Attention dropout: with ``p > 0`` each weight is dropped with probability
-    ``p`` (``F.dropout``); ``drop`` ``[E, H]`` instead applies a given mask,
-    already scaled (``keep / (1 - p)``). ``edge_weight`` ``[E]`` (or ``[E, H]``)
-    then multiplies each edge's weights before aggregation, differentiably
-    (how PyG's explainers mask edges: each message times its mask).
-    ``alpha`` is returned undropped and unweighted.
-    ``softmax``/``aggregate`` swap stages 2 and 3 for another implementation
-    of the same functions.
-
-    float16/bfloat16 inputs are upcast to float32 *before* anything is
-    gathered, so that every sum — forward, and the gradients' sums over a
-    node's edges in backward — runs in float32; ``out`` is cast back to
-    ``value``'s dtype and ``alpha`` to the score's.
+    Dropout: ``p`` (``F.dropout``) or a given mask ``drop`` ``[E, H]`` already scaled by
+    ``1 / (1 - p)``; ``edge_weight`` ``[E]`` or ``[E, H]`` then multiplies the weights,
+    differentiably (PyG's explainers' edge masks). ``alpha`` is returned undropped and
+    unweighted. ``softmax``/``aggregate`` swap in another implementation of stages 2 and 3.
+    float16/bfloat16 inputs are upcast to float32 before anything is gathered, so every sum,
+    forward and backward, runs in float32.
     """
     score_dtype = promoted_dtype(*score.tensors())
     acc = acc_dtype(*score.tensors(), value)
@@ -353,22 +298,13 @@ def reference_grads(
     need: Sequence[bool],
     edge_order: Optional[Tensor] = None,
 ) -> List[Optional[Tensor]]:
-    """Gradients of :func:`reference_attention` with respect to its tensors, as
-    *differentiable* tensors: what a fused kernel's backward returns when a
-    differentiable backward is asked for (``create_graph=True``: double
-    backward, ``torch.func``).
-
-    ``inputs`` are the score's ``(src, dst, edge, att)``, ``(value,
-    value_edge)`` and, optionally, a seventh: the ``[E, H]`` multiplier of the
-    attention weights (dropout mask times edge weights, in the order of
-    ``(src, index)``; ``drop`` is then ``None``); ``grads`` the gradients of
-    ``(out, alpha)``; the result holds one gradient per input (``None`` where
-    ``need`` is false). The edge list is ``(src, index)``; per-edge inputs are
-    read at ``edge_order`` (a permutation into that list) when given. Each input is used through a
-    fresh alias, so a gradient is the partial derivative with respect to that
-    input alone even when one input was computed from another (a GAT layer's
-    ``a_src`` from its values), while staying connected to the inputs' own
-    history for the next derivative.
+    """Gradients of :func:`reference_attention` with respect to ``inputs`` as differentiable
+    tensors (a fused kernel's backward under ``create_graph=True``): one per input, ``None``
+    where ``need`` is false. ``inputs``: the score's ``(src, dst, edge, att)``, ``(value,
+    value_edge)`` and optionally the ``[E, H]`` multiplier of the weights (``drop`` then
+    ``None``); ``grads``: of ``(out, alpha)``; per-edge inputs are read at ``edge_order`` when
+    given. Each input is used through a fresh alias, so a gradient is the partial derivative
+    with respect to that input alone (a GAT layer's ``a_src`` is computed from its values).
     """
     with torch.enable_grad():
         alias = [None if t is None else t.view_as(t) for t in inputs]

@@ -1,27 +1,11 @@
 r"""The one switch: which kernel runs a call of the attention core.
 
-Every implementation of the three stages is a :class:`Kernel` with a name, a
-:meth:`Kernel.supports` that says whether it can run a given call and, if not,
-why, and a :meth:`Kernel.run`. :func:`select_kernel` applies the ``backend=``
-argument:
-
-* an explicitly named backend runs the call or raises ``ValueError`` with the
-  kernel's reason — it never hands the call to another kernel;
-* ``"auto"`` takes the first kernel of a fixed preference list that supports
-  the call; the list is written (with the measurements behind it) where it is
-  applied, in :func:`select_kernel`.
-
-Which kernel ran is observable: inside ``with gatlib.record_kernels() as log``
-every kernel appends its name to ``log`` when it runs — the fused kernels from
-inside their autograd functions, so an entry means the kernel's own code ran —
-and fused backward passes append ``"<name>.backward"``, or
-``"<name>.backward:reference"`` when a differentiable backward made them
-differentiate the reference instead. Tests assert that the kernel under test ran.
-(The fused CPU kernel looks the log up when it runs, forward or backward, so a
-backward, or a replay of a ``torch.jit.trace``, logs into the block around it.)
-
-Kernels import the core, the plan and their own modules, never this one; this
-module imports the kernels.
+Each implementation is a :class:`Kernel` whose :meth:`Kernel.supports` says whether it can run
+a call and why not. :func:`select_kernel` applies ``backend=``: a named backend runs the call or
+raises ``ValueError`` with the kernel's reason, never handing it to another; ``"auto"`` takes
+the first of a preference list (written where it is applied) that supports it. Inside
+``gatlib.record_kernels()`` each kernel logs its name when its own code runs (fused backward
+passes ``"<name>.backward"``, or ``"<name>.backward:reference"``). Kernels never import this module.
 """
 from __future__ import annotations
 
@@ -47,21 +31,9 @@ from ._record import record_kernels  # noqa: F401  (gatlib.record_kernels)
 BACKENDS = ("auto", "torch", "scatter", "fused", "triton")
 
 class AttentionCall(NamedTuple):
-    """One call of the attention core, as every kernel sees it (a named tuple:
-    immutable, and built on every layer call at the cost of one tuple).
-
-    Attributes:
-        score: how each edge is scored.
-        value: ``[N_src, H, C]`` source values.
-        plan: the graph.
-        value_edge: optional ``[E, H, C]`` per-edge value term (edge-list order).
-        p: attention-dropout probability in effect (0 when not training).
-        need_alpha: whether the attention weights are returned.
-        edge_weight: optional ``[E]`` multiplier of each edge's attention
-            weights after dropout (edge-list order), differentiable.
-        bias: optional ``[H * C]`` added to every row of ``out``: set only for
-            a kernel that adds it (:attr:`Kernel.adds_bias`).
-    """
+    """One call of the attention core, as every kernel sees it: :func:`graph_attention`'s
+    arguments on a plan, ``p`` the dropout in effect, ``bias`` set only for a kernel that
+    adds it (:attr:`Kernel.adds_bias`)."""
 
     score: EdgeScore
     value: Tensor
@@ -290,26 +262,16 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
     dev = call.device.type
     if backend == "auto":
         # The rule (its measurements: docs/design.md, "Which kernel auto runs"):
-        #   CPU:  "fused" — several times faster than PyG's on the arxiv-like
-        #         graph at a small fraction of its memory — from
-        #         FUSED_CPU_MIN_ENTRIES [E, H, C] entries; below, "torch": on
-        #         NeighborLoader's small subgraphs the reference is faster, the
-        #         fused kernel's layouts and operator calls costing more than its
-        #         memory saving is worth. "torch" also where fused cannot run
-        #         (torch.func vmap/jvp, forward-mode AD, non-float dtypes, its
-        #         compiled passes not buildable here: no C++ compiler).
-        #         Under torch.jit.trace: "torch", whose trace is aten ops that
-        #         torch.jit.save can write (a fused kernel records as one Python
-        #         op, which replays in this process only). Under torch.export a
-        #         node or edge count left free takes "fused" (the size rule's large
-        #         side: the program holds for every size, _layout.at_least).
-        #   CUDA: "triton" — checked against the reference on an H100, its
-        #         2-layer training step faster than PyG's on the arxiv-like graph
-        #         at a small fraction of its memory; no size rule (none measured);
-        #         where it cannot run (no triton, torch.func
-        #         vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
-        #         over 1024 channels, non-float dtypes, torch.export with a node
-        #         or edge count left free): "torch".
+        #   CPU:  "fused" from FUSED_CPU_MIN_ENTRIES [E, H, C] entries (far less memory than
+        #         PyG's, and faster); below, "torch" (on NeighborLoader's small subgraphs the
+        #         fused kernel's layouts and operator calls cost more than they save). "torch"
+        #         also where fused cannot run (torch.func vmap/jvp, forward-mode AD, non-float
+        #         dtypes, no C++ compiler) and under torch.jit.trace (its trace of aten ops is
+        #         what torch.jit.save can write). Under torch.export a free node or edge count
+        #         takes "fused" (the size rule's large side, _layout.at_least).
+        #   CUDA: "triton" (no size rule: none measured); "torch" where it cannot run (no
+        #         triton, torch.func vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
+        #         over 1024 channels, non-float dtypes, torch.export with free sizes).
         #   Other devices: "torch".
         if dev == "cpu":
             small = not at_least(call.plan.num_edges * call.score.heads * call.value.shape[2],
@@ -362,39 +324,27 @@ def graph_attention(
         \; \sum_{j \in \mathcal{N}(i)} \alpha^{h}_{ij}\,(v^{h}_j + u^{h}_{ij})
 
     Args:
-        score: an :class:`EdgeScore` holding the per-node terms of ``e_ij``:
-            per-source terms of ``N_src`` rows, per-destination terms of
-            ``num_dst`` rows, per-edge terms of ``E`` rows, each with ``H``
-            heads (the dot product's key may have one, shared).
-        value: ``[N_src, H, C]`` values of the source nodes, or ``[N_src, 1, C]``
-            shared by every head.
-        edge_index: ``[2, E]`` integer ``(src, dst)`` pairs, a PyG ``EdgeIndex``,
-            a sparse adjacency ``[num_dst, N_src]`` (PyG's ``adj_t``; its edges in
-            stored order) or a :class:`GraphPlan` of ``N_src`` sources and
-            ``num_dst`` destinations.
+        score: an :class:`EdgeScore` holding the per-node terms of ``e_ij`` (``H`` heads;
+            the dot product's key may have one, shared).
+        value: ``[N_src, H, C]`` source values, or ``[N_src, 1, C]`` shared by every head.
+        edge_index: ``[2, E]`` ``(src, dst)`` pairs, a PyG ``EdgeIndex``, a sparse adjacency
+            ``[num_dst, N_src]`` (PyG's ``adj_t``) or a :class:`GraphPlan`.
         num_dst: number of destination nodes ``N_dst``.
         value_edge: optional ``[E, H, C]`` term added to each edge's value.
-        dropout: probability of dropping an attention weight (training only).
-        training: whether dropout is active.
+        dropout, training: attention dropout probability, active in training only.
         concat: concatenate heads (``[N, H*C]``) or average them (``[N, C]``).
-        backend: ``"auto"``, ``"torch"``, ``"scatter"``, ``"fused"`` or
-            ``"triton"`` (see :func:`gatlib.available_backends`).
-        return_attention: also return the ``[E, H]`` weights (before dropout),
-            in the order of ``edge_index``.
-        edge_weight: optional ``[E]`` floating multiplier of each edge's weights
-            after dropout, in the order of ``edge_index`` and differentiable
-            (how PyG's explainers apply edge masks); the returned weights are
-            not multiplied.
-        bias: optional floating ``[H*C]`` (concatenated heads) or ``[C]``
-            (averaged) added to every output row, differentiable — a layer's
-            output bias, which the Triton kernels add as they store each row.
+        backend: one of :data:`BACKENDS` (see :func:`gatlib.available_backends`).
+        return_attention: also return the ``[E, H]`` weights (before dropout), in the
+            order of ``edge_index``.
+        edge_weight: optional ``[E]`` differentiable multiplier of each edge's weights after
+            dropout (PyG's explainers' edge masks); the returned weights are not multiplied.
+        bias: optional ``[H*C]`` (concatenated) or ``[C]`` (averaged) added to every output row.
 
     Returns:
         ``out`` or ``(out, alpha)``.
 
     Raises:
-        ValueError: a tensor whose shape disagrees with the graph or the score
-            (naming it and the shape expected).
+        ValueError: a tensor whose shape disagrees with the graph or the score.
     """
     V.check_value(value, score.heads)
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
@@ -406,12 +356,9 @@ def graph_attention(
     return (out, alpha) if return_attention else out
 
 
-# Whether a compiled graph may run GAT's in-kernel terms (EdgeScore.gat_projected,
-# the Triton kernels' KIND 3). Not yet: a compiled GAT step with them disagreed with
-# eager PyG's gradients on a GPU, where compiled steps with the node terms (KIND 0)
-# agreed (docs/design.md, "Compiled GAT takes the node terms"). Compiled calls take the
-# node terms, two [N, H] products outside the kernels, until a GPU run of
-# `gatlib selftest`'s compiled-step check passes with this set.
+# Whether a compiled graph may run GAT's in-kernel terms (EdgeScore.gat_projected, KIND 3):
+# not until a GPU run of `gatlib selftest`'s compiled-step check passes with it
+# (docs/design.md, "Compiled GAT takes the node terms").
 _PROJECTED_UNDER_COMPILE = False
 
 
@@ -419,28 +366,17 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
                    dropout: float, training: bool, concat: bool, backend: str, need_alpha: bool,
                    edge_weight: Optional[Tensor] = None,
                    bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """:func:`graph_attention` on a plan of ``value``'s ``N_src`` sources that the
-    caller built and checked: what the layers call, having checked their inputs
-    once (going through the public function again, its plan check and keyword
-    handling, measurably slowed a GATConv call on a NeighborLoader subgraph;
-    docs/design.md, "Per-call cost on small graphs"). ``bias``: a layer's output bias, added
-    to the combined heads — by the kernel as it stores each row where it can
-    (:attr:`Kernel.adds_bias`; the heads concatenated or one, the bias one row of
-    them in the values' dtype): one launch and one pass over ``out`` fewer each
-    way (the Triton kernels sum its gradient with their other parameters').
-
-    Returns:
-        ``(out, alpha or None)``.
-    """
+    """:func:`graph_attention` on a plan of ``value``'s ``N_src`` sources that the caller built
+    and checked: ``(out, alpha or None)``. What the layers call, having checked their inputs
+    once (docs/design.md, "Per-call cost on small graphs"). ``bias`` is added to the combined
+    heads, by the kernel as it stores each row where it can (:attr:`Kernel.adds_bias`)."""
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
     if score.projected and (plan.sink or value is not score.src or plan.num_dst != value.size(0)
                             or (torch.compiler.is_compiling() and not _PROJECTED_UNDER_COMPILE)):
-        # the Triton kernels form GAT's terms from the values' rows, each node both a
-        # source and a destination: where the values are not h (dropped), the
-        # destinations are fewer or gain a sink row, the terms; and inside a compiled
-        # graph (see _PROJECTED_UNDER_COMPILE)
+        # in-kernel terms need the values to be h and each node both source and destination;
+        # compiled graphs take the node terms (_PROJECTED_UNDER_COMPILE)
         score = score.node_terms()
     if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
         dst = score.dst

@@ -1,48 +1,11 @@
 r"""Fused sparse attention for CPU tensors: nothing ``[E, H, C]`` is kept for backward.
 
-PyG's attention layers gather source features into ``[E, H, C]`` messages and
-autograd keeps them (and their products) until backward: gigabytes on a graph
-with millions of edges. This kernel keeps only node tensors ``[N, H, C]`` and
-per-edge statistics ``[E, H]``, and runs its sparse work as compiled row
-passes (:mod:`gatlib._native`) over the plan's CSR and CSC, each reading one
-``H*C`` source row per edge for all heads:
-
-* the softmax and the weighted sum ``out_i = sum_j alpha_ij v_j`` in one walk
-  of the CSR, and in backward ``<g_i, v_j>`` and ``sum_i a_ij g_i`` together in
-  one walk of the CSC, which reads each ``g_i`` once per edge;
-* the Transformer's ``q_i·k_j`` and its gradients as sampled dot products and
-  weighted sums over the same CSR/CSC;
-* GATv2's score ``att · leaky_relu(x_j + y_i)``, which does not factor into node
-  terms, computed per edge inside its walk and again in backward;
-* what reads ``[E, H, C]`` edge features into the values or the dot score runs
-  over blocks of edges of :data:`gatlib._blocks.CHUNK_BYTES` with torch ops.
-
-Per-edge tensors are ``[E, H]`` in the destination-sorted (CSR) edge order of
-the plan's :class:`~gatlib._layout.Layout`.
-
-A call is two ``torch.library`` operators, ``gatlib::fused_cpu_attention`` and
-its backward ``gatlib::fused_cpu_attention_backward``, whose inputs are tensors
-(the plan's layout among them) and plain numbers, with fake implementations
-(shapes only) and the backward registered as the forward's autograd: so
-``torch.compile`` keeps them as two calls in its graph, and a compiled graph
-replays them on a new graph. An ordinary backward is the fused one; when a
-differentiable backward is asked for (``create_graph=True``: gradient
-penalties, ``torch.func.grad``), it differentiates the reference
-implementation of the same call instead, so second-order gradients are exact.
-Autocast is switched off inside: the kernel picks its own precision (float32
-accumulation for float16/bfloat16, as the reference does).
-
-The kernel in four modules, by job:
-
-* :mod:`gatlib._native` — the compiled row passes (``gatlib/csrc/fused_cpu.cpp``):
-  sparse products over the CSR/CSC, on ATen's intra-op threads;
-* :mod:`gatlib._blocks` — edge blocks and threads: what runs with torch ops over
-  blocks of CSR edges, one Python thread per intra-op thread
-  (:func:`gatlib._blocks.for_blocks`); nothing changes a process-wide setting;
-* :mod:`gatlib._scores` — stage 1 of each score kind, forward and backward,
-  beside the kind's reference formula;
-* this module — stages 2 and 3 (softmax and aggregation, shared by the kinds),
-  the two operators, their autograd and the entry point :func:`attention`.
+Node tensors ``[N, H, C]`` and per-edge ``[E, H]`` statistics (CSR order) only; the sparse work
+runs as compiled row passes (:mod:`gatlib._native`) over the plan's CSR and CSC, edge features
+over blocks of edges (:mod:`gatlib._blocks`), each kind's score beside its formula
+(:mod:`gatlib._scores`). This module: softmax and aggregation, the two ``torch.library``
+operators, their autograd and the entry point :func:`attention` (docs/design.md, "The fused
+CPU kernel as operators").
 """
 from __future__ import annotations
 
@@ -63,9 +26,7 @@ from ._scores import KINDS
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-# ---------------------------------------------------------------------------
 # Stages 2 and 3: softmax and aggregation (shared by every score kind).
-# ---------------------------------------------------------------------------
 def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
     """The softmax weights again from the scores ``e`` (consumed) and ``lse``."""
     return B.per_edge_(e, lse, lay, lambda eb, lb: eb.sub_(lb).exp_())
@@ -74,18 +35,15 @@ def _recomputed_alpha(e: Tensor, lse: Tensor, lay: Layout) -> Tensor:
 def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], lay: Layout,
                        drop: Optional[Tensor], need_lse: bool = True
                        ) -> Tuple[Tensor, Tensor, Tensor]:
-    r"""Forward of stages 2 and 3, all heads at once (``e`` is consumed)::
+    r"""Forward of stages 2 and 3, all heads at once (``e`` ``[E, H]`` CSR order, consumed)::
 
         for each destination i (one walk of the CSR):
             m_i      = max_j e_ij                                 # [H]
             alpha_ij = exp(e_ij - m_i) / sum_k exp(e_ik - m_i)    # in place of e
             out_i    = sum_j alpha_ij drop_ij v_j                 # one v row per edge
-        out_i += sum_j a_ij u_ij                                  # edge blocks of _blocks.CHUNK_BYTES
+        out_i += sum_j a_ij u_ij                                  # edge blocks, u in edge-list order
 
-    ``e``, ``drop`` (``keep / (1 - p)``, times edge weights) ``[E, H]`` in CSR
-    order; ``u`` ``[E, H, C]`` in edge-list order.
-    Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])`` with
-    ``lse_i = m_i + log sum_k exp(e_ik - m_i)`` (empty unless ``need_lse``).
+    Returns ``(out [N_dst, H, C], alpha [E, H], lse [N_dst, H])``, ``lse`` empty unless ``need_lse``.
     """
     drop = B.edge_weights(drop, v.dtype)
     out, lse = _native.ops().softmax_aggregate(lay.ptr, lay.src, e, drop, v, need_lse)
@@ -104,19 +62,17 @@ def _softmax_aggregate(e: Tensor, v: Tensor, u: Optional[Tensor], lay: Layout,
 
 def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, lay, drop, need_v, need_u,
                                 need_drop=False):
-    r"""Backward of :func:`_softmax_aggregate`, with ``g_i = dL/dout_i`` and
-    ``ga_ij = dL/dalpha_ij`` (alpha is an output too)::
+    r"""Backward of :func:`_softmax_aggregate`, with ``g_i = dL/dout_i``, ``ga_ij =
+    dL/dalpha_ij`` and ``a = alpha * drop``::
 
         for each source j (one walk of the CSC), each out-edge j -> i:
-            dot_ij = <g_i, v_j>                                   # one g row per edge
-            dv_j  += a_ij g_i                                     # the same row
+            dot_ij = <g_i, v_j>;  dv_j += a_ij g_i                # one g row per edge
         dot_ij   += <g_i, u_ij>;  du_ij = a_ij g_i                # edge blocks, where u is
         dalpha_ij = drop_ij * dot_ij + ga_ij
         de_ij     = alpha_ij * (dalpha_ij - sum_k alpha_ik dalpha_ik)   # one walk of the CSR
         ddrop_ij  = alpha_ij * dot_ij                             # when drop carries edge weights
 
-    with ``a = alpha * drop``. Returns ``(de [E, H] CSR order, dv or None, du or
-    None, ddrop or None)``.
+    Returns ``(de [E, H] CSR order, dv, du, ddrop)``, ``None`` where not computed.
     """
     drop = B.edge_weights(drop, alpha.dtype)
     a = alpha if drop is None else alpha * drop  # [E, H]
@@ -151,9 +107,7 @@ def _softmax_aggregate_backward(g_out, g_alpha, alpha, v, u, lay, drop, need_v, 
         return torch.zeros_like(alpha), dv, du, d_drop
     return _native.ops().softmax_backward(lay.ptr, alpha, d_alpha), dv, du, d_drop
 
-# ---------------------------------------------------------------------------
 # The operators: forward and backward of one call, and their autograd.
-# ---------------------------------------------------------------------------
 def layout_tensors(lay: Layout) -> List[Tensor]:
     """The index tensors of ``lay`` as the operators take them, in one list: the
     CSR ``(ptr, src, dst, perm)`` and the CSC ``(csc_ptr, csc_edge, csc_dst)``."""
@@ -187,13 +141,9 @@ def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: O
         alpha_ij = exp(e_ij - lse_i),  lse_i = log sum_j exp(e_ij) # stage 2
         out_i    = sum_j alpha_ij drop_ij (v_j + u_ij)             # stage 3
 
-    (the stages: the kind's ``cpu_forward`` in :mod:`gatlib._scores`, then
-    :func:`_softmax_aggregate`). Inputs in the compute dtype: the score's
-    tensors (``s_edge`` in edge-list order), ``value [N_src, H, C]`` (or
-    ``[N_src, 1, C]``, shared by the heads), ``value_edge [E, H, C]`` (edge-list order) and ``drop [E, H]`` (CSR order:
-    the dropout mask scaled by ``1 / (1 - p)``, times the edge weights if any),
-    the graph as :func:`layout_tensors`. Returns ``out [N_dst, H, C]``, ``alpha
-    [E, H]`` in CSR order and ``lse [N_dst, H]`` (``[0]`` unless ``keep_lse``).
+    Inputs in the compute dtype; ``s_edge``, ``value_edge`` in edge-list order, ``drop`` [E, H]
+    in CSR order (the dropout mask over ``1 - p``, times the edge weights). Returns ``out
+    [N_dst, H, C]``, ``alpha [E, H]`` in CSR order, ``lse [N_dst, H]`` (``[0]`` unless ``keep_lse``).
     """
     _record.log("fused")
     lay = _layout_of(layout, num_src)
@@ -218,8 +168,8 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
                            value_edge: Optional[Tensor], drop: Optional[Tensor], saved: Tensor,
                            recompute: bool, kept_layout: List[Tensor], num_src: int,
                            need: List[bool]) -> List[Tensor]:
-    r"""Gradients of :func:`_attention_op`'s seven tensor inputs (``s_src``, ...,
-    ``drop``) from those of ``out`` and ``alpha`` (either may be ``None``)::
+    r"""Gradients of :func:`_attention_op`'s seven tensor inputs from those of ``out`` and
+    ``alpha`` (either may be ``None``)::
 
         alpha_ij  = exp(e_ij - lse_i)   # recomputed where saved is lse (recompute)
         dalpha_ij = drop_ij <g_i, v_j + u_ij> + ga_ij
@@ -227,9 +177,7 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
         dv_j = sum_i alpha_ij drop_ij g_i;  du_ij = alpha_ij drop_ij g_i
         then de through the kind's ``cpu_backward`` (:mod:`gatlib._scores`)
 
-    (:func:`_softmax_aggregate_backward` has each step). ``saved`` is ``alpha``,
-    or ``lse`` where ``recompute``; ``kept_layout`` what :func:`_kept_layout` kept
-    of the forward's layout. An empty tensor stands for each gradient ``need``
+    ``kept_layout``: :func:`_kept_layout`'s. An empty tensor stands for each gradient ``need``
     does not ask for (and for an absent input).
     """
     _record.log("fused.backward")
@@ -261,12 +209,9 @@ def _(kind, scale, slope, g_out, g_alpha, s_src, s_dst, s_edge, s_att, value, va
 
 
 def _kept_layout(layout: Sequence[Tensor], edge_order: bool) -> List[Tensor]:
-    """What backward keeps of a forward's :func:`layout_tensors`: the CSR's ``ptr``
-    and ``src``, the CSC's ``csc_ptr`` and ``csc_edge``, ``perm`` where per-edge
-    inputs are read in edge-list order (``edge_order``; else an empty tensor).
-    The destinations in either order are derived again
-    (:func:`_full_layout`): kept, they would be a second copy of the edges per
-    layer from forward to backward (at ogbn-products' scale 1 GB each, int32)."""
+    """What backward keeps of :func:`layout_tensors`: ``ptr``, ``src``, ``csc_ptr``,
+    ``csc_edge`` and ``perm`` where per-edge inputs are read in edge-list order. The
+    destinations are derived again (:func:`_full_layout`), not kept as a second copy of the edges."""
     ptr, src, dst, perm, csc_ptr, csc_edge, csc_dst = layout
     return [ptr, src, csc_ptr, csc_edge, perm if edge_order else perm.new_empty(0)]
 
@@ -321,12 +266,9 @@ _attention_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 class _FusedAttention(torch.autograd.Function):
-    """:func:`_attention_op` with its registered backward, the layout tensors last
-    and one by one (``torch.jit.trace`` records an autograd function's tensor
-    arguments, not tensors in a list). In torch 2.13 the autograd function that
-    ``register_autograd`` generates has no ``setup_context``, so ``torch.func.grad``
-    cannot differentiate the bare operator; this function can, and
-    ``torch.compile`` traces it into the same two operators."""
+    """:func:`_attention_op` with its registered backward, the layout tensors last and one by
+    one (``torch.jit.trace`` records an autograd function's tensor arguments, not a list's;
+    ``torch.func.grad`` cannot differentiate the bare operator in torch 2.13)."""
 
     @staticmethod
     def forward(kind, scale, slope, s_src, s_dst, s_edge, s_att, value, value_edge, drop,
@@ -377,9 +319,7 @@ def _recomputes_alpha(kind: str, num_edges: int, heads: int) -> bool:
 RECOMPUTE_MIN_ENTRIES = 1 << 16
 
 
-# ---------------------------------------------------------------------------
 # Entry point (gatlib._dispatch's "fused" kernel).
-# ---------------------------------------------------------------------------
 def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -> Optional[str]:
     """Why this kernel cannot run on these tensors, or ``None`` if it can."""
     for t in (value, value_edge, *score.tensors()):
@@ -398,21 +338,10 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
 def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
               p: float, need_alpha: bool, edge_weight: Optional[Tensor] = None
               ) -> Tuple[Tensor, Optional[Tensor]]:
-    """The three stages of :mod:`gatlib._core` without ``[E, H, C]`` saved tensors.
-
-    Args:
-        score: the edge score.
-        value: ``[N_src, H, C]`` source values (or ``[N_src, 1, C]`` shared by every head).
-        plan: the graph.
-        value_edge: optional ``[E, H, C]`` per-edge value term.
-        p: attention dropout probability in effect (0 outside training).
-        need_alpha: also return the attention weights.
-        edge_weight: optional ``[E]`` (edge-list order) multiplier of each edge's
-            attention weights after dropout, differentiable.
-
-    Returns:
-        ``(out [N_dst, H, C] in value.dtype, alpha [E, H] in edge-list order
-        and the score's dtype, or None)``.
+    """The three stages of :mod:`gatlib._core` without ``[E, H, C]`` saved tensors:
+    ``(out [N_dst, H, C] in value's dtype, alpha [E, H] in edge-list order and the score's
+    dtype, or None)``. ``value`` is ``[N_src, H, C]`` or ``[N_src, 1, C]`` shared by every head;
+    ``edge_weight`` an optional ``[E]`` multiplier of the weights after dropout, differentiable.
     """
     s_src, s_dst, s_edge, s_att = score.tensors()
     score_dtype, acc = promoted_dtype(*score.tensors()), acc_dtype(*score.tensors(), value)

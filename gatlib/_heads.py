@@ -1,21 +1,8 @@
-r"""Per-head products of the input-space layers (:func:`gatlib._conv._input_space`).
-
-Attending the inputs leaves one ``[N, H, K]`` tensor and one matrix per head,
-``out_h = a_h @ b_h`` for ``h = 1..H`` (the value projection after the
-aggregation, ``W_h``; the Transformer's query mapped into input space before it,
-``W_k^h``): as many flops as one ``[N, F] @ [F, H*C]`` projection. Written as an
-einsum, PyTorch runs it as a batched product over heads-first copies of ``a``
-and of the result, about twice the projection's time. :class:`_PerHeadMM` instead
-runs one matrix product per head, reading and writing each head's columns in
-place (a BLAS product takes a row stride), forward and backward.
-
-Where it cannot run (``torch.compile`` tracing, ``torch.func`` transforms,
-autocast, mixed dtypes), :func:`per_head_mm_ops` writes the same products in
-differentiable ops, one ``mm`` per head and a concatenation, not the einsum:
-compiled, the einsum's weight gradient became one batched product reducing over
-all ``N`` rows, several times slower than the per-head products (docs/design.md,
-"Per-head products"). All three are tested against each other
-(``tests/test_input_space.py``).
+r"""Per-head products of the input-space layers (:func:`gatlib._conv._input_space`):
+``out_h = a_h @ b_h`` for ``h = 1..H``, one BLAS product per head reading and writing each
+head's columns in place (an einsum copies heads-first both ways). Where that cannot run
+(tracing, ``torch.func``, autocast, mixed dtypes), :func:`per_head_mm_ops` writes the same in
+differentiable ops, one ``mm`` per head (docs/design.md, "Per-head products").
 """
 from __future__ import annotations
 

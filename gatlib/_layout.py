@@ -19,19 +19,12 @@ from torch_geometric.index import index2ptr
 class Layout:
     """Destination-sorted CSR of a graph plus the source-sorted (CSC) view.
 
-    Edge ``k`` in CSR order is edge ``perm[k]`` of the plan's edge list; row
-    ``i`` holds ``ptr[i]:ptr[i+1]``, in the edge list's order. The CSC view
-    lists, for each source node, its out-edges as positions in CSR order
-    (``csc_edge``, increasing), so a backward pass can gather per-edge
-    quantities saved in CSR order without atomics. Index tensors are int64 on
-    small graphs (:data:`SMALL_EDGES`), else int32 when every value fits;
-    ``perm`` is int64.
-
-    On a small graph the CSC view is derived from the CSR when it is first read
-    (``csc_ptr``, ``csc_edge``, ``csc_dst``); otherwise it comes with the layout
-    (``csc``). A small graph's fused kernel never reads it, and sorting it is a
-    sizeable part of the plan a NeighborLoader subgraph builds on every call
-    (docs/design.md, "Small graphs: int64 layouts and a lazy CSC").
+    CSR position ``k`` is edge ``perm[k]`` of the plan's edge list; row ``i`` holds
+    ``ptr[i]:ptr[i+1]`` in edge-list order. The CSC lists each source's out-edges as
+    increasing CSR positions (``csc_edge``), so a backward gathers CSR-ordered quantities
+    without atomics. Indices are int64 on small graphs (:data:`SMALL_EDGES`, whose CSC is
+    derived on first read: docs/design.md, "Small graphs: int64 layouts and a lazy CSC"),
+    else int32 where every value fits; ``perm`` is int64.
     """
 
     ptr: Tensor  # [N_dst + 1]
@@ -74,18 +67,11 @@ class Layout:
 
 
 def at_least(size, threshold: int) -> bool:
-    """``size >= threshold``, for a choice made by a graph's size alone (an index dtype,
-    whether to fold, the fused kernel or the reference): each such choice in code that
-    ``torch.compile`` and ``torch.export`` trace goes through here.
-
-    Under ``torch.export``, a size the exported program leaves free (a ``Dim`` of
-    the node or edge count) takes the large side without a guard: the program must
-    hold for every size in its range, and a guard would narrow that range to one
-    side of ``threshold`` (export then fails: "Constraints violated"). The large
-    side serves small graphs too (int64 indices, the fused kernel); where the
-    range lies wholly below ``threshold`` the small side stays. Eager calls and
-    ``torch.compile`` decide on the size (compile's guard recompiles a graph that
-    crosses it).
+    """``size >= threshold``, for a choice made by a graph's size alone (index dtype, fold,
+    fused kernel or reference), in code that ``torch.compile`` and ``torch.export`` trace.
+    Under ``torch.export`` a size the program leaves free takes the large side without a
+    guard (a guard would narrow its range: "Constraints violated"), unless its whole range
+    lies below ``threshold``. Eager and compiled calls decide on the size.
     """
     if torch.compiler.is_exporting():  # (a free size reads as an int under strict export)
         from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -110,13 +96,9 @@ def layout_dtype(num_edges: int, num_src: int, num_dst: int) -> torch.dtype:
     return index_dtype(num_edges, num_src, num_dst)
 
 
-# Below this many edges a graph is small: its layout's indices are int64 and its
-# CSC view is derived only when first read. int32 halves a large layout, but
-# index_add_ with int32 indices is several times slower than with int64, and
-# converting costs more ops per call than a small graph's memory is worth
-# (docs/design.md, "Small graphs: int64 layouts and a lazy CSC"). A large graph's CSC view is built with its
-# CSR, while little else is in memory, not in the first backward pass (at
-# ogbn-products' scale its sort needs ~2.5 GB).
+# Below this many edges a graph is small: int64 indices and a CSC derived when first read
+# (docs/design.md, "Small graphs: int64 layouts and a lazy CSC"); a large graph's CSC is built
+# with its CSR, while little else is in memory.
 SMALL_EDGES = 1 << 16
 
 
@@ -132,9 +114,7 @@ def _normal(fn: Callable, *args):
         return fn(*args)
 
 
-# ---------------------------------------------------------------------------
 # Layout construction.
-# ---------------------------------------------------------------------------
 def _nondecreasing(x: Tensor) -> bool:
     return x.numel() == 0 or bool((x[1:] >= x[:-1]).all())
 

@@ -1,28 +1,10 @@
 """The fused CPU kernel's compiled passes (``gatlib/csrc/fused_cpu.cpp``), built on first use.
 
-Each pass walks the rows of the graph's CSR (or CSC) once and reads a source
-row of ``H*C`` values per edge for all heads, with the row's result kept by the
-thread that owns the row: the weighted sum with its softmax, the sampled dot
-products, both products of the aggregation's backward in one walk, and GATv2's
-score and gradient. Written with torch ops instead, each was several passes
-over ``[E, H]`` or ``[E, H, C]`` blocks, or an MKL product over a per-head copy
-of the graph (docs/design.md, "Compiled CPU row passes").
-
-The source is compiled with ``torch.utils.cpp_extension`` the first time a
-fused CPU call asks for it (seconds; later processes load the cached build) with
-``-march=native``: the cache folder is keyed by the source, the CPU's
-instruction-set flags and torch's version, so a cache shared between machines
-never runs code built for another. Where it cannot be built (no C++ compiler or
-ninja), :func:`unavailable` says why and the fused CPU kernel reports itself
-unsupported with that reason.
-
-A build runs in a folder of its own process and is published by renaming that
-folder to the cache folder, which is atomic: a process killed mid-build leaves
-only its private folder behind (removed by a later build once it is an hour
-old), never a half-built cache or a lock that later processes would wait on
-forever (``cpp_extension``'s own lock file, which a SIGKILL leaves behind).
-Two processes that start at once both build; the first to publish wins
-(docs/design.md, "The CPU passes' build cache").
+Each pass walks the CSR (or CSC) rows once, reading one ``H*C`` source row per edge for all
+heads, each row's result kept by the thread that owns it (docs/design.md, "Compiled CPU row
+passes"). Built with ``torch.utils.cpp_extension`` and ``-march=native`` into a cache keyed by
+the source, the CPU's flags and torch's version, published by an atomic rename (docs/design.md,
+"The CPU passes' build cache"); where it cannot be built, :func:`unavailable` says why.
 """
 from __future__ import annotations
 

@@ -1,44 +1,10 @@
 r"""Graph plans: a graph's edges, checked once and held in the orders kernels read.
 
-A :class:`GraphPlan` owns everything that is derived from a graph's edges —
-the checked edge list, the destination-sorted CSR and source-sorted CSC
-layout, its self-loop'ed twin and the layouts private to a kernel — and nothing
-else in gatlib holds such state: there is no module-level cache. So:
-
-* a plan can never disagree with the indices it was built from: it copies
-  them when it is built, never hands its own tensors out (:attr:`edge_index`
-  returns a copy), and whatever it derives later is derived from its copy;
-* everything it derives is freed with it;
-* it works the same under ``no_grad`` and ``inference_mode`` and in DataLoader
-  workers: derived tensors are always built as normal tensors, so a plan first
-  used under ``inference_mode`` still trains afterwards;
-* a compiled call keeps nothing on a plan built outside it: what it derives is
-  computed inside its graph for that call alone, since a graph's outputs are its
-  memory to reuse (``torch.compile(mode="reduce-overhead")`` overwrites them on the
-  next replay). It reads what eager calls derived: one eager call warms a plan
-  for compiled ones (``docs/compile.md``).
-
-Layers take a plan wherever they take an ``edge_index``. Given a plain
-``[2, E]`` tensor or a PyG :class:`~torch_geometric.EdgeIndex`, a layer builds a
-throw-away plan for that call; build a plan yourself to check and sort the
-graph once for many calls (full-batch training)::
-
-    plan = gatlib.GraphPlan(edge_index, num_nodes=N)
-    for epoch in range(epochs):
-        out = model(x, plan)
-
-A plan (and so a layer) also takes PyG's sparse adjacencies ``adj_t``: a
-``torch.sparse`` tensor in COO, CSR or CSC layout or a ``torch_sparse.SparseTensor``
-of shape ``[N_dst, N_src]``, entry ``[i, j]`` an edge ``j -> i``. Its edge list
-holds the entries in the order the adjacency stores them (PyG's
-``to_edge_index`` order); their values play no part in the graph.
-
-Nothing is sorted that is already in order: a destination-sorted ``[2, E]``
-tensor keeps its order, an ``EdgeIndex`` sorted by row or column supplies its
-own (cached) CSR/CSC, a CSR adjacency or a ``SparseTensor`` is its plan's CSR
-(its row offsets and columns), a CSC adjacency its plan's source-sorted side,
-and the self-loops of such a plan (or of one whose layout exists) are merged
-into its layout in O(E) instead of being sorted in.
+A :class:`GraphPlan` owns everything derived from a graph's edges (the checked edge list, the
+CSR/CSC layout, its self-loop'ed twin, kernels' private layouts); nothing else in gatlib holds
+such state. It copies its input, hands out copies, frees what it derived with itself, works
+under ``no_grad``/``inference_mode`` and in DataLoader workers, and keeps nothing that a
+compiled call derives (docs/compile.md). What plans take and cost: docs/pyg_compatibility.md.
 """
 from __future__ import annotations
 
@@ -61,26 +27,17 @@ class GraphPlan:
     r"""A graph's edges, checked once, with the CSR/CSC layouts kernels read.
 
     Args:
-        edge_index (Tensor, EdgeIndex or sparse adjacency): ``[2, E]`` integer
-            ``(source, destination)`` pairs (int64 or int32), a PyG ``EdgeIndex``
-            (whose own sorted layout is used), or a sparse adjacency ``adj_t`` of
-            shape ``[N_dst, N_src]`` — ``torch.sparse`` COO, CSR or CSC, or a
-            ``torch_sparse.SparseTensor`` — whose entry ``[i, j]`` is an edge
-            ``j -> i`` (its values are ignored; a CSR or ``SparseTensor`` is used
-            as the plan's CSR as it is, a CSC as its source-sorted side).
-        num_nodes (int, optional): number of nodes of a graph whose sources
-            and destinations are the same nodes. (default: the largest index
-            plus one; an adjacency's shape)
-        size ((int, int), optional): ``(N_src, N_dst)`` of a bipartite graph;
-            instead of ``num_nodes``. (A sparse adjacency's shape must agree.)
+        edge_index (Tensor, EdgeIndex or sparse adjacency): ``[2, E]`` integer ``(source,
+            destination)`` pairs (int64 or int32), a PyG ``EdgeIndex``, or a sparse adjacency
+            ``adj_t`` ``[N_dst, N_src]`` (``torch.sparse`` COO/CSR/CSC or a
+            ``torch_sparse.SparseTensor``; entry ``[i, j]`` an edge ``j -> i``, values ignored).
+            The plan copies it; input already in order is not sorted again.
+        num_nodes (int, optional): nodes of a graph whose sources and destinations are the
+            same. (default: the largest index plus one; an adjacency's shape)
+        size ((int, int), optional): ``(N_src, N_dst)`` of a bipartite graph, instead of
+            ``num_nodes``.
 
-    A layer called with a plan checks that the plan's sizes match its inputs
-    (``N_src`` rows of source features, ``N_dst`` of destination features)
-    and raises ``ValueError`` otherwise.
-
-    Shapes:
-        - **edge_index:** ``[2, E]``; the plan copies it, so later writes to it
-          do not reach the plan.
+    A layer called with a plan raises ``ValueError`` unless the plan's sizes match its inputs.
     """
 
     def __init__(self, edge_index: Tensor, num_nodes: Optional[int] = None, *,
@@ -126,8 +83,8 @@ class GraphPlan:
         return plan
 
     def _keeps(self) -> bool:
-        """Whether what is derived now may be kept on this plan: not inside a compiled
-        graph when the plan outlives the call (see the module docstring)."""
+        """Whether what is derived now may be kept: not inside a compiled graph when the plan
+        outlives the call (the graph's outputs are its memory to reuse: docs/compile.md)."""
         return not (self._kept and torch.compiler.is_compiling())
 
     # -- what users read ------------------------------------------------------
@@ -145,12 +102,9 @@ class GraphPlan:
 
     @property
     def num_rows(self) -> int:
-        """Destination rows the kernels compute: ``num_dst``, plus one where the plan
-        has a sink. A self-loop'ed plan built under ``torch.compile`` keeps the graph's
-        own self-loops in its edge list, pointed at a sink row ``num_dst`` (a compiled
-        graph needs the edge count known from the input's size, not from its values:
-        see :func:`_drop_and_add_loops`); the kernels compute that row too, and
-        :func:`gatlib._dispatch.attend_planned` drops it."""
+        """Destination rows the kernels compute: ``num_dst``, plus a sink row where a plan built
+        under ``torch.compile`` keeps the graph's own self-loops pointed at it
+        (:func:`_drop_and_add_loops`); :func:`gatlib._dispatch.attend_planned` drops it."""
         return self._num_dst + 1 if self._sink else self._num_dst
 
     @property
@@ -196,18 +150,14 @@ class GraphPlan:
         return size(self)
 
     def with_self_loops(self, num_nodes: Optional[int] = None) -> "GraphPlan":
-        """This graph without its self-loops, plus one self-loop on each of the
-        first ``num_nodes`` nodes (default ``min(N_src, N_dst)``), appended after
-        the other edges in the edge list — as PyG's ``remove_self_loops`` followed
-        by ``add_self_loops`` orders them. Built once per plan and ``num_nodes``."""
+        """This graph without its self-loops plus one on each of the first ``num_nodes`` nodes
+        (default ``min(N_src, N_dst)``), appended in PyG's order; built once per plan and ``num_nodes``."""
         n = min(self.num_src, self.num_dst) if num_nodes is None else num_nodes
         if not 0 <= n <= min(self.num_src, self.num_dst):
             raise ValueError(f"num_nodes must be in [0, {min(self.num_src, self.num_dst)}] "
                              f"(self-loops need both a source and a destination); got {n}")
-        # (one twin per form: the compiled one has a sink, see _drop_and_add_loops; an
-        # eager twin serves compiled calls too, its edge count read from its shape. The
-        # default count is keyed as None: a count as a dict key would fix it in a
-        # compiled graph, which then recompiled for every new plan's size.)
+        # (one twin per form, the compiled one with a sink; the default count keyed as None: a
+        # size as a dict key would recompile a compiled graph for every new plan's size)
         key = None if num_nodes is None else n
         looped = self._loops.get((key, False))
         if looped is None and torch.compiler.is_compiling():
@@ -226,12 +176,9 @@ class GraphPlan:
         compressed = self._layout_fn_sorted  # a sorted EdgeIndex's or an adjacency's own CSR/CSC
 
         def layout() -> Layout:
-            # Merging the loops into the base layout takes a few O(E) passes and sorts
-            # nothing: the way when that layout exists already or comes from the
-            # input's own compressed structure. A plain edge list is sorted directly,
-            # even when it is destination-sorted: building its base layout (whose CSC
-            # needs a sort anyway) and then merging is slower at every size
-            # (docs/design.md, "Self-loops sorted with the edges").
+            # merged in O(E) where the base layout exists or comes from the input's compressed
+            # structure; a plain edge list is sorted with its loops (docs/design.md, "Self-loops
+            # sorted with the edges")
             if sink or (base_layout is None and not compressed):
                 return _sorted_looped_layout(looped_ei, num_src, num_dst + 1 if sink else num_dst, n)
             return _layout_with_loops(base_layout or base_fn(), keep, looped_ei.size(1), n)
@@ -276,10 +223,8 @@ class GraphPlan:
         return self._layout
 
     def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """``build()`` once per plan and ``key``: where kernels keep what they derive
-        from the graph (e.g. a layout over heads), so that it lives and dies with
-        the plan. ``build`` must only read the plan. (Inside a compiled graph, on a
-        plan that outlives the call: built for this call alone, see the module docstring.)"""
+        """``build()`` once per plan and ``key``: where kernels keep what they derive from the
+        graph, so that it lives and dies with the plan; ``build`` must only read the plan."""
         value = self._derived.get(key)
         if value is None:
             value = _normal(build)
@@ -289,14 +234,10 @@ class GraphPlan:
 
 
 def _drop_and_add_loops(ei: Tensor, n: int, num_dst: int) -> Tuple[Tensor, Tensor, bool]:
-    """``(keep [E] bool, looped [2, E'], sink)``: the edges that are not self-loops,
-    then loops ``i -> i`` for ``i < n``.
-
-    Under ``torch.compile`` the self-loops keep their place, pointed at a sink
-    destination ``num_dst`` (``sink`` is true, ``E' = E + n``): how many edges are
-    left is a question about the values, and a compiled graph's sizes must follow
-    from its inputs' sizes alone (with the edge count data-dependent, inductor
-    cannot compile PyG's layers either).
+    """``(keep [E] bool, looped [2, E'], sink)``: the edges that are not self-loops, then
+    loops ``i -> i`` for ``i < n``. Under ``torch.compile`` the self-loops keep their place,
+    pointed at a sink destination ``num_dst`` (``E' = E + n``): a compiled graph's sizes must
+    follow from its inputs' sizes alone.
     """
     keep = ei[0] != ei[1]  # [E]
     loops = torch.arange(n, device=ei.device)
@@ -358,21 +299,17 @@ def base_edge_index(plan: GraphPlan) -> Optional[Tensor]:
 
 def as_plan(edge_index, num_src: int, num_dst: Optional[int], device: torch.device,
             self_loops: bool = False, loop_nodes: Optional[int] = None) -> GraphPlan:
-    """The plan a layer runs on: ``edge_index`` itself if it is a :class:`GraphPlan`
-    of the right sizes (``num_dst=None``: any), else a throw-away plan of the
-    checked ``[2, E]`` tensor; with ``self_loops``, that plan's
-    :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)`` (whose ``_base_ei`` is the
-    edge list without them)."""
+    """The plan a layer runs on: ``edge_index`` itself if it is a :class:`GraphPlan` of the
+    right sizes, else a throw-away plan of the checked tensor; with ``self_loops``, that
+    plan's :meth:`~GraphPlan.with_self_loops` ``(loop_nodes)``."""
     if not isinstance(edge_index, GraphPlan):
         if num_dst is None and V.is_adjacency(edge_index):  # destinations: the adjacency's rows
             num_dst = V.check_adjacency(edge_index, num_src, None, device)[1]
         ei, layout_fn = checked_edge_list(edge_index, num_src, num_dst, device)
         if not self_loops:
             return GraphPlan._owned(ei, num_src, num_dst, layout_fn)
-        # The loops are computed before any plan object exists: removing self-loops
-        # has a data-dependent size, where torch.compile splits the graph, and it
-        # can resume after that only with tensors (not new objects) in flight.
-        # (A plan made here lives for one call: inference tensors in it are fine.)
+        # loops computed before any plan exists: torch.compile splits the graph at their
+        # data-dependent size and resumes only with tensors in flight
         n = min(num_src, num_dst) if loop_nodes is None else loop_nodes
         keep, looped_ei, sink = _drop_and_add_loops(ei, n, num_dst)
         if layout_fn is not None:  # the input's own CSR/CSC: loops merge into its layout

@@ -1,17 +1,9 @@
-"""Which kernel ran: the log behind :func:`gatlib.record_kernels`.
+"""Which kernel ran: the log behind :func:`gatlib.record_kernels`. Kernels log from inside
+their own code (the fused ones from their operators), so an entry means that code ran.
 
-Kernels append their name from inside their own code — the fused kernels from
-inside their operators, forward and backward — so an entry means that code ran.
-Under ``torch.compile`` an operator runs from the compiled graph and logs then;
-what the compiler traces into the graph instead (the reference kernel) leaves
-no entry, since tracing is not running. Kernels and the dispatcher both import
-this module; it imports nothing of gatlib's.
-
-A block's log is the opening thread's (a context variable), and also the log of
-threads that opened none: on CUDA, autograd runs backward passes on a thread of
-its own per device, where a context variable set in the caller's thread is not
-set, so the fused backward kernels would log nowhere (a CPU backward runs in the
-caller's thread). Those threads log into the most recently opened block.
+A block's log is the opening thread's (a context variable), and also that of threads that
+opened none: on CUDA, autograd runs backward passes on a thread of its own, where the
+caller's context variable is not set; those threads log into the most recently opened block.
 """
 from __future__ import annotations
 
@@ -31,16 +23,11 @@ _OPEN_LOCK = threading.Lock()
 
 @contextlib.contextmanager
 def record_kernels() -> Iterator[List[str]]:
-    """Record which kernel ran each attention call in this block.
-
-    Yields a list that collects, in order, the name of the kernel of every
-    call (``"torch"``, ``"scatter"``, ``"fused"``, ``"triton"``) and of every
-    fused backward pass (``"fused.backward"``, ``"fused.backward:reference"``);
-    a layer adds ``"propagate"`` where it hands a call to PyG's
-    ``MessagePassing.propagate``.
-    Under ``torch.compile`` it lists the fused operators' calls as the compiled
-    graph runs them, and nothing for the reference, which is compiled into the
-    graph.
+    """Record which kernel ran each attention call in this block: yields a list of the
+    kernels' names in order (``"torch"``, ``"scatter"``, ``"fused"``, ``"triton"``), the fused
+    backward passes' (``"fused.backward"``, ``"fused.backward:reference"``) and ``"propagate"``
+    where a layer hands a call to PyG. Under ``torch.compile`` it lists the fused operators'
+    calls, and nothing for the reference, which is compiled into the graph.
     """
     log: List[str] = []
     token = _LOG.set(log)

@@ -1,30 +1,10 @@
-r"""Stage 1 of the attention core, the score ``e_ij`` of an edge ``j -> i``: each
-kind's formula, its gradient and its fused CPU passes, in one place.
-
-For each kind — GAT, GATv2 and the graph Transformer's scaled dot product — a
-section below holds:
-
-* the **reference formula** over the terms of a batch of edges
-  (:func:`gat_edge`, :func:`gatv2_edge`, :func:`dot_edge`): the
-  specification. :meth:`gatlib._core.EdgeScore.edge_scores` gathers every
-  edge's terms and calls it, and so do the layers' ``edge_update``/``message``
-  (PyG's ``propagate`` flow) on the terms ``MessagePassing`` gathered; its
-  gradient is autograd's;
-* the fused CPU kernel's **forward and backward** of the score
-  (``*_cpu_forward``/``*_cpu_backward``, the gradient as pseudo-code in the
-  docstring) over the plan's CSR edges, in edge blocks or compiled row passes;
-* for GAT, the **per-node terms** ``a·Wh`` (``a^T[Wh_i || Wh_j]`` splits into
-  one term per node: :func:`gat_node_terms`).
-
-Two implementations of the same formulas cannot call Python and point here
-instead: the Triton kernels' ``_score`` (:mod:`gatlib._triton`) and the compiled
-row passes of ``gatlib/csrc/fused_cpu.cpp`` (``gatv2_edge``, ``sddmm``). Tests
-hold every backend to the reference formula (``tests/test_core.py``,
-``tests/test_fused_cpu.py``, ``tests/test_triton.py``).
-
-Names: ``s``/``x``/``k`` the per-source term, ``t``/``y``/``q`` the
-per-destination term, ``w`` the per-edge term (edge-list order), ``att``
-GATv2's attention vector; ``lay`` the plan's :class:`~gatlib._layout.Layout`.
+r"""Stage 1 of the attention core, the score ``e_ij`` of an edge ``j -> i``: per kind (GAT,
+GATv2, the Transformer's scaled dot product) the reference formula (:func:`gat_edge`,
+:func:`gatv2_edge`, :func:`dot_edge`: the specification, gradient by autograd), the fused CPU
+kernel's forward and backward (``*_cpu_forward``/``*_cpu_backward``) and GAT's per-node terms.
+The Triton kernels' ``_score`` and ``gatlib/csrc/fused_cpu.cpp`` cannot call Python and point
+here; tests hold every backend to these formulas. Names: ``s``/``x``/``k`` the per-source term,
+``t``/``y``/``q`` the per-destination term, ``w`` the per-edge term, ``att`` GATv2's vector.
 """
 from __future__ import annotations
 
@@ -41,10 +21,8 @@ if TYPE_CHECKING:  # (annotations only: the module needs nothing from the plan)
     from ._layout import Layout
 
 
-# ---------------------------------------------------------------------------
 # GAT (Veličković et al. 2018): e_ij = LeakyReLU(s_j + t_i + w_ij), with
 # s_j = a_src·Wh_j, t_i = a_dst·Wh_i, w_ij = a_edge·W_e e_ij.
-# ---------------------------------------------------------------------------
 def gat_edge(s_j: Tensor, t_i: Optional[Tensor], w: Optional[Tensor], negative_slope: float,
              inplace: bool = False) -> Tensor:
     """GAT's score of a batch of edges from their ``[n, H]`` terms (``t_i``, ``w``
@@ -63,18 +41,10 @@ def gat_edge_backward(de: Tensor, z: Tensor, negative_slope: float) -> Tensor:
 
 
 def gat_node_terms(x: Tensor, weight: Tensor, att: Tensor, h: Optional[Tensor] = None) -> Tensor:
-    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``.
-
-    Computed as ``x @ (W_h^T a_h)``: the attention vector is folded into the
-    (bias-free) weights, so the product is one thin ``[N, F] @ [F, H]`` instead of
-    an ``[N, H, C]`` projection reduced over ``C`` — whole passes over an
-    ``[N, H, C]`` tensor forward and backward (docs/design.md, "GAT's attention
-    folded into the weights") — and edge features never
-    become ``[E, H, C]``. Where the projection ``h = W x`` exists anyway and is
-    narrower than ``x`` (``H*C < F``: Cora's 1,433 features), reducing
-    ``h`` is the cheaper side: the fold's backward would write another ``[N, F]``
-    input gradient. On small inputs (:data:`FOLD_MIN_ENTRIES`) reducing ``h`` is
-    also cheaper: the fold's few extra ops cost more than they save there."""
+    """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``: as ``x @ (W_h^T
+    a_h)``, the attention vector folded into the weights (one thin product, no ``[N, H, C]``
+    pass; docs/design.md, "GAT's attention folded into the weights"), or by reducing the
+    projection ``h`` where it exists and the fold does not pay (:func:`folds`)."""
     H, C = att.shape[1:]
     if h is not None and not folds(x, H, C):  # (no h: input-space aggregation, gatlib.layers)
         return (h * att).sum(-1)
@@ -183,12 +153,8 @@ def gat_cpu_backward(de, s, t, w, att, lay: Layout, scale, slope, need):
     return ds, dt, dw, None
 
 
-# ---------------------------------------------------------------------------
-# GATv2 (Brody et al. 2022): e_ij = att · LeakyReLU(x_j + y_i + w_ij), with
-# [*, H, C] terms: the non-linearity sits before att, so the score does not
-# split into per-node terms. The compiled passes (fused_cpu.cpp's gatv2_edge,
-# gatv2_grad) compute it per edge, one edge's z at a time.
-# ---------------------------------------------------------------------------
+# GATv2 (Brody et al. 2022): e_ij = att · LeakyReLU(x_j + y_i + w_ij), [*, H, C] terms that do
+# not split per node (fused_cpu.cpp's gatv2_edge, gatv2_grad compute it per edge).
 def gatv2_edge(x_j: Tensor, y_i: Tensor, w: Optional[Tensor], att: Tensor,
                negative_slope: float) -> Tensor:
     """GATv2's score of a batch of edges from their ``[n, H, C]`` terms (``w``
@@ -229,11 +195,9 @@ def gatv2_cpu_backward(de, x, y, w, att, lay: Layout, scale, slope, need):
             datt if need[3] else None)
 
 
-# ---------------------------------------------------------------------------
 # Scaled dot product (Vaswani et al. 2017; Shi et al. 2021 on graphs):
 # e_ij = scale * <q_i, k_j + w_ij>. The compiled sddmm pass computes the
 # <q_i, k_j> part per CSR row.
-# ---------------------------------------------------------------------------
 def dot_edge(k_j: Tensor, q_i: Tensor, w: Optional[Tensor], scale: float) -> Tensor:
     """The dot-product score of a batch of edges from their ``[n, H, C]`` key and
     query terms (``w`` optional; a key may have one head ``[n, 1, C]`` that every
@@ -292,9 +256,7 @@ def dot_cpu_backward(de, k, q, w, att, lay: Layout, scale, slope, need):
     return dk, dq, dw, None
 
 
-# ---------------------------------------------------------------------------
 # The kinds, read from EdgeScore.kind (no isinstance chain).
-# ---------------------------------------------------------------------------
 class ScoreKind(NamedTuple):
     """One kind's fused CPU forward ``(src, dst, edge, att, lay, scale, slope) ->
     e [E, H]`` (CSR order) and backward ``(de, src, dst, edge, att, lay, scale,

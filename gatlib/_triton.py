@@ -1,55 +1,8 @@
-r"""Fused sparse attention in Triton: score, softmax and aggregate in one pass.
+r"""Fused sparse attention in Triton: score, softmax and aggregate in one pass per direction.
 
-The three stages of :mod:`gatlib._core` run inside one kernel per direction,
-so no ``[E, H, C]`` tensor is ever built or saved (the reference gathers
-``value[src]`` into one):
-
-* **forward** (destination-major, CSR): a program owns ``BLOCK_R`` lanes, each
-  a (work item, head) pair — a work item is a destination row or a piece of a
-  hub's row — walks their in-edges ``BLOCK_E`` at a time, scores each edge
-  inside the kernel and keeps FlashAttention's online softmax: running max
-  ``m``, running sum ``l`` and an accumulator rescaled by ``exp(m_old - m_new)``
-  whenever the max grows. It saves ``out`` and a ``[N, H]`` log-sum-exp,
-  nothing per edge.
-* **backward**: a destination-major kernel recomputes the scores from the
-  log-sum-exp and produces the score gradients (``[E, H]``, CSR order), the
-  destination-side gradients (query / ``x_dst`` / ``a_dst``) and the per-edge
-  gradients of per-edge *inputs*; a source-major kernel walks the CSC view
-  and sums, per source node, the value and key/source-term gradients by
-  gathering those ``[E, H]`` buffers — every output row is written by exactly
-  one program, so there are no atomics.
-
-**Degree-aware scheduling.** Rows of real graphs range from degree 0 to tens
-of thousands. Work items are rows cut into pieces of at most ``_SPLIT`` edges
-(a hub becomes several items whose partial results — ``(out, lse)`` in the
-forward, plain sums in the backward — are merged afterwards by
-``_merge_kernel``, as in flash-decoding's split-K), sorted longest first, so
-that a block's lanes hold items of like length and no hub is left running alone
-at the end. The schedule is device tensors sized by the graph's node and edge
-counts alone, computed once per graph and kept on its
-:class:`~gatlib.GraphPlan` (:meth:`~gatlib.GraphPlan.derived`); each launch runs
-a fixed number of programs per SM that loop over their blocks of lanes and read
-the item count on the device, so no launch depends on a value read back to the
-host. The edge loops are software-pipelined. Each row kernel's tiling (lanes,
-edges per step, warps, programs per SM and their register cap, every head in a
-lane, blocks loading ahead) is a config ``triton.autotune`` times on the device
-(:mod:`gatlib._triton_schedule`).
-
-**Values of one head.** A value (or the dot kind's key) ``[N, 1, C]`` that every
-head shares — a layer aggregating its inputs, :func:`gatlib._conv._input_space` —
-is read in place, and the backward sums its per-head gradient over the heads. The
-forward and the dst backward may then give a lane every head of its item
-(``LANE_HEADS``: ``_fwd_heads_block``, ``_bwd_dst_heads_block``): each source row is
-gathered once for all heads, where a lane per (item, head) gathers it once per head.
-
-Accumulation is fp32 for fp16/bf16/fp32 inputs and fp64 for fp64 inputs;
-channels are padded to a power of two and masked. Attention dropout draws
-Philox numbers keyed by ``(seed, CSR edge position * H + head)``, so the
-backward regenerates the forward's mask from the saved seed.
-
-Three modules: the ``triton.jit`` kernels (:mod:`gatlib._triton_kernels`), the
-schedules and launches (:mod:`gatlib._triton_schedule`), and this one: the two
-operators, their autograd and the entry point :func:`attention`.
+Three modules: the ``triton.jit`` kernels (:mod:`gatlib._triton_kernels`), the schedules and
+launches (:mod:`gatlib._triton_schedule`), and this one: the two operators, their autograd and
+the entry point :func:`attention`. How the kernels work, are scheduled and tuned: docs/gpu.md.
 """
 from __future__ import annotations
 
@@ -81,9 +34,7 @@ _KIND_NAMES = {**{v: k for k, v in _KINDS.items()}, 3: "gat"}
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-# ---------------------------------------------------------------------------
 # Operators, autograd and entry point.
-# ---------------------------------------------------------------------------
 @dataclass
 class _Meta:
     """The non-tensor arguments of one fused call."""
@@ -147,10 +98,8 @@ def _graph_tensors(tp: _Plan, splits: Tuple[bool, bool] = (True, True)) -> List[
     """The operators' ``graph`` argument; ``splits`` (:func:`_split_rows`): whether
     each schedule's split rows are passed (if not, its merges do not launch)."""
     lay = tp.layout
-    # csr_eid is perm in the kernels' index dtype: the plan's, not converted per call
-    # (an int32 layout's copy was an ATen launch in each forward and backward); where
-    # it is perm itself, a view of it (torch.compile traces no autograd function
-    # given one tensor twice)
+    # csr_eid: perm in the kernels' index dtype, kept on the plan (no copy per call); where it
+    # is perm itself, a view (torch.compile traces no autograd function given one tensor twice)
     csr_eid = tp.csr_eid if tp.csr_eid is not lay.perm else lay.perm.view(-1)
     return [lay.ptr, lay.src, lay.dst, lay.perm, lay.csc_edge, lay.csc_dst, csr_eid, tp.csc_eid,
             *_schedule_tensors(tp.dst_items, splits[0]), *_schedule_tensors(tp.src_items, splits[1])]
@@ -175,17 +124,9 @@ def _graph_of(ts: List[Tensor]) -> _Graph:
 
 
 def _split_rows(tp: _Plan, like: Tensor) -> Tuple[bool, bool]:
-    """Whether the destination and the source schedule of ``tp`` have split rows,
-    so that their merges must launch.
-
-    A call that must hold for any graph of these sizes — traced by
-    ``torch.compile``, on fake tensors — assumes both may (the merge kernel then
-    finds none on the device). An eager call reads it back once per plan, in its
-    first call (as building the plan's layout reads values back): graphs without
-    hubs (no row longer than ``_SPLIT`` edges, as Cora's) then skip four merge
-    launches per forward and backward. Under CUDA graph capture nothing is read;
-    a value read before the capture holds, the plan's tensors never change.
-    """
+    """Whether the destination and the source schedule of ``tp`` have split rows (whose
+    merges must launch). Traced calls and CUDA graph capture assume both; an eager call reads
+    it back once per plan, so that graphs without hubs skip the merge launches."""
     if torch.compiler.is_compiling() or type(like) is not torch.Tensor:
         return True, True
     if tp.splits is None:
@@ -220,15 +161,9 @@ def _params_tensor(scale: float, slope: float, keep: float, dtype: torch.dtype,
 
 
 def _operator(name: str, fake):
-    """Define ``gatlib::<name>``: a ``custom_op`` with the shapes-only ``fake``, which
-    ``torch.compile``'s graphs call as one opaque operator, so that a compiled call
-    launches the kernels an eager call launches: the same specialisations, warps and
-    register caps (the configs of :mod:`gatlib._triton_schedule`), which the compile
-    budget checks (tests/test_triton_compile.py). As ``triton_op``s, whose kernels
-    inductor compiles itself, compiled calls ran other binaries: inductor (torch
-    2.11-2.13) passes no launch's ``maxnreg`` to the compiler, compiles with
-    ``debug=True`` and fixes integer arguments of value 1 as constants
-    (docs/design.md, "Compiled calls launch the eager kernels")."""
+    """Define ``gatlib::<name>``: a ``custom_op`` with the shapes-only ``fake``, so that a
+    compiled call launches the kernels an eager call launches (docs/design.md, "Compiled
+    calls launch the eager kernels")."""
     def define(fn):
         op = torch.library.custom_op(f"gatlib::{name}", fn, mutates_args=())
         op.register_fake(fake)
@@ -253,12 +188,9 @@ def _attention_op(s_src: Tensor, s_dst: Optional[Tensor], s_edge: Optional[Tenso
                   bias: Optional[Tensor], seed: Optional[Tensor], graph: List[Tensor], kind: int,
                   scale: float, slope: float, p: float, need_alpha: bool, alpha_dtype: torch.dtype,
                   share_v: bool, share_ve: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H],
-    attn)`` of one call (:class:`_FusedAttention` has the maths); ``graph`` as
-    :func:`_graph_tensors` flattens it. The tensors in the fused CPU operator's
-    order: the score's ``(src, dst, edge, att)``, then ``(value, value_edge)``,
-    then the output ``bias`` ``[H * CV]`` added to every row, or None. With a
-    bias, ``attn`` is ``out`` before it (what the backward reads), else ``[0]``."""
+    """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H], attn)``
+    (:class:`_FusedAttention` has the maths and the inputs' order); with a ``bias``, ``attn``
+    is ``out`` before it (what the backward reads), else ``[0]``."""
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     meta = _meta(kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve, ins)
     return _forward(meta, _graph_of(graph), *ins, seed)
@@ -292,13 +224,9 @@ def _returned(kind: int, share_v: bool, need, ins) -> List[bool]:
 
 
 def _partial_sums(kind: int, need, ins) -> Tuple[Tuple[str, ...], int]:
-    """The parameter gradients that the kernels leave as per-lane partials —
-    ``att``'s (GATv2's in the destination kernel, KIND 3's two vectors in the
-    source kernel) and the output ``bias``'s (the destination kernel) — and, where
-    all are one width, that width: their partials then share one buffer, summed
-    by one launch into one ``[k, H, width]`` tensor, the backward operator's last
-    output (an operator's outputs may not alias one another: the pieces are cut
-    by :func:`_grads`). Width 0: each is summed and returned on its own."""
+    """The parameter gradients the kernels leave as per-lane partials (``att``'s, the output
+    ``bias``'s) and, where all are one width, that width: they then share one buffer, summed
+    into the backward operator's last output ``[k, H, width]`` (cut by :func:`_grads`)."""
     s_src, s_att, value, bias = ins[0], ins[3], ins[4], ins[6]
     names: List[str] = []
     if s_att is not None and need[3]:
@@ -374,10 +302,8 @@ _attention_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _FusedAttention(torch.autograd.Function):
-    r""":func:`_attention_op` with its backward, the graph's tensors last and one
-    by one (as the fused CPU kernel's: ``torch.func.grad`` cannot differentiate the
-    bare operator in torch 2.13; ``torch.compile`` traces this function into the
-    same two operators). Fused attention over CSR segments (one head shown; ``D`` the dropout mask).
+    r""":func:`_attention_op` with its backward, the graph's tensors last (``torch.func.grad``
+    cannot differentiate the bare operator in torch 2.13). One head shown; ``D`` the dropout mask.
 
     Forward, per destination ``i`` (online softmax over tiles of in-edges)::
 
@@ -414,14 +340,11 @@ class _FusedAttention(torch.autograd.Function):
              dh_j = dv_j + (sum_i dz_ij) a_src + dt_j a_dst
              da_src = sum_j (sum_i dz_ij) h_j;  da_dst = sum_j dt_j h_j   (per-lane partials)
 
-    Inputs, in the fused CPU operator's order: the scorer's tensors ``s_src``
-    (a_src / x_src / key), ``s_dst`` (a_dst / x_dst / query), ``s_edge`` and
-    ``s_att`` (GATv2's ``att [H, CK]``), then ``value [N_src, H, CV]`` and
-    ``value_edge [E, H, CV]`` or None, and the output bias ``b [H * CV]`` or None.
-    The score formulas are :mod:`gatlib._scores`' (``gat_edge``, ``gatv2_edge``,
-    ``dot_edge``). With a bias the forward writes both ``out_i + b`` (returned) and
-    ``out_i`` (kept for ``Delta``: taking ``b`` off the biased output again would
-    round ``Delta`` at the scale of ``|out_i + b|``, measurably worse in bfloat16).
+    Inputs, in the fused CPU operator's order: the scorer's ``s_src`` (a_src / x_src / key),
+    ``s_dst`` (a_dst / x_dst / query), ``s_edge``, ``s_att`` (GATv2's ``att [H, CK]``), then
+    ``value [N_src, H, CV]``, ``value_edge [E, H, CV]`` or None and the bias ``b [H * CV]`` or
+    None. With a bias the forward also keeps ``out_i`` for ``Delta`` (taking ``b`` off again
+    would round ``Delta`` at the scale of ``|out_i + b|``).
     """
 
     @staticmethod
@@ -497,9 +420,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     delta_alpha = None
     if galpha:  # sum_j alpha_ij dL/dalpha_ij; the kernel adds <g_i, out_i>
         grad_alpha = grad_alpha.contiguous()
-        # one [E, H] temporary and the product in acc either way: a copy multiplied in
-        # place where grad_alpha is in a lower precision, else one product (it is the
-        # caller's tensor: no copy just to write into)
+        # one [E, H] temporary in acc either way (grad_alpha is the caller's: not written into)
         ag = grad_alpha.to(acc)
         ag = ag * alpha if ag is grad_alpha else ag.mul_(alpha)
         ag = ag.index_select(0, lay.perm)  # [E, H], CSR
@@ -527,11 +448,8 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
     part_dst = torch.empty(items.max_pieces, H, *([CK] if meta.kind in (1, 2) else []),
                            dtype=acc, device=dev) if d_dst is not None else None
     width = max(consts["BLOCK_CK"], consts["BLOCK_CV"])
-    # the parameters' gradients (_partial_sums): one partial per lane of each program
-    # (a fixed number of rows, whatever the graph and the config: the kernels zero the
-    # rows they leave), summed after the launches — in one buffer, by one launch, where
-    # they are one width. The dst kernel writes att's and bias's, the src kernel KIND 3's
-    # two vectors'.
+    # the parameters' gradients (_partial_sums): a fixed number of per-lane partial rows (the
+    # kernels zero those they leave), summed after the launches, in one buffer where one width
     names, one_width = _partial_sums(meta.kind, need, ins)
     rows = _partial_rows(dev, H)
     if one_width:
@@ -557,9 +475,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
         need_value = need[4]
         # the source term's gradient: KIND 3 needs it for h's and the att gradients
         need_src = need[0] or need_dt
-        # value is the scorer's x_src (GATv2; KIND 3: h, also its destination terms):
-        # the gradients summed in the kernel, returned as value's (no [N, H, C]
-        # gradient for autograd to add)
+        # value is the scorer's x_src (GATv2; KIND 3: h): both gradients summed in the kernel
         sum_src = need[0] and not returned[0]
         d_value = d_src = None
         if need_value or need_src:
@@ -645,12 +561,9 @@ def _consts(meta: _Meta, s_dst, s_edge, value_edge) -> dict:
 
 
 def _draw_seed(device: torch.device) -> Tensor:
-    """A dropout seed drawn on ``device`` by its default generator and read by the
-    kernels from device memory: no host sync, ``torch.manual_seed`` makes fused
-    dropout reproducible, and a captured CUDA graph should draw a new seed per
-    replay (PyTorch's generator advances its Philox offset on the device under
-    capture; ``gatlib selftest --device cuda`` checks it: docs/design.md, "Dropout and
-    determinism")."""
+    """A dropout seed drawn on ``device`` by its default generator, read by the kernels from
+    device memory: no host sync, and a new seed per CUDA graph replay (docs/design.md,
+    "Dropout and determinism")."""
     return torch.randint(0, 2**31 - 1, (1,), device=device)
 
 
@@ -688,30 +601,16 @@ def unsupported(score: EdgeScore, value: Tensor, value_edge: Optional[Tensor]) -
 def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
               p: float, need_alpha: bool,
               bias: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """Fused attention (see :class:`_FusedAttention`) of a call :func:`unsupported` accepts.
-
-    Args:
-        score: the edge score.
-        value: ``[N_src, H, C]`` source values (or ``[N_src, 1, C]`` shared by every head).
-        plan: the graph; the kernels' schedule is kept on it.
-        value_edge: optional ``[E, H, C]`` per-edge value term.
-        p: attention dropout probability in effect (0 outside training).
-        need_alpha: also return the ``[E, H]`` weights (before dropout).
-        bias: optional ``[H * C]`` added to every row of ``out`` as it is stored
-            (a layer's output bias; in ``value``'s dtype and on its device).
-
-    Returns:
-        ``(out [N_dst, H, C], alpha [E, H] or None)`` with ``out`` in
-        ``value``'s dtype and ``alpha`` in edge-list order.
-    """
+    """Fused attention (:class:`_FusedAttention`) of a call :func:`unsupported` accepts:
+    ``(out [N_dst, H, C] in value's dtype, alpha [E, H] in edge-list order or None)``.
+    ``value`` is ``[N_src, H, C]`` (or ``[N_src, 1, C]`` shared by every head), ``p`` the
+    dropout in effect, ``bias`` an optional ``[H * C]`` added to every row of ``out``."""
     kind = 3 if score.projected else _KINDS[score.kind]
     s_src, s_dst, s_edge, s_att = score.tensors()
     if kind == 3 and not (value is s_src and s_dst is s_src):
         raise ValueError("a projected GAT score's h must be the values (gatlib's dispatcher "
                          "gives any other call the per-node terms: EdgeScore.node_terms)")
-    # A value (or a dot key) of one head that all heads share ([N, 1, C]: a layer in
-    # input space) goes to the kernels as it is: their lanes of one row read its one
-    # copy (ONE_V, ONE_K), and its gradient is the sum of the heads'
+    # a value (or dot key) of one head [N, 1, C] goes to the kernels as it is (ONE_V, ONE_K)
     H = score.heads
     if bias is not None and (bias.dtype != value.dtype or bias.device != value.device
                              or bias.numel() != H * value.size(-1)):
@@ -723,9 +622,7 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
     share_ve = value_edge is not None and value_edge is s_edge and kind != 0
     seed = _draw_seed(value.device) if p > 0 else None
     alpha_dtype = promoted_dtype(s_src, s_dst, s_edge, s_att)
-    # One tensor passed twice (GATv2's x_src is its value, the Transformer's edge
-    # term its value's edge term): a view for each repeat, which torch.compile can trace as an autograd function's
-    # input and whose gradient reaches the tensor.
+    # one tensor passed twice (GATv2's x_src is its value): a view for each repeat (distinct_inputs)
     ins = [t.contiguous() if t is not None else None for t in distinct_inputs(list(tensors))]
     tp = _plan(plan)
     graph = _graph_tensors(tp, _split_rows(tp, value))
@@ -739,10 +636,8 @@ def attention(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Opti
 
 
 def _wrap_triton(kernel):
-    """``torch.library.wrap_triton(kernel)``, for a launch outside the operators (the
-    dropout mask of a double backward, :func:`_reference_backward`, which a compiled
-    call traces); under Triton's interpreter, whose kernels torch before 2.13 refuses
-    to wrap, the kernel itself."""
+    """``torch.library.wrap_triton(kernel)`` for a launch outside the operators; the kernel
+    itself under Triton's interpreter (torch before 2.13 refuses to wrap it)."""
     if not isinstance(kernel, JITFunction):
         return kernel
     return torch.library.wrap_triton(kernel)
@@ -761,7 +656,6 @@ def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
 
 
 def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: Tensor) -> Tensor:
-    """The ``[E, H]`` bool mask of kept attention weights that the fused kernels
-    apply for ``seed`` (a ``[1]`` int64 tensor on the graph's device, as drawn
-    for each call), in edge-list order — for tests and debugging."""
+    """The ``[E, H]`` bool mask of kept attention weights the kernels apply for ``seed``
+    (``[1]`` int64 on the graph's device), in edge-list order: for tests and debugging."""
     return _keep_mask(_plan(plan).csr_eid, heads, p, seed)

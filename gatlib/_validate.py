@@ -1,9 +1,6 @@
-"""Argument checks shared by the layers: fail early, name the argument.
-
-Everything here runs before any computation, so a bad call raises without
-having changed anything. One host sync per graph (the index range check) is
-the price of never crashing inside an indexing kernel; a
-:class:`gatlib.GraphPlan` pays it once for many calls.
+"""Argument checks shared by the layers: fail early, name the argument, before anything is
+computed. One host sync per graph (the index range check) is the price of never crashing inside
+an indexing kernel; a :class:`gatlib.GraphPlan` pays it once for many calls.
 """
 from __future__ import annotations
 
@@ -265,13 +262,9 @@ def check_value(value, heads: int) -> None:
 
 def check_attention_inputs(score, value, value_edge, num_src: int, num_dst: int,
                            num_edges: int) -> None:
-    """The tensors of a :func:`gatlib.graph_attention` call agree with the graph and
-    with one another: ``value`` ``[N_src, H or 1, C]``; the score's per-source terms
-    ``N_src`` rows, per-destination terms ``num_dst`` rows, per-edge terms ``E``
-    rows, each with ``H`` heads (the dot kind's key may have one) and the kind's
-    channels; ``value_edge`` ``[E, H, C]``. The kernels index these tensors by node
-    and edge: a row too few would be read past its end, a row too many would get a
-    gradient no kernel writes. (``value`` itself: :func:`check_value`.)"""
+    """The tensors of a :func:`gatlib.graph_attention` call agree with the graph and one
+    another (rows per node and edge, ``H`` heads, the kind's channels): the kernels index them
+    by node and edge, so a row too few would be read past its end. (``value``: :func:`check_value`.)"""
     H = score.heads
     if score.projected:  # (h is the values: checked where it is formed)
         terms = [("src", score.src, num_src, "N_src", (H,))]

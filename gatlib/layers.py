@@ -1,46 +1,10 @@
 r"""GATConv, GATv2Conv and TransformerConv: thin layers over the attention core.
 
-Each layer owns its parameters — with the names, shapes and initialisation of
-PyTorch Geometric 2.8's layer of the same name, so a PyG ``state_dict`` loads
-as it is — computes the per-node terms of its edge score, and hands them to
-:func:`gatlib._dispatch.graph_attention`. The layers are PyG ``MessagePassing``
-modules; a call that uses MessagePassing's extension points (overridden
-``message``/``edge_update``/``explain_message``, hooks) runs through ``propagate``
-instead, with per-edge ``edge_update``/``message`` methods that compute the same
-thing with the core's softmax (see :class:`gatlib._conv._AttentionConv`).
-
-Differences from PyG, on purpose:
-
-* Bad input raises ``TypeError``/``ValueError``/``IndexError`` naming the
-  argument before anything is computed (PyG asserts or crashes in an indexing
-  kernel). That includes ``edge_attr`` passed to a layer built with
-  ``edge_dim=None`` (PyG ignores it, or in ``TransformerConv`` adds the raw
-  features to the values) and a missing ``edge_attr`` when ``edge_dim`` is set.
-  Where PyG raises ``NotImplementedError`` (a ``SparseTensor`` adjacency with
-  ``edge_dim`` and self-loops) the error is :class:`gatlib.UnsupportedInputError`,
-  both a ``ValueError`` and a ``NotImplementedError``.
-* ``return_attention_weights`` returns ``(out, (edge_index, alpha))`` exactly
-  when it is truthy, for all three layers (PyG's ``TransformerConv`` also does
-  so for ``False``). ``alpha`` is the softmax *before* attention dropout in all
-  three layers (PyG's GAT layers return it after dropout); in eval mode the
-  two agree.
-* ``edge_index`` may be a ``[2, E]`` index tensor, a PyG ``EdgeIndex``, a
-  :class:`gatlib.GraphPlan` (checked and sorted once for many calls), or — as in
-  PyG — a sparse adjacency ``adj_t`` of shape ``[N_dst, N_src]`` (``torch.sparse``
-  COO, CSR or CSC, or a ``torch_sparse.SparseTensor``; entry ``[i, j]`` is an edge
-  ``j -> i``). The ``edge_index`` returned with the attention weights is always
-  a new tensor; for an adjacency, what is returned is what PyG returns (see
-  :mod:`gatlib._adjacency`).
-* With an adjacency, as in PyG, ``[nnz, D]`` values are the edge features when
-  ``edge_attr`` is not given, and 1-D values (edge weights) are ignored. Unlike
-  PyG: a layer built with ``edge_dim=None`` refuses ``[nnz, D]`` values (PyG's
-  ``GATConv`` ignores them, its other layers fail on them); with ``edge_dim`` set,
-  neither ``edge_attr`` nor such values is refused (PyG's GAT layers drop the edge
-  term); CSC adjacencies are taken (PyG's layers raise on them), and so are
-  uncoalesced COO ones without self-loops (PyG raises; with self-loops it marks
-  the caller's tensor coalesced, gatlib leaves it as it is); a ``torch.sparse``
-  adjacency with repeated entries is refused when self-loops are added (PyG
-  merges the repeats into one edge).
+Each owns the parameters of PyG 2.8's layer of the same name (a PyG ``state_dict`` loads as it
+is), computes its edge score's per-node terms and calls :func:`gatlib._dispatch.graph_attention`;
+a call that uses MessagePassing's extension points runs through ``propagate`` instead
+(:class:`gatlib._conv._AttentionConv`). Where they differ from PyG on purpose (errors, attention
+weights, graph inputs, sparse adjacencies): docs/pyg_compatibility.md.
 """
 from __future__ import annotations
 
@@ -81,39 +45,21 @@ class GATConv(_AttentionConv):
     and parameter names).
 
     Args:
-        in_channels (int or (int, int)): input width, ``-1`` for lazy
-            initialisation, or a (source, destination) pair for bipartite graphs.
-        out_channels (int): channels per head ``C``.
-        heads (int): number of heads ``H``. (default: ``1``)
-        concat (bool): concatenate heads to ``H * C`` outputs, else average
-            them to ``C``. (default: ``True``)
-        negative_slope (float): LeakyReLU slope. (default: ``0.2``)
-        dropout (float): dropout probability of the attention weights.
-            (default: ``0.0``)
-        add_self_loops (bool): replace existing self-loops by one per node.
-            (default: ``True``)
-        edge_dim (int, optional): edge feature width; enables the edge term.
-            (default: ``None``)
-        fill_value (float, Tensor or str): edge features of added self-loops,
-            or how to reduce a node's in-edge features to get them
-            (``"add"``, ``"mean"``, ``"min"``, ``"max"``, ``"mul"``). (default: ``"mean"``)
-        bias (bool): learn an additive bias. (default: ``True``)
-        residual (bool): add a learnable linear skip connection. (default: ``False``)
+        in_channels, out_channels, heads, concat, negative_slope, dropout, add_self_loops,
+            edge_dim, fill_value, bias, residual: as ``torch_geometric.nn.GATConv``'s, with
+            its defaults (``in_channels=-1`` initialises lazily; a pair, bipartite graphs).
         value_dropout (float): dropout on the projected source features
-            :math:`\Theta_s x_j` before they are aggregated (scores see them
-            undropped), as the GAT paper's reference code does; a gatlib
-            addition, not in PyG. (default: ``0.0``)
+            :math:`\Theta_s x_j` before they are aggregated (scores see them undropped), as
+            the GAT paper's reference code does; a gatlib addition, not in PyG. (default: ``0.0``)
         backend (str): attention backend, see :func:`gatlib.available_backends`.
             (default: ``"auto"``)
 
     Shapes:
-        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
-          ``edge_index`` ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``),
-          ``edge_attr`` ``[E, D]`` *(optional)*
+        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``, ``edge_index``
+          ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``), ``edge_attr`` ``[E, D]`` *(optional)*
         - **output:** ``[N_t, H * C]`` (``[N_t, C]`` if ``concat=False``); with
-          ``return_attention_weights=True`` also ``(edge_index [2, E'], alpha [E', H])``
-          where ``E'`` counts the added self-loops (for a sparse adjacency,
-          what PyG returns: see the module docstring).
+          ``return_attention_weights=True`` also ``(edge_index [2, E'], alpha [E', H])``, ``E'``
+          counting the added self-loops (for a sparse adjacency, what PyG returns).
     """
 
     def __init__(
@@ -194,10 +140,8 @@ class GATConv(_AttentionConv):
         size: Optional[Tuple[int, int]] = None,
         return_attention_weights: Optional[bool] = None,
     ):
-        """Args: ``x``, ``edge_index``, ``edge_attr`` as in the class docstring;
-        ``size`` ``(N_s, N_t)`` overrides the node counts (needed only when
-        ``x_dst`` is ``None`` and ``edge_index`` is a ``[2, E]`` tensor; a plan's or
-        a sparse adjacency's own sizes must agree with it);
+        """``x``, ``edge_index``, ``edge_attr`` as in the class docstring; ``size`` ``(N_s,
+        N_t)`` overrides the node counts (a plan's or an adjacency's own must agree);
         ``return_attention_weights`` also returns ``(edge_index, alpha)``."""
         H, C = self.heads, self.out_channels
         lin_src = self.lin if self.lin is not None else self.lin_src
@@ -327,32 +271,19 @@ class GATv2Conv(_AttentionConv):
     :math:`\Theta_t` (destinations).
 
     Args:
-        in_channels (int or (int, int)): input width(s), ``-1`` for lazy.
-        out_channels (int): channels per head ``C``.
-        heads (int): number of heads. (default: ``1``)
-        concat (bool): concatenate (``True``) or average heads. (default: ``True``)
-        negative_slope (float): LeakyReLU slope. (default: ``0.2``)
-        dropout (float): attention dropout probability. (default: ``0.0``)
-        add_self_loops (bool): add one self-loop per node. (default: ``True``)
-        edge_dim (int, optional): edge feature width. (default: ``None``)
-        fill_value (float, Tensor or str): self-loop edge features. (default: ``"mean"``)
-        bias (bool): biases in ``lin_l``/``lin_r`` and on the output. (default: ``True``)
-        share_weights (bool): use one matrix for sources and destinations
-            (:math:`\Theta_s = \Theta_t`). (default: ``False``)
-        residual (bool): learnable linear skip connection. (default: ``False``)
+        in_channels, out_channels, heads, concat, negative_slope, dropout, add_self_loops,
+            edge_dim, fill_value, bias, share_weights, residual: as
+            ``torch_geometric.nn.GATv2Conv``'s, with its defaults.
         value_dropout (float): dropout on the projected source features
-            :math:`\Theta_s x_j` before they are aggregated (scores see them
-            undropped), as the GAT paper's reference code does; a gatlib
-            addition, not in PyG. (default: ``0.0``)
+            :math:`\Theta_s x_j` before they are aggregated (scores see them undropped), as
+            :class:`GATConv`'s; a gatlib addition, not in PyG. (default: ``0.0``)
         backend (str): attention backend. (default: ``"auto"``)
 
     Shapes:
-        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
-          ``edge_index`` ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``),
-          ``edge_attr`` ``[E, D]`` *(optional)*
-        - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally
-          ``(edge_index [2, E'], alpha [E', H])`` (for a sparse adjacency, what
-          PyG returns).
+        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``, ``edge_index``
+          ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``), ``edge_attr`` ``[E, D]`` *(optional)*
+        - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally ``(edge_index [2, E'], alpha
+          [E', H])`` (for a sparse adjacency, what PyG returns).
     """
 
     def __init__(
@@ -506,31 +437,18 @@ class TransformerConv(_AttentionConv):
     ``lin_beta``). No self-loops are added.
 
     Args:
-        in_channels (int or (int, int)): input width(s), ``-1`` for lazy.
-        out_channels (int): channels per head ``C``.
-        heads (int): number of heads. (default: ``1``)
-        concat (bool): concatenate (``True``) or average heads. (default: ``True``)
-        beta (bool): gate the root connection (only with ``root_weight``).
-            (default: ``False``)
-        dropout (float): attention dropout probability. (default: ``0.0``)
-        edge_dim (int, optional): edge feature width, added to keys and values.
-            (default: ``None``)
-        bias (bool): biases of the query/key/value/skip projections. (default: ``True``)
-        root_weight (bool): add the skip term :math:`\mathbf{W}_1 \mathbf{x}_i`.
-            (default: ``True``)
+        in_channels, out_channels, heads, concat, beta, dropout, edge_dim, bias, root_weight:
+            as ``torch_geometric.nn.TransformerConv``'s, with its defaults.
         backend (str): attention backend. (default: ``"auto"``)
         value_dropout (float): dropout on the projected source values
-            :math:`\mathbf{W}_2 \mathbf{x}_j` before they are aggregated (the
-            keys are not dropped), as :class:`GATConv`'s; a gatlib addition,
-            not in PyG. (default: ``0.0``)
+            :math:`\mathbf{W}_2 \mathbf{x}_j` before they are aggregated (the keys are not
+            dropped); a gatlib addition, not in PyG. (default: ``0.0``)
 
     Shapes:
-        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``,
-          ``edge_index`` ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``),
-          ``edge_attr`` ``[E, D]`` *(optional)*
-        - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally
-          ``(edge_index [2, E], alpha [E, H])`` (for a sparse adjacency, what
-          PyG returns).
+        - **input:** ``x`` ``[N, F_in]`` or ``([N_s, F_s], [N_t, F_t])``, ``edge_index``
+          ``[2, E]`` (or a sparse adjacency ``[N_t, N_s]``), ``edge_attr`` ``[E, D]`` *(optional)*
+        - **output:** ``[N_t, H * C]`` or ``[N_t, C]``; optionally ``(edge_index [2, E], alpha
+          [E, H])`` (for a sparse adjacency, what PyG returns).
     """
 
     _adjacency_holds_alpha = False  # PyG returns (adj_t, alpha) for a torch.sparse adj_t
@@ -628,9 +546,8 @@ class TransformerConv(_AttentionConv):
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
     def _projections(self, x_src: Tensor, x_dst: Tensor):
-        """``(query [N_t, H, C], key, value [N_s, H, C], skip [N_t, ·] or None)``:
-        the projections of one input as one product (:func:`gatlib._conv.project`),
-        the skip among them where it is used and as wide as the others."""
+        """``(query [N_t, H, C], key, value [N_s, H, C], skip [N_t, ·] or None)``: one
+        product per distinct input (:func:`gatlib._conv.project`)."""
         H, C = self.heads, self.out_channels
         by_input = []  # [(input, [(name, layer)])], one entry per distinct input
         lins = [("query", self.lin_query, x_dst), ("key", self.lin_key, x_src),
@@ -650,14 +567,9 @@ class TransformerConv(_AttentionConv):
                 out["value"].view(-1, H, C), out["skip"])
 
     def _input_space(self, x_src: Tensor) -> bool:
-        """Whether keys and values are attended in input space (:func:`_input_space`,
-        :meth:`_attend_inputs`): not with edge features (they add ``[E, H, C]``
-        terms to both), nor where the value's bias would need the sum of a row's
-        weights and that sum is not one: attention dropout in effect or an
-        explainer's edge mask (unless the values have no bias); nor with the
-        values' own dropout, which needs them projected. On CUDA too: there its
-        input-space training step is the faster one (docs/design.md, "Input-space
-        aggregation")."""
+        """Whether keys and values are attended in input space (:func:`_input_space`): not
+        with edge features, nor where the value's bias would need the sum of a row's weights
+        and it is not one (attention dropout, an explainer's mask), nor with value dropout."""
         train = self.training
         biased = self.lin_value.bias is not None
         return (self.lin_edge is None
@@ -667,16 +579,15 @@ class TransformerConv(_AttentionConv):
                 and not (biased and ((self.dropout > 0.0 and train) or self.explain)))
 
     def _attend_inputs(self, x_src: Tensor, query: Tensor, plan: GraphPlan, want_alpha):
-        r"""Attention in input space: keys and values are the sources' inputs
-        ``x_j`` (one head ``[N_s, 1, F]`` all heads share), the projections applied
-        to the query before and to the aggregate after, per head::
+        r"""Attention in input space: keys and values are the sources' inputs ``x_j`` (one
+        head ``[N_s, 1, F]`` all heads share), the projections applied to the query before and
+        to the aggregate after, per head::
 
             e_ij  = q_i . (W_k x_j + b_k) / sqrt(C) = (W_k^T q_i) . x_j / sqrt(C) + q_i . b_k / sqrt(C)
             out_i = sum_j alpha_ij (W_v x_j + b_v) = W_v (sum_j alpha_ij x_j) + b_v [i has in-edges]
 
-        ``q_i . b_k`` is the same for all of ``i``'s edges, so the softmax drops
-        it; ``sum_j alpha_ij`` is one where ``i`` has in-edges and zero where it
-        has none (:meth:`_input_space` keeps it so)."""
+        The softmax drops ``q_i . b_k`` (the same over ``i``'s edges); ``sum_j alpha_ij`` is
+        one where ``i`` has in-edges, zero where not (:meth:`_input_space` keeps it so)."""
         H, C = self.heads, self.out_channels
         F_in = x_src.size(-1)
         x1 = x_src.unsqueeze(1)  # [N_s, 1, F]

@@ -1,20 +1,8 @@
-"""Node-classification models built from gatlib's attention layers.
-
-* :class:`GAT` / :class:`GATv2` — the two-layer transductive model of the GAT
-  paper (Veličković et al. 2018), with GATConv or GATv2Conv.
-* :class:`GraphTransformer` — Dwivedi & Bresson (2021): neighbourhood
-  multi-head attention, residual connections, normalisation and a
-  position-wise feed-forward network, with optional positional encodings.
-* :class:`DeepGAT` — the residual, batch-normalised GAT of DGL's ogbn-arxiv
-  example.
-* :class:`UniMP` — the gated graph Transformer of Shi et al. (2021), without
-  the label embedding.
-* :class:`SampledGAT` — the GAT with skip connections of PyG's ogbn-products
-  example, for mini-batches of sampled neighbourhoods (``NeighborLoader``):
-  each layer computes only the nodes the next layer still needs.
-
-Every model takes ``backend=`` and hands it to all of its attention layers.
-Input features may be a sparse CSR tensor (see :func:`input_dropout`).
+"""Node-classification models built from gatlib's attention layers: :class:`GAT` /
+:class:`GATv2` (the GAT paper's), :class:`GraphTransformer` (Dwivedi & Bresson), :class:`DeepGAT`
+(DGL's ogbn-arxiv example), :class:`UniMP` (without the label embedding) and :class:`SampledGAT`
+(PyG's ogbn-products example, on sampled mini-batches). Every model takes ``backend=`` for all of
+its attention layers; input features may be a sparse CSR tensor (:func:`input_dropout`).
 """
 from __future__ import annotations
 
@@ -113,24 +101,17 @@ class GraphTransformer(torch.nn.Module):
         \qquad \mathbf{h}' = \mathrm{Norm}\big(\hat{\mathbf{h}} + \mathbf{W}_2\,
         \mathrm{ReLU}(\mathbf{W}_1 \hat{\mathbf{h}})\big)
 
-    with :math:`\alpha` the scaled dot-product attention over the graph's
-    edges (:class:`~gatlib.TransformerConv` without its root term) and a
-    feed-forward network ``ffn_ratio`` times as wide. The input embedding
-    :math:`\mathbf{h}^0 = \mathbf{A}\mathbf{x}` adds a linear map of the
-    positional encoding when one is given: Laplacian eigenvectors (their signs
-    are flipped at random in training, as in the paper, since an eigenvector's
-    sign is arbitrary) or random-walk landing probabilities
-    (:func:`positional_encoding`).
+    with :math:`\alpha` the scaled dot-product attention over the graph's edges
+    (:class:`~gatlib.TransformerConv` without its root term) and a feed-forward network
+    ``ffn_ratio`` times as wide. The input embedding :math:`\mathbf{h}^0 = \mathbf{A}\mathbf{x}`
+    adds a linear map of the positional encoding when one is given (:func:`positional_encoding`;
+    a Laplacian eigenvector's sign is flipped at random in training, as in the paper).
 
-    Two options serve small, sparse-feature graphs such as Planetoid's, where
-    the paper's layout overfits 140 training labels (measured in
-    ``benchmarks/transformer_cora_ablation.md``): ``input_attention=True`` lets
-    the first layer's queries, keys and values read the raw features :math:`\mathbf{x}` while
-    the residual stream starts from :math:`\mathbf{h}^0`, and
-    ``readout="attention"`` replaces the linear classifier with a one-head
-    attention layer over the classes, as the GAT's output layer is. Like PyG's,
-    :class:`~gatlib.TransformerConv` adds no self-loops: add them to
-    ``edge_index`` for a node to attend to itself (the Planetoid recipe does).
+    For small, sparse-feature graphs such as Planetoid's (``benchmarks/transformer_cora_ablation.md``):
+    ``input_attention=True`` lets the first layer attend over the raw features :math:`\mathbf{x}`
+    while the residual stream starts from :math:`\mathbf{h}^0`; ``readout="attention"`` replaces
+    the linear classifier with a one-head attention layer over the classes. No self-loops are
+    added: put them in ``edge_index`` for a node to attend to itself.
 
     Args:
         in_channels (int): input features ``F``.
@@ -322,18 +303,11 @@ class SampledGAT(torch.nn.Module):
         \mathbf{h}^{l+1}_i = \mathrm{drop}\big(\mathrm{ELU}\big(
         \mathrm{GAT}^l(\mathbf{h}^l)_i + \mathbf{W}^l_{skip}\mathbf{h}^l_i\big)\big)
 
-    (the last layer averages its heads and has neither ELU nor dropout).
-
-    Given ``num_sampled_nodes`` — the seed count and the nodes each hop added,
-    in the order ``NeighborLoader`` lays them out (seeds first, then hop 1,
-    hop 2, ...) — layer ``l`` of ``L`` runs on the bipartite block from the
-    nodes within ``L - l`` hops to those within ``L - l - 1`` hops
-    (``(x_src, x_dst)`` with ``x_dst`` a prefix of ``x_src``, as PyG's layers
-    take it), so the last layer computes the seeds only. This is what PyG's
-    ``trim_to_layer`` does with its hop counts, one step further: the nodes of
-    the outermost hop are sources only, never destinations. Without
-    ``num_sampled_nodes`` every layer runs on the whole graph, as in PyG's
-    example.
+    (the last layer averages its heads and has neither ELU nor dropout). Given
+    ``num_sampled_nodes`` (the seed count, then the nodes each hop added, as ``NeighborLoader``
+    lays them out), layer ``l`` of ``L`` runs on the bipartite block from the nodes within
+    ``L - l`` hops to those within ``L - l - 1``, so the last computes the seeds only: PyG's
+    ``trim_to_layer``, one step further. Without it every layer runs on the whole graph.
 
     Args:
         in_channels (int): input features ``F``.
@@ -377,13 +351,9 @@ class SampledGAT(torch.nn.Module):
             skip.reset_parameters()
 
     def layer(self, i: int, x: Tensor, edge_index: Tensor, num_dst: Optional[int] = None) -> Tensor:
-        """Layer ``i`` alone, from the sources ``x`` to the destinations
-        ``x[:num_dst]`` (all of ``x`` when ``None``): the step of layer-wise
-        inference, where ``edge_index`` holds every in-edge of the destinations.
-
-        Shapes: ``x`` ``[N_s, F_i]``, ``edge_index`` ``[2, E]`` (destinations
-        ``< num_dst``) -> ``[num_dst, F_{i+1}]``.
-        """
+        """Layer ``i`` alone, from the sources ``x`` ``[N_s, F_i]`` to the destinations
+        ``x[:num_dst]`` (all of ``x`` when ``None``), ``edge_index`` holding every in-edge of
+        the destinations: the step of layer-wise inference. Returns ``[num_dst, F_{i+1}]``."""
         x_dst = x if num_dst is None else x[:num_dst]
         h = self.convs[i]((x, x_dst), edge_index) + self.skips[i](x_dst)  # [N_t, F_{i+1}]
         if i < self.num_layers - 1:
@@ -422,16 +392,10 @@ def hop_offsets(num_sampled_nodes: Sequence[int], num_layers: int, num_nodes: in
 
 
 def positional_encoding(kind: str, dim: int):
-    """The PyG transform that stores a ``[N, dim]`` positional encoding as ``data.pe``.
-
-    Args:
-        kind: ``"laplacian"`` (:class:`~torch_geometric.transforms.AddLaplacianEigenvectorPE`,
-            the ``dim`` eigenvectors of the normalised Laplacian after the
-            trivial one) or ``"random_walk"``
-            (:class:`~torch_geometric.transforms.AddRandomWalkPE`, return
-            probabilities of walks of length 1..``dim``).
-        dim: encoding width.
-    """
+    """The PyG transform that stores a ``[N, dim]`` positional encoding as ``data.pe``:
+    ``kind`` ``"laplacian"`` (``AddLaplacianEigenvectorPE``, the ``dim`` eigenvectors after the
+    trivial one) or ``"random_walk"`` (``AddRandomWalkPE``, return probabilities of walks of
+    length 1..``dim``)."""
     from torch_geometric.transforms import AddLaplacianEigenvectorPE, AddRandomWalkPE
 
     if kind == "laplacian":

@@ -6,7 +6,7 @@ The layer runs on CPU tensors through :func:`tools.launches.triton_on_cpu`
 (launches bound and skipped); the compiled call is traced by AOT autograd and run, its
 graphs calling gatlib's operators, which launch the kernels at run time. Prints
 one JSON object: ``{"eager": [KIND, ...], "compiled": [KIND, ...]}`` of the row
-kernels' launches. ``--allow``: inside ``introspect.compiled_gat_terms_in_kernel()``.
+kernels' launches. ``--allow``: inside ``internals.compiled_gat_terms_in_kernel()``.
 """
 import contextlib
 import json
@@ -17,7 +17,8 @@ from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 import gatlib
-from gatlib import _triton, introspect
+from gatlib import _triton
+from tools import internals
 from tools.launches import Tally, triton_on_cpu
 
 
@@ -43,7 +44,7 @@ def main() -> None:
             conv(x, plan).sum().backward()  # also warms the plan for the compiled call
             eager = kinds[:]
             kinds.clear()
-            with introspect.compiled_gat_terms_in_kernel() if allow else contextlib.nullcontext():
+            with internals.compiled_gat_terms_in_kernel() if allow else contextlib.nullcontext():
                 torch.compile(conv, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep),
                               fullgraph=True)(x, plan).sum().backward()
     finally:

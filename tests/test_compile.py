@@ -374,7 +374,7 @@ def test_compiled_gat_takes_the_node_terms(allow):
     """GATConv whose inputs are wider than its projection forms its attention terms
     in the Triton kernels (KIND 3) eagerly, and takes the node terms (KIND 0) inside
     a compiled graph (``_dispatch._PROJECTED_UNDER_COMPILE``: on an H100 the compiled
-    step with KIND 3 went wrong; ``introspect.compiled_gat_terms_in_kernel`` lifts the
+    step with KIND 3 went wrong; ``internals.compiled_gat_terms_in_kernel`` lifts the
     rule). Read from the launches themselves: Triton's real launch path on CPU
     tensors (no GPU; ``tests/compiled_kinds_worker.py``), in a
     subprocess without this process's ``TRITON_INTERPRET=1``. ``allow`` lifts the rule:

@@ -1,5 +1,6 @@
-"""gatlib.introspect, the harness's view of the kernels: each name is the
-kernels' own object (or calls it), and importing it needs no Triton."""
+"""gatlib.introspect, the harness's view of the kernels, and tools.internals, what only tools
+and tests read: each name is the kernels' own object (or calls it), and importing either
+needs no Triton."""
 import importlib.util
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import torch
 
 import gatlib
 from gatlib import _dispatch, introspect
+from tools import internals
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed: the Triton names cannot resolve")
@@ -17,6 +19,7 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 def test_not_a_user_api():
     assert "introspect" not in gatlib.__all__ and "not a user API" in introspect.__doc__
     assert set(introspect.__all__) <= set(dir(introspect))
+    assert set(internals.__all__) <= set(dir(internals)) | set(internals._TRITON_CONSTANTS)
 
 
 def test_dispatcher_kernels_are_the_dispatchers(monkeypatch):
@@ -39,14 +42,14 @@ def test_importing_it_needs_no_triton():
 def test_triton_names_are_the_kernels_own():
     from gatlib import _triton, _triton_kernels, _triton_schedule
 
-    assert introspect.TRITON_SPLIT == _triton_schedule._SPLIT
-    assert introspect.TRITON_MAX_CHANNELS == _triton._MAX_C
+    assert internals.TRITON_SPLIT == _triton_schedule._SPLIT
+    assert internals.TRITON_MAX_CHANNELS == _triton._MAX_C
     kernels = introspect.triton_kernels()
     assert {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel", "_alpha_kernel", "_keep_kernel",
             "_merge_kernel"} == set(kernels)
     for name, fn in kernels.items():
         assert fn is getattr(_triton_kernels, name) and fn.__name__ == name
-    assert not hasattr(introspect, "NO_SUCH_NAME")  # (__getattr__ raises AttributeError)
+    assert not hasattr(internals, "NO_SUCH_NAME")  # (__getattr__ raises AttributeError)
 
 
 @needs_triton
@@ -55,7 +58,7 @@ def test_triton_functions_call_the_kernels_own(monkeypatch):
 
     plan = gatlib.GraphPlan(torch.tensor([[0, 1, 2, 2], [1, 2, 0, 1]]), num_nodes=3)
     assert introspect.triton_schedule(plan) is _triton_schedule._plan(plan)  # built once, kept on the plan
-    seed = introspect.draw_dropout_seed(torch.device("cpu"))
+    seed = internals.draw_dropout_seed(torch.device("cpu"))
     assert seed.shape == (1,) and seed.dtype == torch.int64
     calls = []
     for private, public, args in (
@@ -64,7 +67,7 @@ def test_triton_functions_call_the_kernels_own(monkeypatch):
             ("dropout_keep_mask", "dropout_keep_mask", (plan, 2, 0.5, seed)),
             ("attention", "triton_attention", (None, None, plan, None, 0.0, False, None))):
         monkeypatch.setattr(_triton, private, lambda *a, _n=private: calls.append((_n, a)) or _n)
-        result = getattr(introspect, public)(*args)
+        result = getattr(introspect if public == "check_triton_interpreter" else internals, public)(*args)
         assert calls[-1] == (private, args)
         assert result == (None if public == "check_triton_interpreter" else private)
 
@@ -77,7 +80,7 @@ def test_cpu_tensors_admitted_only_inside(monkeypatch):
     triton, cpu = introspect.kernel("triton"), torch.device("cpu")
     assert triton.available(cpu) is not None
     real = _triton._check_interpreter
-    with introspect.triton_admits_cpu_tensors():
+    with internals.triton_admits_cpu_tensors():
         assert triton.available(cpu) is None
         introspect.check_triton_interpreter()  # lifted: no error
     assert triton.available(cpu) is not None and _triton._check_interpreter is real

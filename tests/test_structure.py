@@ -2,7 +2,8 @@
 library imports nothing from the benchmark harness, and the package nothing from the
 developer instruments (tools/, not installed); kernels read the score's kind, not its
 class; provenance and result files are written in one place; the harness, tools/ and
-benchmarks/ use public names only (gatlib.introspect for the kernels), and benchmarks/
+benchmarks/ use public names only (gatlib.introspect for the kernels; tools/internals.py
+alone reads the private modules), and benchmarks/
 imports nothing from tools/."""
 import ast
 import io
@@ -358,7 +359,12 @@ def test_private_torch_api_only_where_listed():
 # ---------------------------------------------------------------------------
 # Public names only outside the library
 # ---------------------------------------------------------------------------
-HARNESS = [*sorted((PKG / "bench").glob("*.py")), *tool_files(), *sorted((ROOT / "benchmarks").glob("*.py"))]
+# The one tool that reads gatlib's private modules, for the other tools and the tests: the
+# kernels' internals that no user command needs (the wheel's gatlib.introspect stays small).
+# tools/ is developer-only and not installed; the package never imports it (above).
+INTERNALS = TOOLS / "internals.py"
+HARNESS = [*sorted((PKG / "bench").glob("*.py")), *(p for p in tool_files() if p != INTERNALS),
+           *sorted((ROOT / "benchmarks").glob("*.py"))]
 # The packages whose private names the harness, tools/ and benchmarks/ must not use
 # (tools/ is harness too: one tool does not read another's internals).
 OURS = ("gatlib", "tools")
@@ -472,6 +478,17 @@ def test_the_harness_and_benchmarks_use_public_names_only():
     assert not offenders, "private gatlib names outside the library:\n" + "\n".join(offenders)
 
 
+def test_only_the_internals_tool_reads_the_librarys_internals():
+    """tools/internals.py reads gatlib's private modules and imports no other tool; the
+    rule above holds every other tool to public names (it flags this one)."""
+    source = INTERNALS.read_text()
+    assert private_uses("tools/probe.py", source, library_private_names())
+    tree = ast.parse(source)
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and _is_tool(m) for m in imported), imported
+
+
 def test_the_private_name_rule_catches_each_form():
     """The rule above, on one line of each form it must flag (in gatlib/bench, tools/
     and benchmarks/; a benchmarks/ script importing tools/ too), and on what they may
@@ -507,7 +524,8 @@ def test_the_private_name_rule_catches_each_form():
                "from torch._dynamo.utils import counters": bench,
                "from triton.runtime import driver\ndriver._active = None": bench,
                "def f(func):\n    return func._schema.name": bench,
-               "from gatlib import introspect\nintrospect.TRITON_SPLIT": bench,
+               "from gatlib import introspect\nintrospect.triton_kernels": bench,
+               "from tools import internals\ninternals.TRITON_SPLIT": tool,
                "from .compare import with_self_loops": bench,
                "from torch._library.custom_ops import OPDEFS\nOPDEFS[n]._init_fn": tool,
                "from gatlib.bench.compare import with_self_loops": tool,

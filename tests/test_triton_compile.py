@@ -298,9 +298,8 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
     probe = textwrap.dedent("""
         import gatlib
         from triton import knobs
-        from gatlib import introspect
         from gatlib.bench import selftest
-        from tools import triton_compile
+        from tools import internals, triton_compile
 
         keys = []
 
@@ -311,7 +310,7 @@ def test_a_new_graph_needs_no_new_kernel(tmp_path):
         knobs.runtime.jit_cache_hook = hook
         N = selftest.NUM_NODES
         # the GPU checks' own graphs and training call (selftest.gpu_checks)
-        with triton_compile.stand_in_driver(), introspect.triton_admits_cpu_tensors():
+        with triton_compile.stand_in_driver(), internals.triton_admits_cpu_tensors():
             for n, e, seed in ((N, 4 * (N - 21), 0), (N - 13, 4 * (N - 34) + 7, 1)):
                 keys.append(set())
                 plan, inputs = selftest.check_graph(n, e, seed, "cpu")
@@ -352,7 +351,7 @@ def test_a_compiled_step_launches_the_eager_kernels(tmp_path):
         from torch._functorch.partitioners import min_cut_rematerialization_partition
         from triton import knobs
         import gatlib
-        from gatlib import introspect
+        from tools import internals
         from tools.launches import Tally, triton_on_cpu
 
         keys, calls, wrapped = [], set(), []
@@ -395,7 +394,7 @@ def test_a_compiled_step_launches_the_eager_kernels(tmp_path):
             model = TwoLayer()
             torch._dynamo.reset()
             knobs.runtime.jit_cache_hook = hook
-            with triton_on_cpu(Tally()), introspect.compiled_gat_terms_in_kernel():
+            with triton_on_cpu(Tally()), internals.compiled_gat_terms_in_kernel():
                 knobs.runtime.jit_cache_hook = hook
                 # (the first eager step tunes: it binds every config of its spaces; the
                 # second, and the compiled one, the chosen configs)

@@ -209,7 +209,8 @@ _TUNER = textwrap.dedent("""
     import torch
     from triton import knobs
     from tools import triton_compile as tc
-    from gatlib import GraphPlan, _triton_schedule as S, introspect
+    from gatlib import GraphPlan, _triton_schedule as S
+    from tools import internals
 
     timed = []
     def bench(fn, quantiles):  # times nothing: the launch is skipped (the hook)
@@ -220,7 +221,7 @@ _TUNER = textwrap.dedent("""
     knobs.runtime.jit_cache_hook = lambda **kw: True  # (no compile, no launch)
     out = []
     with tc.stand_in_driver():
-        for tuner in introspect.triton_tuners().values():  # (the stand-in keeps none on disk)
+        for tuner in internals.triton_tuners().values():  # (the stand-in keeps none on disk)
             tuner.cache_results = True  # here: TRITON_CACHE_DIR is the test's own folder
         for n, E in ((60, 400), (90, 1000)):  # two graphs (mini-batches) of one layer
             g = torch.Generator().manual_seed(n)
@@ -230,7 +231,7 @@ _TUNER = textwrap.dedent("""
                                     torch.randn(2, 16), None, 0.2)
             v = torch.randn(n, 2, 16, requires_grad=True)
             before = len(timed)
-            introspect.triton_attention(score, v, GraphPlan(ei, num_nodes=n), None, 0.0, False)
+            internals.triton_attention(score, v, GraphPlan(ei, num_nodes=n), None, 0.0, False)
             out.append({"timed": len(timed) - before,
                         "best": S._TUNED["_fwd_kernel"].best_config.kwargs})
     json.dump(out, sys.stdout)

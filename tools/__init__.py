@@ -15,6 +15,6 @@ or checks the kernels while they are developed:
   against the reference with each pass's bandwidth floor (:mod:`.triton_bench`).
 
 Like the harness they see the library through its public names and
-:mod:`gatlib.introspect`; nothing in the package or in ``benchmarks/`` imports
-them.
+:mod:`gatlib.introspect`, and :mod:`.internals`, the one module here that reads gatlib's
+private modules; nothing in the package or in ``benchmarks/`` imports them.
 """

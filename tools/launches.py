@@ -229,7 +229,7 @@ def triton_on_cpu(tally: Tally):
     with every launch counted into ``tally.triton`` and skipped.
 
     The Triton backend admits CPU tensors only under Triton's interpreter;
-    :func:`gatlib.introspect.triton_admits_cpu_tensors` lifts that for the block
+    :func:`tools.internals.triton_admits_cpu_tensors` lifts that for the block
     — the kernels are Triton's compiled ones, bound and specialised by its real
     launcher against a stand-in sm_90 driver
     (:func:`tools.triton_compile.stand_in_driver`)."""
@@ -251,14 +251,13 @@ def _launch_path_on_cpu(hook, what: str):
                            "replaces: unset it")
     from triton import knobs
 
-    from gatlib import introspect
-
+    from tools import internals
     from tools.triton_compile import stand_in_driver
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        with stand_in_driver(), introspect.triton_admits_cpu_tensors():
+        with stand_in_driver(), internals.triton_admits_cpu_tensors():
             yield
     finally:
         knobs.runtime.jit_cache_hook = previous
@@ -362,7 +361,7 @@ def cora_like(seed: int = 0) -> Graph:
     power-law degrees, made undirected), its directed edge count chosen so that
     the undirected graph has about Cora's 10,556 edges; Cora's 1,433 features
     and 7 classes. (Launch counts depend on the graph only through whether it
-    can have split rows: any graph of more than ``gatlib.introspect.TRITON_SPLIT`` edges.)"""
+    can have split rows: any graph of more than ``tools.internals.TRITON_SPLIT`` edges.)"""
     from gatlib.bench import synthetic
     from gatlib.bench.compare import with_self_loops
 

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--projected-under-compile", action="store_true",
                    help="diagnosis: compiled GATConv forms its attention terms in the Triton "
                         "kernels (KIND 3), as eager does, instead of the node terms "
-                        "(gatlib.introspect.compiled_gat_terms_in_kernel)")
+                        "(tools.internals.compiled_gat_terms_in_kernel)")
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -105,10 +105,10 @@ def main(argv=None) -> int:
     args.impls = ["pyg", *(i for i in args.impls if i != "pyg")]
     if not torch.cuda.is_available():
         sys.exit("tools.profile_step needs a CUDA device")
-    from gatlib import introspect
     from gatlib.bench import compare as c
     from gatlib.bench import measure
     from gatlib.bench.data import resolve_data_dir
+    from tools import internals
 
     device = torch.device("cuda")
     graph = c.load_graph(args.graph, resolve_data_dir(None), 0)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "graph": args.graph, "compile_mode": args.compile_mode,
            "projected_under_compile": args.projected_under_compile, "layers": {}}
     # (the diagnosis: compiled GAT forms its attention terms in the kernels, as eager does)
-    terms = (introspect.compiled_gat_terms_in_kernel() if args.projected_under_compile
+    terms = (internals.compiled_gat_terms_in_kernel() if args.projected_under_compile
              else contextlib.nullcontext())
     with terms:
         for layer in args.layer:

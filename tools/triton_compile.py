@@ -4,7 +4,7 @@ Triton's interpreter (``TRITON_INTERPRET=1``), which runs the kernels' tests on
 CPU, never uses Triton's launch path: the generated argument binder, the
 specialisation of arguments and the compiler. This module runs that path:
 
-1. **capture** — the real dispatcher (:func:`gatlib.introspect.triton_attention`, forward
+1. **capture** — the real dispatcher (:func:`tools.internals.triton_attention`, forward
    and backward) runs on CPU tensors with a stand-in driver whose current
    target is an NVIDIA GPU. Every ``kernel[grid](...)`` goes through Triton's
    real binder and specialisation; a ``jit_cache_hook`` records what would be
@@ -47,6 +47,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from gatlib import EdgeScore, GraphPlan  # noqa: E402
 from gatlib import introspect  # noqa: E402
+from tools import internals  # noqa: E402
 
 TARGETS = {"sm_80": 80, "sm_90": 90}
 # "gat_projected": GATConv's score from its projected rows (EdgeScore.gat_projected)
@@ -57,9 +58,9 @@ INPUT_KINDS = ("gat_inputs", "dot_inputs")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 # Channel counts per head: one per power-of-two tile width the kernels pad to,
-# up to the largest they accept (introspect.TRITON_MAX_CHANNELS).
+# up to the largest they accept (internals.TRITON_MAX_CHANNELS).
 CHANNELS = tuple(2 ** i for i in range(11))
-assert CHANNELS[-1] == introspect.TRITON_MAX_CHANNELS
+assert CHANNELS[-1] == internals.TRITON_MAX_CHANNELS
 
 
 @dataclass(frozen=True)
@@ -113,10 +114,10 @@ def default_cases() -> List[Case]:
 
 def capture_graph() -> Tuple[torch.Tensor, int]:
     """A graph whose destination and source schedules hold rows of 0..23 edges
-    and split a hub (rows longer than ``introspect.TRITON_SPLIT`` edges)."""
+    and split a hub (rows longer than ``internals.TRITON_SPLIT`` edges)."""
     g = torch.Generator().manual_seed(0)
     n = 64
-    split = introspect.TRITON_SPLIT
+    split = internals.TRITON_SPLIT
     hub_in = torch.stack([torch.randint(0, n, (2 * split + 5,), generator=g),
                           torch.zeros(2 * split + 5, dtype=torch.long)])
     hub_out = torch.stack([torch.ones(split + 3, dtype=torch.long),
@@ -210,7 +211,7 @@ def stand_in_driver(arch: int = 90):
     driver.set_active(_Driver(arch))
     # the stand-in's "timings" must not reach Triton's autotune cache on disk, where a
     # real GPU of that capability would read them
-    tuners = introspect.triton_tuners().values()
+    tuners = internals.triton_tuners().values()
     cached = [t.cache_results for t in tuners]
     for t in tuners:
         t.cache_results = False
@@ -296,18 +297,18 @@ def capture(cases: Iterable[Case]) -> List[Spec]:
         with stand_in_driver():
             for case in cases:
                 current[:] = [case.label]
-                for tuned in introspect.triton_tuners().values():  # each case binds its whole space
+                for tuned in internals.triton_tuners().values():  # each case binds its whole space
                     tuned.cache.clear()
                 torch.manual_seed(0)
                 score, value, value_edge, bias = _case_tensors(case, n, E)
-                out, alpha = introspect.triton_attention(score, value, plan, value_edge,
+                out, alpha = internals.triton_attention(score, value, plan, value_edge,
                                                           0.1 if case.dropout else 0.0, case.alpha,
                                                           bias)
                 loss = out.float().sum() + (alpha.float().sum() if case.alpha else 0)
                 loss.backward()
                 if case.dropout:  # the mask the double backward regenerates
-                    introspect.dropout_keep_mask(plan, case.heads, 0.1,
-                                                 introspect.draw_dropout_seed(torch.device("cpu")))
+                    internals.dropout_keep_mask(plan, case.heads, 0.1,
+                                                 internals.draw_dropout_seed(torch.device("cpu")))
     finally:
         knobs.runtime.jit_cache_hook = previous
     return list(specs.values())

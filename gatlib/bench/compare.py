@@ -130,10 +130,9 @@ def graph_input(impl: str, edge_index: Tensor, num_nodes: int, mode: str):
 
 
 def warm_plan(impl: str, module: torch.nn.Module, x: Tensor, graph) -> None:
-    """For ``gatlib_compiled`` on a plan: one eager forward and backward of ``module``
-    (the compiled side's, unwrapped) on ``graph``, so that the plan holds its
-    layouts and schedules before compiled calls read them (they keep nothing on it:
-    ``docs/compile.md``). Gradients are reset to ``None`` after."""
+    """For ``gatlib_compiled`` on a plan: one eager forward and backward of ``module`` on
+    ``graph``, so that the plan holds what compiled calls read (docs/compile.md); gradients
+    reset to ``None`` after."""
     import gatlib
 
     if impl != "gatlib_compiled" or not isinstance(graph, gatlib.GraphPlan):
@@ -787,10 +786,8 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
 def _check_compiled(impl: str, modules: Dict, graphs: Dict, x: Tensor, target: Tensor,
                     scope: str, ref: Dict, device: torch.device, layer: str,
                     report: Dict) -> Dict:
-    """A compiled side's agreement check, which is its first call: it compiles, and
-    its time is the side's ``first_call_s``. Records what compiled
-    (``report["compile"]``) and, for gatlib, the kernels that ran
-    (``report["kernels_compiled"]``). A failure to compile is the side's error."""
+    """A compiled side's agreement check, its first call (``first_call_s``): records what
+    compiled (``report["compile"]``) and gatlib's kernels (``report["kernels_compiled"]``)."""
     import gatlib
 
     stats_total = report["compile"].setdefault(layer, {}).setdefault(impl, {})

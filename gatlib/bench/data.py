@@ -1,21 +1,9 @@
-"""Node-classification datasets, loaded through the libraries made for them.
-
-* Planetoid citation graphs (Cora, CiteSeer, PubMed) with
-  :class:`torch_geometric.datasets.Planetoid`: the public split and
-  row-normalised features (:class:`~torch_geometric.transforms.NormalizeFeatures`),
-  the set-up of the GAT paper.
-* OGB node property prediction (ogbn-arxiv, ogbn-products, ogbn-proteins) with
-  :class:`ogb.nodeproppred.PygNodePropPredDataset`, its official
-  ``get_idx_split()`` and :class:`ogb.nodeproppred.Evaluator`.
-
-Files live under one data directory: the ``data_dir`` argument (the CLI's
-``--data-dir``), else ``$GATLIB_DATA``, else ``$XDG_CACHE_HOME/gatlib``
-(``~/.cache/gatlib``). On a machine with internet the libraries download what
-is missing. Offline, Planetoid's raw files can be copied in from any directory
-(:func:`seed_planetoid`, or ``$GATLIB_PLANETOID_RAW``); a dataset that is
-neither on disk nor downloadable raises :class:`DatasetNotFoundError`, which
-says where the files are expected. The network is probed with a short timeout
-before a library is asked to download, so nothing hangs on a dead connection.
+"""Node-classification datasets, loaded through the libraries made for them: Planetoid (Cora,
+CiteSeer, PubMed: public split, normalised features, as in the GAT paper) and OGB (ogbn-arxiv,
+-products, -proteins: official split and ``Evaluator``). Files live under ``data_dir``, else
+``$GATLIB_DATA``, else ``~/.cache/gatlib``; what is missing is downloaded after a short network
+probe, or copied from ``$GATLIB_PLANETOID_RAW`` offline, else :class:`DatasetNotFoundError` says
+where the files are expected.
 """
 from __future__ import annotations
 

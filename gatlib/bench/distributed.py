@@ -1,15 +1,7 @@
-"""Multi-process data-parallel training: the process group torchrun sets up.
-
-``torchrun --nproc-per-node K --no-python gatlib bench ...`` starts K copies of
-the command with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous
-(``MASTER_ADDR``/``MASTER_PORT``) in their environment; multi-node runs are the
-same command on every node with torchrun's ``--nnodes``/``--node-rank`` or
-``--rdzv-*`` options. :func:`from_env` reads those variables and joins the
-process group — gloo on CPU, NCCL on CUDA, each process on ``cuda:LOCAL_RANK``
-(the GPU of its node; ``RANK`` is its place among all processes, which decides
-its share of the training nodes). Nothing here assumes one node.
-
-What each rank does with it is in :mod:`gatlib.bench.sampled`.
+"""Multi-process data-parallel training: the process group torchrun sets up
+(``torchrun --nproc-per-node K --no-python gatlib bench ...``; docs/distributed.md). gloo on
+CPU, NCCL on CUDA with each process on ``cuda:LOCAL_RANK``; nothing assumes one node. What each
+rank does with it is in :mod:`gatlib.bench.sampled`.
 """
 from __future__ import annotations
 

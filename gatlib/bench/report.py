@@ -1,12 +1,6 @@
-"""What every result file carries, written once for the whole harness.
-
-* :func:`environment` — the device, library versions and git commit: what a
-  reader needs to trust (or reproduce) a number;
-* :func:`command_line` — the command that produced it;
-* :func:`write_json` — an atomic write, so an interrupted run never leaves
-  half a file where a previous result was;
-* :func:`format_table` — the aligned tables printed at the end of a run (or
-  written as Markdown).
+"""What every result file carries, written once for the whole harness: :func:`environment`
+(device, library versions, git commit), :func:`command_line`, :func:`write_json` (atomic: an
+interrupted run never leaves half a file) and :func:`format_table` (aligned text or Markdown).
 """
 from __future__ import annotations
 
