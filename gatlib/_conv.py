@@ -114,8 +114,9 @@ class _AttentionConv(MessagePassing):
     # alpha; its TransformerConv returns the adjacency it was given.
     _adjacency_holds_alpha = True
 
-    def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend,
-                      value_dropout):
+    def _init_common(self, in_channels, out_channels, heads, concat, dropout, edge_dim, backend,
+                     value_dropout):
+        """Check and keep the arguments the three layers share (PyG's attribute names)."""
         V.check_in_channels("in_channels", in_channels)
         V.check_positive_int("out_channels", out_channels)
         V.check_positive_int("heads", heads)
@@ -124,6 +125,25 @@ class _AttentionConv(MessagePassing):
         if edge_dim is not None:
             V.check_positive_int("edge_dim", edge_dim)
         check_backend_name(backend)
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.heads = heads
+        self.concat = concat
+        self.dropout = dropout
+        self.edge_dim = edge_dim
+        self.backend = backend
+        self.value_dropout = value_dropout
+
+    def _residual_and_bias(self, in_dst, width: int, residual: bool, bias: bool) -> None:
+        """GAT's and GATv2's linear skip ``res`` (if ``residual``) and output ``bias``."""
+        if residual:
+            self.res = Linear(in_dst, width, bias=False, weight_initializer="glorot")
+        else:
+            self.register_parameter("res", None)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(width))
+        else:
+            self.register_parameter("bias", None)
 
     def _split(self, x, weight: Tensor, allow_missing_dst: bool = False) -> OptPairTensor:
         """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels``."""
