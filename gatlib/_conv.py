@@ -43,13 +43,10 @@ _HOOKS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
 class _AttentionConv(MessagePassing):
     """Shared plumbing: argument checks, input splitting, self-loops, output.
 
-    An ordinary call runs the attention core (explain mode too: the edge mask becomes a
-    per-edge weight, :meth:`_explain_weight`). A call that uses one of MessagePassing's
-    extension points (an overridden ``message``, ``edge_update``, ``aggregate``, ``update`` or
-    ``explain_message``, or a registered hook) runs through :meth:`MessagePassing.propagate`
-    as PyG's layer would, logged as ``"propagate"``; a layer built with a backend other than
-    ``"auto"``/``"torch"`` raises instead. The ``*_type`` comments above each ``propagate``/
-    ``edge_updater`` call are for PyG's ``Inspector``, which reads them.
+    An ordinary call runs the attention core (explain mode too: :meth:`_explain_weight`); one
+    that uses MessagePassing's extension points (:data:`_EXTENSION_POINTS`, :data:`_HOOKS`)
+    runs through ``propagate``, and the ``*_type`` comments above those calls are for PyG's
+    ``Inspector`` (docs/pyg_compatibility.md, "PyG's MessagePassing machinery").
     """
 
     def __init__(self):
