@@ -65,10 +65,9 @@ def one_block(lay: Layout, row_bytes: int) -> bool:
     return E <= 1 or E * row_bytes <= CHUNK_BYTES
 
 
-def for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None],
-                ptr: Optional[Tensor] = None) -> None:
-    """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges (of CSC
-    positions with ``ptr=lay.csc_ptr``) of about :data:`CHUNK_BYTES`, without autograd.
+def for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None]) -> None:
+    """Call ``fn(e0, e1, part)`` on consecutive blocks ``[e0, e1)`` of CSR edges of about
+    :data:`CHUNK_BYTES`, without autograd.
 
     The edges are split at row boundaries into one part per intra-op thread, each run on its
     own Python thread with single-threaded torch ops (its OpenMP thread count set to 1; no
@@ -91,7 +90,7 @@ def for_blocks(lay: Layout, row_bytes: int, fn: Callable[[int, int, int], None],
         return
     # part k starts at the first row boundary at or after k*E/parts
     targets = torch.arange(parts + 1, dtype=torch.float64) * (E / parts)
-    ptr = lay.ptr if ptr is None else ptr
+    ptr = lay.ptr
     rows = torch.searchsorted(ptr.double(), targets)
     bounds = ptr.long()[rows.clamp_(max=ptr.numel() - 1)].tolist()
     bounds[0], bounds[-1] = 0, E

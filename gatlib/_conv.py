@@ -43,13 +43,10 @@ _HOOKS = ("_propagate_forward_pre_hooks", "_propagate_forward_hooks",
 class _AttentionConv(MessagePassing):
     """Shared plumbing: argument checks, input splitting, self-loops, output.
 
-    An ordinary call runs the attention core (explain mode too: the edge mask becomes a
-    per-edge weight, :meth:`_explain_weight`). A call that uses one of MessagePassing's
-    extension points (an overridden ``message``, ``edge_update``, ``aggregate``, ``update`` or
-    ``explain_message``, or a registered hook) runs through :meth:`MessagePassing.propagate`
-    as PyG's layer would, logged as ``"propagate"``; a layer built with a backend other than
-    ``"auto"``/``"torch"`` raises instead. The ``*_type`` comments above each ``propagate``/
-    ``edge_updater`` call are for PyG's ``Inspector``, which reads them.
+    An ordinary call runs the attention core (explain mode too: :meth:`_explain_weight`); one
+    that uses MessagePassing's extension points (:data:`_EXTENSION_POINTS`, :data:`_HOOKS`)
+    runs through ``propagate``, and the ``*_type`` comments above those calls are for PyG's
+    ``Inspector`` (docs/pyg_compatibility.md, "PyG's MessagePassing machinery").
     """
 
     def __init__(self):
@@ -114,8 +111,9 @@ class _AttentionConv(MessagePassing):
     # alpha; its TransformerConv returns the adjacency it was given.
     _adjacency_holds_alpha = True
 
-    def _check_common(self, in_channels, out_channels, heads, dropout, edge_dim, backend,
-                      value_dropout):
+    def _init_common(self, in_channels, out_channels, heads, concat, dropout, edge_dim, backend,
+                     value_dropout):
+        """Check and keep the arguments the three layers share (PyG's attribute names)."""
         V.check_in_channels("in_channels", in_channels)
         V.check_positive_int("out_channels", out_channels)
         V.check_positive_int("heads", heads)
@@ -124,6 +122,25 @@ class _AttentionConv(MessagePassing):
         if edge_dim is not None:
             V.check_positive_int("edge_dim", edge_dim)
         check_backend_name(backend)
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.heads = heads
+        self.concat = concat
+        self.dropout = dropout
+        self.edge_dim = edge_dim
+        self.backend = backend
+        self.value_dropout = value_dropout
+
+    def _residual_and_bias(self, in_dst, width: int, residual: bool, bias: bool) -> None:
+        """GAT's and GATv2's linear skip ``res`` (if ``residual``) and output ``bias``."""
+        if residual:
+            self.res = Linear(in_dst, width, bias=False, weight_initializer="glorot")
+        else:
+            self.register_parameter("res", None)
+        if bias:
+            self.bias = torch.nn.Parameter(torch.empty(width))
+        else:
+            self.register_parameter("bias", None)
 
     def _split(self, x, weight: Tensor, allow_missing_dst: bool = False) -> OptPairTensor:
         """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels``."""

@@ -653,9 +653,3 @@ def _keep_mask(csr_eid: Tensor, heads: int, p: float, seed: Tensor) -> Tensor:
             _wrap_triton(_keep_kernel)[(triton.cdiv(E * heads, 1024),)](
                 csr_eid, E, keep, seed, float(p), heads, BLOCK_K=1024)
     return keep.view(torch.bool)
-
-
-def dropout_keep_mask(plan: GraphPlan, heads: int, p: float, seed: Tensor) -> Tensor:
-    """The ``[E, H]`` bool mask of kept attention weights the kernels apply for ``seed``
-    (``[1]`` int64 on the graph's device), in edge-list order: for tests and debugging."""
-    return _keep_mask(_plan(plan).csr_eid, heads, p, seed)

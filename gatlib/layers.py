@@ -79,22 +79,14 @@ class GATConv(_AttentionConv):
         value_dropout: float = 0.0,
     ):
         super().__init__()
-        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend,
-                           value_dropout)
+        self._init_common(in_channels, out_channels, heads, concat, dropout, edge_dim, backend,
+                          value_dropout)
         V.check_real("negative_slope", negative_slope)
         V.check_fill_value(fill_value, edge_dim)
-        self.in_channels = in_channels
-        self.out_channels = out_channels
-        self.heads = heads
-        self.concat = concat
         self.negative_slope = negative_slope
-        self.dropout = dropout
         self.add_self_loops = add_self_loops
-        self.edge_dim = edge_dim
         self.fill_value = fill_value
         self.residual = residual
-        self.backend = backend
-        self.value_dropout = value_dropout
 
         HC = heads * out_channels
         self.lin = self.lin_src = self.lin_dst = None
@@ -111,16 +103,8 @@ class GATConv(_AttentionConv):
         else:
             self.lin_edge = None
             self.register_parameter("att_edge", None)
-        total = out_channels * (heads if concat else 1)
-        if residual:
-            in_dst = in_channels if isinstance(in_channels, int) else in_channels[1]
-            self.res = Linear(in_dst, total, bias=False, weight_initializer="glorot")
-        else:
-            self.register_parameter("res", None)
-        if bias:
-            self.bias = Parameter(torch.empty(total))
-        else:
-            self.register_parameter("bias", None)
+        in_dst = in_channels if isinstance(in_channels, int) else in_channels[1]
+        self._residual_and_bias(in_dst, out_channels * (heads if concat else 1), residual, bias)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -237,7 +221,6 @@ class GATConv(_AttentionConv):
             out = out + self.bias
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
-
     # MessagePassing's extension points, run only by the propagate path (see
     # _AttentionConv): the same computation as the attention core, edge by edge.
     def edge_update(self, alpha_j: Tensor, alpha_i: Optional[Tensor], edge_attr: Optional[Tensor],
@@ -304,26 +287,18 @@ class GATv2Conv(_AttentionConv):
         value_dropout: float = 0.0,
     ):
         super().__init__()
-        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend,
-                           value_dropout)
+        self._init_common(in_channels, out_channels, heads, concat, dropout, edge_dim, backend,
+                          value_dropout)
         V.check_real("negative_slope", negative_slope)
         V.check_fill_value(fill_value, edge_dim)
         if share_weights and isinstance(in_channels, (tuple, list)) and in_channels[0] != in_channels[1]:
             raise ValueError(f"share_weights=True needs equal source and destination widths; "
                              f"got in_channels={in_channels!r}")
-        self.in_channels = in_channels
-        self.out_channels = out_channels
-        self.heads = heads
-        self.concat = concat
         self.negative_slope = negative_slope
-        self.dropout = dropout
         self.add_self_loops = add_self_loops
-        self.edge_dim = edge_dim
         self.fill_value = fill_value
         self.residual = residual
         self.share_weights = share_weights
-        self.backend = backend
-        self.value_dropout = value_dropout
 
         HC = heads * out_channels
         in_src, in_dst = ((in_channels, in_channels) if isinstance(in_channels, int)
@@ -334,15 +309,7 @@ class GATv2Conv(_AttentionConv):
         self.att = Parameter(torch.empty(1, heads, out_channels))
         self.lin_edge = (Linear(edge_dim, HC, bias=False, weight_initializer="glorot")
                          if edge_dim is not None else None)
-        total = out_channels * (heads if concat else 1)
-        if residual:
-            self.res = Linear(in_dst, total, bias=False, weight_initializer="glorot")
-        else:
-            self.register_parameter("res", None)
-        if bias:
-            self.bias = Parameter(torch.empty(total))
-        else:
-            self.register_parameter("bias", None)
+        self._residual_and_bias(in_dst, out_channels * (heads if concat else 1), residual, bias)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -396,7 +363,6 @@ class GATv2Conv(_AttentionConv):
         if self.bias is not None and core_bias is None:
             out = out + self.bias
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
-
 
     # MessagePassing's extension points, run only by the propagate path (see
     # _AttentionConv): the same computation as the attention core, edge by edge.
@@ -468,18 +434,10 @@ class TransformerConv(_AttentionConv):
         value_dropout: float = 0.0,
     ):
         super().__init__()
-        self._check_common(in_channels, out_channels, heads, dropout, edge_dim, backend,
-                           value_dropout)
-        self.value_dropout = value_dropout
-        self.in_channels = in_channels
-        self.out_channels = out_channels
-        self.heads = heads
+        self._init_common(in_channels, out_channels, heads, concat, dropout, edge_dim, backend,
+                          value_dropout)
         self.beta = beta and root_weight
         self.root_weight = root_weight
-        self.concat = concat
-        self.dropout = dropout
-        self.edge_dim = edge_dim
-        self.backend = backend
 
         HC = heads * out_channels
         in_src, in_dst = ((in_channels, in_channels) if isinstance(in_channels, int)

@@ -61,10 +61,13 @@ def test_triton_functions_call_the_kernels_own(monkeypatch):
     seed = internals.draw_dropout_seed(torch.device("cpu"))
     assert seed.shape == (1,) and seed.dtype == torch.int64
     calls = []
+    # the mask: the kernel's, over the schedule's edge order kept on the plan
+    monkeypatch.setattr(_triton, "_keep_mask", lambda *a: calls.append(a) or "_keep_mask")
+    assert internals.dropout_keep_mask(plan, 2, 0.5, seed) == "_keep_mask"
+    assert calls[-1][0] is _triton_schedule._plan(plan).csr_eid and calls[-1][1:] == (2, 0.5, seed)
     for private, public, args in (
             ("_check_interpreter", "check_triton_interpreter", ()),
             ("_draw_seed", "draw_dropout_seed", ("cpu",)),
-            ("dropout_keep_mask", "dropout_keep_mask", (plan, 2, 0.5, seed)),
             ("attention", "triton_attention", (None, None, plan, None, 0.0, False, None))):
         monkeypatch.setattr(_triton, private, lambda *a, _n=private: calls.append((_n, a)) or _n)
         result = getattr(introspect if public == "check_triton_interpreter" else internals, public)(*args)

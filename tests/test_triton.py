@@ -25,6 +25,7 @@ triton = pytest.importorskip("triton")
 import gatlib  # noqa: E402
 from gatlib import EdgeScore, GraphPlan, _layout, _triton, _triton_schedule, graph_attention  # noqa: E402
 from gatlib._core import reference_attention  # noqa: E402
+from tools import internals  # noqa: E402
 
 from testing import (DEVICE, KINDS, LOW_PRECISION, LOW_PRECISION_BOUND, dtype_id, graph_case,  # noqa: E402
                      graphs, hub_graph, leaves, low_precision_errors, make_score, record_launches, record_tiles, run)
@@ -304,7 +305,7 @@ def test_dropout_mask_is_consistent(kind):
     torch.manual_seed(123)
     out, alpha, grads = run("triton", score, v, plan, n_dst, dropout=p, training=True)
     torch.manual_seed(123)
-    keep = _triton.dropout_keep_mask(plan, H, p, _triton._draw_seed(torch.device(DEVICE)))  # [E, H]
+    keep = internals.dropout_keep_mask(plan, H, p, _triton._draw_seed(torch.device(DEVICE)))  # [E, H]
     assert abs(keep.float().mean().item() - (1 - p)) < 0.07
     src, dst = plan.coo()
     ins = [v, *leaves(score)]

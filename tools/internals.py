@@ -56,8 +56,10 @@ def draw_dropout_seed(device: torch.device) -> Tensor:
 
 
 def dropout_keep_mask(plan, heads: int, p: float, seed: Tensor) -> Tensor:
-    """The ``[E, H]`` bool mask the Triton kernels keep for ``seed``, in edge-list order."""
-    return _module("_triton").dropout_keep_mask(plan, heads, p, seed)
+    """The ``[E, H]`` bool mask the Triton kernels keep for ``seed`` (``[1]`` int64 on the
+    graph's device), in edge-list order."""
+    csr_eid = _module("_triton_schedule")._plan(plan).csr_eid
+    return _module("_triton")._keep_mask(csr_eid, heads, p, seed)
 
 
 @contextlib.contextmanager

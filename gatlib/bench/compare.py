@@ -830,18 +830,10 @@ def _print_disagreement(impl: str, check: Dict, cfg: Dict, report: Dict, name: s
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m gatlib.bench.compare``: same options as ``gatlib compare``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m gatlib.bench.compare",
-        description="Compare gatlib's GATConv/GATv2Conv/TransformerConv with PyG's: "
-                    "agreement, time and peak memory, of a layer or of a 2-layer model's "
-                    "training step.")
-    add_arguments(parser)
-    threads = torch.get_num_threads()
-    try:
-        return run(parser.parse_args(argv))
-    finally:  # --threads is this command's: a caller in the same process keeps its own
-        torch.set_num_threads(threads)
+    """``python -m gatlib.bench.compare``: ``gatlib compare`` (:func:`gatlib.bench.cli.main`)."""
+    from .cli import main as cli_main
+
+    return cli_main(["compare", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ and ``benchmarks/floor_table.py`` render from a saved report."""
 from __future__ import annotations
 
 import statistics
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from . import floor
 from .report import format_table
@@ -79,19 +79,18 @@ def summarize(measurements: List[Dict]) -> List[Dict]:
 
 
 def _fmt_ms(r: Optional[Dict]) -> str:
-    if not r:
-        return "-"
-    if r.get("status") != "ok":
-        return r.get("status", "-")
-    return f"{r['median_s'] * 1e3:,.1f}" if r.get("median_s") is not None else "-"
+    return _measured(r, "median_s", 1e3)
 
 
 def _fmt_mib(r: Optional[Dict]) -> str:
-    if not r:
-        return "-"
-    if r.get("status") != "ok":
-        return r["status"]
-    return f"{r['peak_extra_bytes'] / 2**20:,.1f}"
+    return _measured(r, "peak_extra_bytes", 2**-20)
+
+
+def _measured(r: Optional[Dict], key: str, scale: float) -> str:
+    """``r[key] * scale`` of a time or memory measurement ``r``; its status where it failed."""
+    if r and r.get("status") != "ok":
+        return r.get("status", "-")
+    return _seconds((r or {}).get(key), scale)
 
 
 def _ratio(x: Optional[float]) -> str:
@@ -125,57 +124,48 @@ FIRST_CALL_HEADERS = ["layer", "pass", "gatlib 1st ms", "PyG comp. 1st s", "gatl
                       "graphs PyG/gatlib", "graph breaks PyG/gatlib"]
 
 
-def _sides(report: Dict, row: Dict) -> Dict[str, Dict]:
+def _summary(report: Dict) -> Iterator[Tuple[Dict, Dict[str, Dict]]]:
+    """``(summary row, {implementation: its measurement or {}})`` per (layer, pass)."""
     by = {(m["layer"], m["impl"], m["pass"]): m for m in report["measurements"]}
-    return {impl: by.get((row["layer"], impl, row["pass"])) or {} for impl in ALL_IMPLS}
+    for row in report["summary"]:
+        yield row, {impl: by.get((row["layer"], impl, row["pass"])) or {} for impl in ALL_IMPLS}
 
 
 def table_rows(report: Dict) -> List[List[str]]:
     """One row per (layer, pass) of a report, in the columns of :data:`TABLE_HEADERS`
     (eager PyG and gatlib; also what ``benchmarks/compare_table.py`` renders)."""
-    rows = []
-    for row in report["summary"]:
-        s = _sides(report, row)
-        a, b = s["pyg"], s["gatlib"]
-        rows.append([LAYERS[row["layer"]], row["pass"], _fmt_ms(a.get("time")),
-                     _fmt_ms(b.get("time")), _seconds(b.get("first_call_s"), 1e3),
-                     _ratio(row["speedup"]), _spread(row), _fmt_mib(a.get("memory")),
-                     _fmt_mib(b.get("memory")), _ratio(row["mem_ratio"])])
-    return rows
+    return [[LAYERS[row["layer"]], row["pass"], _fmt_ms(s["pyg"].get("time")),
+             _fmt_ms(s["gatlib"].get("time")), _seconds(s["gatlib"].get("first_call_s"), 1e3),
+             _ratio(row["speedup"]), _spread(row), _fmt_mib(s["pyg"].get("memory")),
+             _fmt_mib(s["gatlib"].get("memory")), _ratio(row["mem_ratio"])]
+            for row, s in _summary(report)]
 
 
 def time_rows(report: Dict) -> List[List[str]]:
     """Rows of :data:`TIME_HEADERS`: the four median times and their ratios."""
-    rows = []
-    for row in report["summary"]:
-        s = _sides(report, row)
-        rows.append([LAYERS[row["layer"]], row["pass"],
-                     *(_fmt_ms(s[impl].get("time")) for impl in ALL_IMPLS),
-                     _ratio(row["speedup"]), _spread(row),
-                     _ratio(row.get("speedup_compiled")), _spread(row, "speedup_compiled"),
-                     _ratio(row.get("speedup_vs_pyg_compiled")),
-                     _ratio(row.get("gatlib_compiled_over_eager"))])
-    return rows
+    return [[LAYERS[row["layer"]], row["pass"],
+             *(_fmt_ms(s[impl].get("time")) for impl in ALL_IMPLS),
+             _ratio(row["speedup"]), _spread(row),
+             _ratio(row.get("speedup_compiled")), _spread(row, "speedup_compiled"),
+             _ratio(row.get("speedup_vs_pyg_compiled")),
+             _ratio(row.get("gatlib_compiled_over_eager"))]
+            for row, s in _summary(report)]
 
 
 def memory_rows(report: Dict) -> List[List[str]]:
     """Rows of :data:`MEMORY_HEADERS`: the four peaks and their ratios."""
-    rows = []
-    for row in report["summary"]:
-        s = _sides(report, row)
-        rows.append([LAYERS[row["layer"]], row["pass"],
-                     *(_fmt_mib(s[impl].get("memory")) for impl in ALL_IMPLS),
-                     _ratio(row["mem_ratio"]), _ratio(row.get("mem_ratio_compiled")),
-                     _ratio(row.get("gatlib_compiled_over_eager_mem"))])
-    return rows
+    return [[LAYERS[row["layer"]], row["pass"],
+             *(_fmt_mib(s[impl].get("memory")) for impl in ALL_IMPLS),
+             _ratio(row["mem_ratio"]), _ratio(row.get("mem_ratio_compiled")),
+             _ratio(row.get("gatlib_compiled_over_eager_mem"))]
+            for row, s in _summary(report)]
 
 
 def first_call_rows(report: Dict) -> List[List[str]]:
     """Rows of :data:`FIRST_CALL_HEADERS`, for the passes with a first call recorded:
     eager gatlib's on a fresh graph input, and each compiled side's (compiling)."""
     rows = []
-    for row in report["summary"]:
-        s = _sides(report, row)
+    for row, s in _summary(report):
         if not any("first_call_s" in s[impl] for impl in ("gatlib", *COMPILED_IMPLS)):
             continue
         comp = report.get("compile", {}).get(row["layer"], {})

@@ -740,11 +740,10 @@ def _checks(args, device, cuda, kinds, graphs, result, save, log) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m gatlib.bench.selftest``: same options as ``gatlib selftest``."""
-    parser = argparse.ArgumentParser(prog="python -m gatlib.bench.selftest",
-                                     description="Check and measure the Triton kernels.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """``python -m gatlib.bench.selftest``: ``gatlib selftest`` (:func:`gatlib.bench.cli.main`)."""
+    from .cli import main as cli_main
+
+    return cli_main(["selftest", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
