@@ -167,12 +167,12 @@ def static_compile(monkeypatch):
     monkeypatch.setattr(compare, "COMPILE_OPTIONS", {**compare.COMPILE_OPTIONS, "dynamic": False})
 
 
-def _check_four_sides(rep, passes):
+def _check_four_sides(rep, passes, backend="inductor"):
     """What every four-implementation report holds: each side timed, each compiled
     side checked against eager PyG, compiled for real, and the new summary keys."""
     assert rep["schema"] == "gatlib.compare/3"
     assert rep["config"]["impls"] == list(compare.ALL_IMPLS)
-    assert rep["config"]["compile_options"] == {"backend": "inductor", "mode": None,
+    assert rep["config"]["compile_options"] == {"backend": backend, "mode": None,
                                                 "fullgraph": False, "dynamic": False}
     check = rep["checks"]["gat"]
     assert check["status"] == "ok" and set(check["compiled"]) == set(compare_report.COMPILED_IMPLS)
@@ -217,10 +217,15 @@ def _check_four_sides(rep, passes):
 
 
 @pytest.mark.slow
-def test_model_scope_end_to_end(tmp_path, capsys, static_compile):
+def test_model_scope_end_to_end(tmp_path, capsys, monkeypatch):
     """One training step of a 2-layer model, PyG's and gatlib's with the same weights,
     each eager and compiled; memory measured in fresh child processes, where the
-    compiled sides compile before their warm-up call."""
+    compiled sides compile before their warm-up call. Compiled by ``aot_eager``: dynamo's
+    graphs and AOT autograd's backward as with inductor, without inductor's code generation
+    (a cold compile of each model, in the parent and again in its child: 40 s on 2 cores),
+    which test_layer_scope_four_sides runs in compare and tests/test_compile.py on models."""
+    monkeypatch.setattr(compare, "COMPILE_OPTIONS",
+                        {**compare.COMPILE_OPTIONS, "backend": "aot_eager", "dynamic": False})
     out = tmp_path / "model.json"
     rc = compare.main([*TINY_COMPILED, "--scope", "model", "--classes", "5",
                        "--data-dir", str(tmp_path / "data"), "--json", str(out)])
@@ -231,7 +236,7 @@ def test_model_scope_end_to_end(tmp_path, capsys, static_compile):
     assert check["status"] == "ok" and check["weight"] == "conv1.lin.weight"
     assert check["loss_rel_err"] <= check["tol_loss"] and check["weight_grad_rel_err"] <= 1e-4
     assert all(c["weight"] == "conv1.lin.weight" for c in check["compiled"].values())
-    _check_four_sides(rep, ["train_step"])
+    _check_four_sides(rep, ["train_step"], backend="aot_eager")
     for m in rep["measurements"]:
         assert m["memory"]["status"] == "ok" and m["memory"]["hwm_reset"], m
     # PyG's GATConv removes and adds self-loops with data-dependent shapes (nonzero).

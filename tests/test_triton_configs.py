@@ -6,6 +6,8 @@ kernel's space); the tuner itself runs in a subprocess without ``TRITON_INTERPRE
 through Triton's real launch path on a stand-in GPU (tools.triton_compile), with a
 benchmarker that times nothing but counts.
 """
+import ast
+import inspect
 import itertools
 import json
 import os
@@ -25,7 +27,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from gatlib import EdgeScore, _triton_schedule, graph_attention  # noqa: E402
+from gatlib import EdgeScore, GraphPlan, _triton_kernels, _triton_schedule, graph_attention  # noqa: E402
 from gatlib.bench.selftest import unwritten_memory_is_nan  # noqa: E402
 
 from testing import DEVICE, leaves, make_score, record_launches, record_tiles  # noqa: E402
@@ -35,10 +37,16 @@ S = _triton_schedule
 ROW_KERNELS = ("_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel")
 
 
+# Pieces of at most 8 edges (_SPLIT) in the config test: rows of 9, 11 and 20 edges split.
+_TEST_SPLIT = 8
+
+
 def _graph():
-    """Rows of 0..23 edges in and out and one split row each way (at ``_SPLIT`` 16)."""
+    """Rows of 0..9, 11 and 20 edges in and out (one split each way at ``_TEST_SPLIT``),
+    17 work items each way: what :func:`_reached` needs of every config, and no more (the
+    interpreter pays per block and per edge step)."""
     g = torch.Generator().manual_seed(0)
-    deg = torch.cat([torch.arange(24), torch.tensor([40])])
+    deg = torch.tensor([0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 20])
     n = deg.numel()
     dst = torch.repeat_interleave(torch.arange(n), deg)
     return torch.stack([dst[torch.randperm(dst.numel(), generator=g)], dst]).to(DEVICE), n
@@ -77,51 +85,98 @@ CALLS = [("gat_edge", 5, torch.float32), ("gatv2_bias", 40, torch.float32),
          ("gatv2_bias", 256, torch.float32), ("gat_projected_bias", 128, torch.float32)]
 
 
-def _run(score, value, value_edge, bias, ei, n, backend):
-    out = graph_attention(score, value, ei, n, value_edge=value_edge, backend=backend, bias=bias)
+def _run(score, value, value_edge, bias, graph, n, backend):
+    out = graph_attention(score, value, graph, n, value_edge=value_edge, backend=backend, bias=bias)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     ins = list(dict.fromkeys(t for t in (*leaves(score), value, value_edge, bias)
                              if t is not None and t.requires_grad))
     return [out, *torch.autograd.grad((out * w.to(out)).sum(), ins)]
 
 
-def _cfg_id(kw):
-    return tuple(sorted((k, v) for k, v in kw.items()
-                        if k in ("BLOCK_R", "BLOCK_E", "LANE_HEADS", "AHEAD", "PER_SM", "num_warps",
-                                 "maxnreg")))
+_TILE = ("BLOCK_R", "BLOCK_E", "LANE_HEADS", "AHEAD")
+
+
+def _cfg_id(kw, keys=(*_TILE, "PER_SM", "num_warps", "maxnreg")):
+    return tuple(sorted((k, v) for k, v in kw.items() if k in keys))
+
+
+def _run_id(kw):
+    """What a run of config ``kw`` checks: on a GPU the whole config; in the interpreter its
+    tile alone, as its programs run one after another on the CPU: warps and the register cap
+    change nothing it computes, nor does ``PER_SM``, which sizes a GPU's grid only (both
+    checked in the test)."""
+    return _cfg_id(kw, _TILE) if S._interpreted() else _cfg_id(kw)
+
+
+def _reached(items, kw, H, device):
+    """Which of a config's paths the work items ``items`` of its launch take: a program
+    running two blocks (``AHEAD``'s next block), a block with lanes past the items, a row of
+    more than one edge step where pieces can have one, a masked step, an empty row, split
+    rows."""
+    n = int(items.bounds[0])
+    length = items.items[:n, 2].long()
+    lanes = n * (1 if kw.get("LANE_HEADS") else H)
+    blocks = -(-lanes // kw["BLOCK_R"])
+    r, e = kw["BLOCK_R"], kw["BLOCK_E"]
+    return {"two blocks": blocks > S._programs(device, H, kw["PER_SM"]),
+            "lanes past the items": r == 1 or blocks * r > lanes,
+            "steps": e >= S._SPLIT or bool((length > e).any()),
+            "masked step": bool((length % e != 0).any()),
+            "empty row": bool((length == 0).any()),
+            "split rows": int(items.bounds[1]) > 0}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("form,C,dtype", CALLS, ids=[f"{f}-C{c}-{str(d)[6:]}" for f, c, d in CALLS])
 def test_every_config_of_every_space_is_the_reference(form, C, dtype, monkeypatch):
     """Each row kernel's space for the call (:func:`_space`) run config by config (config
-    ``i`` of every kernel at once, pinned), forward and backward, equals the reference:
-    rows of 0..23 edges, split rows both ways, unwritten memory NaN. Each config of each
-    space is seen to run."""
-    monkeypatch.setattr(S, "_SPLIT", 16)
+    ``i`` of every kernel at once, pinned), forward and backward, equals the reference on
+    :func:`_graph`, unwritten memory NaN. Each config of each space is seen to run (in the
+    interpreter, it or a config of the same tile: :func:`_run_id`) and to take every path of
+    :func:`_reached`."""
+    monkeypatch.setattr(S, "_SPLIT", _TEST_SPLIT)
+    # the parameters' partials sized for the configs' lanes (at most _R_MAX), as on a GPU, not
+    # for the interpreter's own config (1,024): a block of lanes zeroes a row block per step
+    monkeypatch.setattr(S, "_R_MAX_INTERPRETER", S._R_MAX)
     ei, n = _graph()
+    plan = GraphPlan(ei, num_nodes=n)
+    tp = S._plan(plan)
     H = 3
     score, value, value_edge, bias = _call(form, n, ei.size(1), H, C, dtype)
-    want = _run(score, value, value_edge, bias, ei, n, "torch")
+    want = _run(score, value, value_edge, bias, plan, n, "torch")
+    if S._interpreted():  # PER_SM: not in a kernel's body, nor in the interpreter's grid
+        assert len({S._programs(ei.device, H, s) for s in (1, 2, S._PER_SM_MAX)}) == 1
+        for name in ROW_KERNELS:
+            fn = getattr(_triton_kernels, name).fn
+            body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+            assert "PER_SM" not in {x.id for b in body for x in ast.walk(b) if isinstance(x, ast.Name)}
     launched = record_launches(monkeypatch)
-    monkeypatch.setattr(S, "_PINNED", 0)
-    _run(score, value, value_edge, bias, ei, n, "triton")
-    spaces = {name: S._space(name, consts) for name, consts in launched}
-    assert set(spaces) == set(ROW_KERNELS)
     tiles = record_tiles(monkeypatch)
-    seen = {name: set() for name in spaces}
     tol = dict(rtol=1e-9, atol=1e-9) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
-    for i in range(max(map(len, spaces.values()))):
+    ran = set()
+
+    def check(i):
         monkeypatch.setattr(S, "_PINNED", i)
         tiles.clear()
         with unwritten_memory_is_nan():
-            got = _run(score, value, value_edge, bias, ei, n, "triton")
+            got = _run(score, value, value_edge, bias, plan, n, "triton")
         for name, kw in tiles.items():
-            seen[name].add(_cfg_id(kw))
+            ran.add((name, _run_id(kw)))
+            items = tp.src_items if name == "_bwd_src_kernel" else tp.dst_items
+            missed = [path for path, took in _reached(items, kw, H, ei.device).items() if not took]
+            assert not missed, (name, kw, missed)
         for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"config {i}: {m}")
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"config {i}: {m}")
+
+    check(0)  # its launches give each kernel's space
+    spaces = {name: S._space(name, consts) for name, consts in launched}
+    assert set(spaces) == set(ROW_KERNELS)
+    for i in range(1, max(map(len, spaces.values()))):
+        if any((name, _run_id(space[i % len(space)].all_kwargs())) not in ran
+               for name, space in spaces.items()):  # (else each kernel's config i, or its twin, ran)
+            check(i)
     for name, space in spaces.items():
-        assert seen[name] == {_cfg_id(c.all_kwargs()) for c in space}, name
+        assert {r for k, r in ran if k == name} == {_run_id(c.all_kwargs()) for c in space}, name
 
 
 # What _space is given at users' calls: every flag a launch passes, at each width.
@@ -194,8 +249,6 @@ def test_the_interpreter_runs_its_one_config(monkeypatch):
 def test_keys_are_what_a_layer_fixes():
     """The tuning keys name constexprs a layer fixes (heads, channels, score kind, flags):
     no size of a graph (``E``, ``P_ROWS``), no pointer, no tiling."""
-    from gatlib import _triton_kernels
-
     for name, keys in S._KEYS.items():
         fn = getattr(_triton_kernels, name)
         assert set(keys) <= set(fn.arg_names), name
