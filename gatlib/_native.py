@@ -93,7 +93,18 @@ def _build(final: Path) -> None:
 @functools.lru_cache(maxsize=None)
 def _load() -> Optional[str]:
     """Build (or load the cached build of) the extension once per process;
-    ``None`` on success, else why it failed."""
+    ``None`` on success, else why it failed, said once in a warning: ``backend="auto"``
+    then runs the reference on CPU, which must not happen unseen."""
+    reason = _build_or_load()
+    if reason is not None:
+        warnings.warn(f"gatlib: the fused CPU kernel cannot run here: {reason}. "
+                      "backend='auto' runs the reference kernel on CPU instead (it builds "
+                      "[E, H, C] tensors: more memory and time on large graphs); "
+                      "backend='fused' raises", RuntimeWarning, stacklevel=2)
+    return reason
+
+
+def _build_or_load() -> Optional[str]:
     path = os.environ.get("PATH", "")
     if shutil.which("ninja") is None:
         try:  # the `ninja` wheel's binary, where ninja is not on PATH (a venv not activated)

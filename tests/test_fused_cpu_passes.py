@@ -4,11 +4,13 @@ and float64, int32 and int64 indices, destinations without in-edges, a hub, and
 on enough rows that they run over several threads (with the same result for
 any thread count). How the dispatcher treats a build that fails is at the end."""
 import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -240,24 +242,37 @@ def test_a_failed_build_says_why(tmp_path, monkeypatch):
     bad.write_text("this is not C++;\n")
     monkeypatch.setattr(_native, "SOURCE", bad)
     monkeypatch.setenv("GATLIB_CACHE", str(tmp_path / "cache"))
-    reason = _native._load.__wrapped__()
+    with pytest.warns(RuntimeWarning, match="fused CPU kernel cannot run here: its compiled "
+                                            "passes .bad.cpp. failed to build") as said:
+        reason = _native._load.__wrapped__()
+    assert len(said) == 1 and "backend='auto' runs the reference" in str(said[0].message)
     assert reason is not None and "failed to build" in reason and "bad.cpp" in reason
     assert _native.build_directory().parent == tmp_path / "cache" / "native"
 
 
 def test_without_the_passes_the_fused_kernel_is_unsupported_by_name(monkeypatch):
     """Explicitly asked for, the fused kernel raises with the reason; "auto" takes
-    the reference, as it does for any call the fused kernel cannot run."""
-    monkeypatch.setattr(_native, "_load", lambda: "no compiler here")
+    the reference, as it does for any call the fused kernel cannot run, and a warning
+    says why, once per process (the loader's result is cached: a fresh cache here)."""
+    monkeypatch.setattr(_native, "_build_or_load", lambda: "no compiler here")
+    monkeypatch.setattr(_native, "_load", functools.lru_cache(maxsize=None)(_native._load.__wrapped__))
     n = 600
     ei = random_graph(n, 20000, seed=1)  # (E + n) * H * C >= the auto size rule's bound
     x = torch.randn(n, 8)
-    with pytest.raises(ValueError, match="fused CPU kernel cannot run here: no compiler here"):
-        gatlib.GATConv(8, 16, heads=4, backend="fused")(x, ei)
-    assert (ei.size(1) + n) * 4 * 16 >= gatlib._dispatch.FUSED_CPU_MIN_ENTRIES
-    with gatlib.record_kernels() as log:
-        gatlib.GATConv(8, 16, heads=4)(x, ei)
-    assert log == ["torch"]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="fused CPU kernel cannot run here: no compiler here"):
+            gatlib.GATConv(8, 16, heads=4, backend="fused")(x, ei)
+        assert (ei.size(1) + n) * 4 * 16 >= gatlib._dispatch.FUSED_CPU_MIN_ENTRIES
+        with gatlib.record_kernels() as log:
+            gatlib.GATConv(8, 16, heads=4)(x, ei)
+            gatlib.GATConv(8, 16, heads=4)(x, ei)
+    assert log == ["torch", "torch"]
+    said = [str(w.message) for w in said if issubclass(w.category, RuntimeWarning)]
+    assert said == ["gatlib: the fused CPU kernel cannot run here: no compiler here. "
+                    "backend='auto' runs the reference kernel on CPU instead (it builds "
+                    "[E, H, C] tensors: more memory and time on large graphs); "
+                    "backend='fused' raises"], said
     monkeypatch.undo()
     with gatlib.record_kernels() as log:
         gatlib.GATConv(8, 16, heads=4)(x, ei)
