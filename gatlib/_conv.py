@@ -252,7 +252,7 @@ def project(x: Tensor, *lins) -> List[Tensor]:
                      + ([lin.bias for lin in lins] if biased else []))
     x = x.reshape(math.prod(lead), in_f)
     device = x.device.type
-    if _autocast_enabled(device):
+    if V.autocast_enabled(device):
         # as F.linear under autocast: in its dtype
         dtype = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
@@ -262,12 +262,6 @@ def project(x: Tensor, *lins) -> List[Tensor]:
     return [t.view(*lead, out_f) for t in y.unbind(0)]
 
 
-def _autocast_enabled(device: str) -> bool:
-    # (dynamo before torch 2.13 cannot trace torch.amp.is_autocast_available: asked
-    # only for devices other than CPU and CUDA, where is_autocast_enabled could raise)
-    if device not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device):
-        return False
-    return torch.is_autocast_enabled(device)
 
 
 class _StackedLinear(torch.autograd.Function):

@@ -25,6 +25,15 @@ class UnsupportedInputError(ValueError, NotImplementedError):
     """
 
 
+def autocast_enabled(device: str) -> bool:
+    """Whether autocast is on for ``device`` (a device type)."""
+    # (dynamo before torch 2.13 cannot trace torch.amp.is_autocast_available: asked
+    # only for devices other than CPU and CUDA, where is_autocast_enabled could raise)
+    if device not in ("cpu", "cuda") and not torch.amp.is_autocast_available(device):
+        return False
+    return torch.is_autocast_enabled(device)
+
+
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= {minimum}; got {type(value).__name__}")
@@ -91,7 +100,9 @@ def check_features(name: str, x, expected: int, weight: Optional[Tensor]) -> Ten
     # (the mixin, not UninitializedParameter: Parameter's metaclass makes isinstance
     # a Python call)
     if weight is not None and not isinstance(weight, torch.nn.parameter.UninitializedTensorMixin):
-        if x.dtype != weight.dtype:
+        # (under autocast a layer takes another dtype's features, as F.linear does: a
+        # previous layer's output in the autocast dtype)
+        if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
             raise TypeError(f"{name} has dtype {x.dtype} but the layer's parameters are "
                             f"{weight.dtype}: cast one to the other (e.g. layer.to({x.dtype}))")
         if x.device != weight.device:

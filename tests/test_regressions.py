@@ -178,6 +178,36 @@ def test_bfloat16_autocast_on_the_default_path_matches_the_reference(layer):
     torch.testing.assert_close(outs["auto"], outs["torch"], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("layer", LAYERS)
+def test_autocast_takes_features_in_the_autocast_dtype(layer, backend):
+    """Under autocast a layer gets a previous layer's output in the autocast dtype while its
+    own parameters stay float32 (TransformerConv's output is bfloat16 there): PyG's layer
+    takes it, as F.linear does, and so does gatlib's, with PyG's output and gradients.
+    Outside autocast the same input is refused, naming the dtypes."""
+    m = conv(layer, backend=backend)
+    theirs = getattr(pyg, layer)(6, 4, heads=2)
+    theirs.load_state_dict(m.state_dict())
+    x = torch.randn(20, 6).bfloat16()
+    ei = random_graph(20, 70, seed=9)
+    outs, grads = {}, {}
+    for name, module in (("gatlib", m), ("pyg", theirs)):
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), gatlib.record_kernels() as log:
+            outs[name] = module(xx, ei)
+        outs[name].float().sum().backward()
+        grads[name] = [xx.grad, *(p.grad for p in module.parameters())]
+        if name == "gatlib":
+            assert log[0] == backend
+    assert outs["gatlib"].dtype == outs["pyg"].dtype
+    torch.testing.assert_close(outs["gatlib"], outs["pyg"], rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads["gatlib"], grads["pyg"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+    with pytest.raises(TypeError, match="x has dtype torch.bfloat16 but the layer's parameters "
+                                        "are torch.float32"):
+        m(x, ei)
+
+
 # ---------------------------------------------------------------------------
 # Empty graphs
 # ---------------------------------------------------------------------------
