@@ -24,12 +24,12 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from gatlib.bench.compare_report import IMPL_LABELS, LAYERS, has_compiled, report_tables
+from gatlib.bench.compare_report import IMPL_LABELS, LAYERS, has_compiled, precision, report_tables
 from gatlib.bench.report import format_table
 
 # The target setting; with a fresh edge_index per call (graph_input "tensor") every call
 # also derives its plan, which docs/benchmarks.md reports beside the target, not against it.
-TARGET = {"graph": "arxiv-like", "device": "cpu", "heads": 4, "channels": 64, "dtype": "float32",
+TARGET = {"graph": "arxiv-like", "device": "cpu", "heads": 4, "channels": 64, "dtype": "float32", "autocast": None,
           "graph_input": "plan"}
 # pass -> (least speedup, largest memory ratio or None)
 TARGET_BY_PASS = {"forward+backward": (4.5, 0.1), "train_step": (3.5, None)}
@@ -109,7 +109,7 @@ def _section(name: str, rep: Dict) -> List[str]:
         f"- graph: **{g['name']}**, N={g['num_nodes']:,}, E={g['num_edges']:,} (undirected, no "
         f"self-loops), {g['num_edges_with_self_loops']:,} edges attended with self-loops, "
         f"F={g['num_features']} — {g['source']}",
-        f"- {_scope(c)}, H={c['heads']}, C={c['channels']}, {c['dtype']}, backend "
+        f"- {_scope(c)}, H={c['heads']}, C={c['channels']}, {precision(c)}, backend "
         f"{_backend(rep)}, gatlib's graph input: "
         f"{c.get('graph_input', 'edge_index, derived state cached on it (older report)')}, "
         f"{c['repeats']} interleaved rounds (median)",
@@ -176,7 +176,7 @@ def render(paths: List[Path]) -> str:
             if r["pass"] not in ("forward+backward", "train_step"):
                 continue
             row = [c["graph"], c.get("graph_input", "-"), c["device"], _backend(rep),
-                   f"{c['heads']}x{c['channels']}", c["dtype"], LAYERS[r["layer"]],
+                   f"{c['heads']}x{c['channels']}", precision(c), LAYERS[r["layer"]],
                    r["pass"], _x(r["speedup"]), _x(r["mem_ratio"]),
                    _verdict(r) if _is_target(rep) else ""]
             if compiled:

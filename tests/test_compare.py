@@ -601,3 +601,73 @@ def test_compare_table_renders_compiled_sides(tmp_path, monkeypatch):
     assert table._verdict_compiled({**row, "gatlib_compiled_over_eager": 1.2}) == "not met"
     assert table._verdict_compiled({**row, "gatlib_compiled_over_eager_mem": None}) == "n/a"
     assert table._verdict_compiled({"pass": "train_step", "speedup": 4.0}) == ""  # schema 2
+
+
+def test_model_scope_under_autocast(tmp_path, capsys):
+    """``--autocast bfloat16``: both models' layers run under CPU autocast (a Transformer's
+    second layer then gets bfloat16 features), each checked against PyG in float32 without
+    autocast by the low-precision rule, and timed; the table says so."""
+    out = tmp_path / "amp.json"
+    rc = compare.main([*TINY, "--scope", "model", "--classes", "5", "--autocast", "bfloat16",
+                       "--no-memory", "--data-dir", str(tmp_path / "data"), "--json", str(out)])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["autocast"] == "bfloat16" and rep["config"]["dtype"] == "float32"
+    for layer in compare_report.LAYERS:
+        check = rep["checks"][layer]
+        assert check["status"] == "ok", check
+        # against float32 PyG: PyG's own autocast error is what the bound is made of
+        assert 0 < check["weight_grad_rel_err_pyg_vs_fp32"] < 0.1
+        assert check["tol_weight_grad"] == 2 * check["weight_grad_rel_err_pyg_vs_fp32"] + 1e-4
+    assert {(m["layer"], m["impl"]) for m in rep["measurements"]} == {
+        (layer, impl) for layer in compare_report.LAYERS for impl in ("pyg", "gatlib")}
+    assert "float32 (autocast bfloat16) on" in capsys.readouterr().out
+
+
+def test_autocast_runs_the_models_in_the_autocast_dtype():
+    """The model of ``--autocast`` computes its layers in bfloat16 (its loss differs from
+    float32's) and hands float32 logits to the loss."""
+    data = synthetic.synthetic_graph("synthetic:50:200:8")
+    labels = compare.random_labels(50, 3, "cpu", 0)
+    for layer in compare_report.LAYERS:
+        ei = compare.layer_edge_index(layer, data.edge_index,
+                                      compare.with_self_loops(data.edge_index, 50))
+        plain = compare.build_pair(layer, 8, 2, 4, "auto", torch.device("cpu"), torch.float32, 0,
+                                   "model", 3)
+        amp = compare.build_pair(layer, 8, 2, 4, "auto", torch.device("cpu"), torch.float32, 0,
+                                 "model", 3, torch.bfloat16)
+        for impl in ("pyg", "gatlib"):
+            assert amp[impl](data.x, ei).dtype == torch.float32
+            loss_amp = compare.model_outputs(amp[impl], data.x, ei, labels)[0]
+            loss = compare.model_outputs(plain[impl], data.x, ei, labels)[0]
+            assert loss.dtype == loss_amp.dtype == torch.float32 and loss != loss_amp
+
+
+def test_deterministic_runs_under_deterministic_algorithms(tmp_path, monkeypatch):
+    """``--deterministic``: every call of the run (checks and timing) under
+    ``torch.use_deterministic_algorithms(True)``, the caller's setting after it."""
+    seen = []
+    real = compare.make_pass
+
+    def spying(*args, **kwargs):
+        fn = real(*args, **kwargs)
+
+        def call():
+            seen.append(torch.are_deterministic_algorithms_enabled())
+            return fn()
+        call.clear = fn.clear
+        return call
+    monkeypatch.setattr(compare, "make_pass", spying)
+    assert not torch.are_deterministic_algorithms_enabled()
+    rc, rep = run_compare(tmp_path, "--layer", "gat", "--no-memory", "--deterministic")
+    assert rc == 0 and rep["config"]["deterministic"] is True
+    assert rep["checks"]["gat"]["status"] == "ok"
+    assert seen and all(seen)
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("args", [["--autocast", "bfloat16"],  # (scope layer)
+                                  ["--scope", "model", "--autocast", "bfloat16", "--dtype", "bfloat16"]])
+def test_autocast_outside_a_float32_model_is_refused(tmp_path, args, capsys):
+    assert compare.main([*TINY, "--data-dir", str(tmp_path), *args]) == 2
+    assert "--autocast applies to --scope model with --dtype float32" in capsys.readouterr().err

@@ -146,23 +146,31 @@ def warm_plan(impl: str, module: torch.nn.Module, x: Tensor, graph) -> None:
 
 # Layers, models and the measured calls
 class TwoLayer(torch.nn.Module):
-    """The model of ``--scope model``: ``conv1 -> ELU -> conv2``, both made by ``make``."""
+    """The model of ``--scope model``: ``conv1 -> ELU -> conv2``, both made by ``make``; with
+    ``autocast`` (a dtype) the layers run under ``torch.autocast`` to it, the logits come out in
+    float32 (as autocast gives them to ``cross_entropy``)."""
 
-    def __init__(self, make, in_channels: int, heads: int, channels: int, num_classes: int):
+    def __init__(self, make, in_channels: int, heads: int, channels: int, num_classes: int,
+                 autocast: Optional[torch.dtype] = None):
         super().__init__()
         self.conv1 = make(in_channels, channels, heads=heads)
         self.conv2 = make(heads * channels, num_classes, heads=1, concat=False)
+        self.autocast = autocast
 
     def forward(self, x: Tensor, edge_index) -> Tensor:
-        return self.conv2(F.elu(self.conv1(x, edge_index)), edge_index)
+        if self.autocast is None:
+            return self.conv2(F.elu(self.conv1(x, edge_index)), edge_index)
+        with torch.autocast(x.device.type, dtype=self.autocast):
+            return self.conv2(F.elu(self.conv1(x, edge_index)), edge_index).float()
 
 
 def build_pair(layer: str, in_channels: int, heads: int, channels: int, backend: str,
                device: torch.device, dtype: torch.dtype, seed: int, scope: str = "layer",
-               num_classes: Optional[int] = None) -> Dict[str, torch.nn.Module]:
+               num_classes: Optional[int] = None, autocast: Optional[torch.dtype] = None
+               ) -> Dict[str, torch.nn.Module]:
     """PyG's layer (``scope="layer"``) or :class:`TwoLayer` model with
-    ``num_classes`` outputs (``scope="model"``) and gatlib's, with PyG's freshly
-    initialised weights loaded into gatlib's."""
+    ``num_classes`` outputs (``scope="model"``, under ``autocast`` if given) and gatlib's,
+    with PyG's freshly initialised weights loaded into gatlib's."""
     import torch_geometric.nn as pyg_nn
 
     import gatlib
@@ -177,8 +185,8 @@ def build_pair(layer: str, in_channels: int, heads: int, channels: int, backend:
         theirs = theirs_cls(in_channels, channels, heads=heads)
         ours = ours_make(in_channels, channels, heads=heads)
     else:
-        theirs = TwoLayer(theirs_cls, in_channels, heads, channels, num_classes)
-        ours = TwoLayer(ours_make, in_channels, heads, channels, num_classes)
+        theirs = TwoLayer(theirs_cls, in_channels, heads, channels, num_classes, autocast)
+        ours = TwoLayer(ours_make, in_channels, heads, channels, num_classes, autocast)
     ours.load_state_dict(theirs.state_dict())
     return {"pyg": theirs.to(device, dtype), "gatlib": ours.to(device, dtype)}
 
@@ -259,6 +267,8 @@ def measured_call(spec: Dict):
     loads the inputs the parent saved and returns the call of ``spec``'s
     (layer, implementation, pass)."""
     dtype = DTYPES[spec["dtype"]]
+    if spec.get("deterministic"):  # (a fresh process: nothing to restore)
+        torch.use_deterministic_algorithms(True)
     blob = torch.load(spec["inputs"], weights_only=True)
     x = blob["x"]
     N, F_in = x.shape
@@ -266,7 +276,8 @@ def measured_call(spec: Dict):
     del blob
     impl = spec["impl"]
     pair = build_pair(spec["layer"], F_in, spec["heads"], spec["channels"], spec["backend"],
-                      torch.device("cpu"), dtype, spec["seed"], spec["scope"], spec["classes"])
+                      torch.device("cpu"), dtype, spec["seed"], spec["scope"], spec["classes"],
+                      DTYPES[spec["autocast"]] if spec.get("autocast") else None)
     module = with_compiled(pair, [impl], spec.get("compile_options") or {})[impl]
     del pair
     if spec["scope"] == "layer":
@@ -282,6 +293,22 @@ def measured_call(spec: Dict):
         if res["status"] != "ok":
             raise RuntimeError(f"{impl} failed before it settled: {res['error']}")
     return fn
+
+
+@contextlib.contextmanager
+def deterministic(on: bool):
+    """``torch.use_deterministic_algorithms(True)`` inside the block if ``on``; the caller's
+    setting after it."""
+    if not on:
+        yield
+        return
+    was, warn_only = (torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 # Compiling
@@ -382,10 +409,12 @@ _OUTPUTS = {"layer": _layer_outputs, "model": model_outputs}
 def pyg_reference(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor,
                   target: Tensor, scope: str = "layer") -> Dict:
     """What every other side is compared with: eager PyG's outputs (``"pyg"``) and,
-    in half precision, PyG's in float32 (``"fp32"``, else ``None``)."""
+    in half precision or under autocast, PyG's in float32 (``"fp32"``, else ``None``)."""
     ref = {"pyg": _OUTPUTS[scope](modules["pyg"], x, graphs["pyg"], target), "fp32": None}
-    if x.dtype in (torch.float16, torch.bfloat16):
+    if x.dtype in (torch.float16, torch.bfloat16) or getattr(modules["pyg"], "autocast", None):
         ref_module = copy.deepcopy(modules["pyg"]).float()
+        if scope == "model":
+            ref_module.autocast = None
         ref["fp32"] = _OUTPUTS[scope](ref_module, x.float(), graphs["pyg"],
                                       target.float() if target.is_floating_point() else target)
     return ref
@@ -397,7 +426,8 @@ def check_agreement(modules: Dict[str, torch.nn.Module], graphs: Dict, x: Tensor
     """Norm-wise relative error of ``impl`` (gatlib, or a compiled side) against eager PyG.
 
     ``layer``: output and input gradient; ``model``: loss and conv1's first weight's gradient. float32: at most
-    ``1e-4``; bfloat16/float16: at most twice PyG's error (both against PyG in float32) plus ``1e-4``.
+    ``1e-4``; bfloat16/float16 or under autocast: at most twice PyG's error (both against PyG in float32,
+    without autocast) plus ``1e-4``.
     """
     ref = ref if ref is not None else pyg_reference(modules, graphs, x, target, scope)
     got = _OUTPUTS[scope](modules[impl], x, graphs[impl], target)
@@ -448,6 +478,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--scope model: output classes, as ogbn-arxiv (default: 40)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
                         help="(default: float32)")
+    parser.add_argument("--autocast", default=None, choices=["bfloat16", "float16"],
+                        help="--scope model: both models' layers run under torch.autocast to "
+                             "this dtype, float32 weights (default: off)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run under torch.use_deterministic_algorithms(True): what runs "
+                             "at all, and how fast (on CUDA set CUBLAS_WORKSPACE_CONFIG=:4096:8 "
+                             "first, as torch asks)")
     parser.add_argument("--backend", default="auto", choices=list(BACKENDS),
                         help="gatlib attention backend (default: auto)")
     parser.add_argument("--repeats", type=int, default=5,
@@ -505,6 +542,9 @@ def _config(args: argparse.Namespace) -> Dict:
         raise ValueError("--pass applies to --scope layer; --scope model times a training step")
     if args.classes < 1:
         raise ValueError(f"--classes must be >= 1; got {args.classes}")
+    if args.autocast and (args.scope != "model" or args.dtype != "float32"):
+        raise ValueError("--autocast applies to --scope model with --dtype float32 (autocast "
+                         "runs float32 weights in the lower precision)")
     mode = args.compile_mode
     if mode != "default" and not args.compile:
         raise ValueError(f"--compile-mode {mode}: there are no compiled sides with --no-compile")
@@ -523,7 +563,8 @@ def _config(args: argparse.Namespace) -> Dict:
         "scope": args.scope, "graph": args.graph, "graph_input": args.graph_input,
         "device": args.device, "heads": heads, "channels": channels,
         "classes": args.classes if args.scope == "model" else None,
-        "dtype": args.dtype, "backend": args.backend,
+        "dtype": args.dtype, "autocast": args.autocast, "deterministic": args.deterministic,
+        "backend": args.backend,
         "repeats": args.repeats, "block_s": args.block_seconds, "warmup": max(1, args.warmup),
         "memory": args.memory, "passes": passes,
         "impls": list(ALL_IMPLS if args.compile else IMPLS),
@@ -588,7 +629,8 @@ def _run(args: argparse.Namespace, cfg: Dict) -> int:
          f"gatlib backend {cfg['backend']}, graph input {cfg['graph_input']}; "
          f"{', '.join(cfg['impls'])}")
     status = 0
-    with tempfile.TemporaryDirectory(prefix="gatlib-compare-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="gatlib-compare-") as tmp, \
+            deterministic(cfg["deterministic"]):
         workdir = Path(tmp)
         if cfg["memory"] and device.type == "cpu":
             torch.save({"x": graph.x.to(dtype), "edge_index": graph.edge_index,
@@ -631,7 +673,7 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
     if compiled:  # each layer type compiles afresh (and far from dynamo's recompile limit)
         torch._dynamo.reset()
     pair = build_pair(layer, F_in, H, C, cfg["backend"], device, dtype, cfg["seed"], scope,
-                      cfg["classes"])
+                      cfg["classes"], DTYPES[cfg["autocast"]] if cfg["autocast"] else None)
     modules = with_compiled(pair, impls, cfg["compile_options"] or {})
     del pair
     edge_index = layer_edge_index(layer, ei, ei_loops)
@@ -662,7 +704,8 @@ def _compare_layer(layer: str, cfg: Dict, report: Dict, x: Tensor, ei: Tensor,
                     "inputs": str(workdir / "inputs.pt"),
                     "layer": layer, "impl": impl, "pass": p, "scope": scope,
                     "heads": H, "channels": C, "classes": cfg["classes"],
-                    "dtype": cfg["dtype"], "backend": cfg["backend"],
+                    "dtype": cfg["dtype"], "autocast": cfg["autocast"],
+                    "deterministic": cfg["deterministic"], "backend": cfg["backend"],
                     "graph_input": cfg["graph_input"], "seed": cfg["seed"],
                     "compile_options": cfg["compile_options"],
                     "threads": cfg["threads"], "mem_budget_bytes": cfg["mem_budget_bytes"]}

@@ -22,6 +22,12 @@ def is_compiled(impl: str) -> bool:
     return impl.endswith("_compiled")
 
 
+def precision(config: Dict) -> str:
+    """A report's dtype, with the autocast dtype and determinism where its run set them."""
+    return (config["dtype"] + (f" (autocast {config['autocast']})" if config.get("autocast") else "")
+            + (", deterministic" if config.get("deterministic") else ""))
+
+
 # Summary and table
 # summary key -> (numerator, denominator): ratios of median times, "<key>_rounds" per round.
 TIME_RATIOS = {
@@ -207,7 +213,7 @@ def render_table(report: Dict) -> str:
         f"graph {g['name']}: N={g['num_nodes']:,}, E={g['num_edges']:,} "
         f"(undirected, no self-loops), E+N={g['num_edges_with_self_loops']:,} attended, "
         f"F={g['num_features']}",
-        f"{what}, H={c['heads']} C={c['channels']} {c['dtype']} on {env['device_name']} "
+        f"{what}, H={c['heads']} C={c['channels']} {precision(c)} on {env['device_name']} "
         f"(threads={env['num_threads']}); gatlib backend={c['backend']}, "
         f"graph input {c['graph_input']}",
         f"gatlib kernels: {kernels('kernels') or '-'}",
