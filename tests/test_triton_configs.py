@@ -318,3 +318,13 @@ def test_tuned_once_per_key_and_cached_across_processes(tmp_path):
     assert first[0]["best"] == first[1]["best"] == space[0].kwargs
     again = _tuner_run(tmp_path)
     assert [r["timed"] for r in again] == [0, 0] and again[0]["best"] == space[0].kwargs
+    # what the GPU run's report reads from those files: each config's time, the choice, the
+    # default (tools.autotune_report)
+    from tools import autotune_report
+    (record,) = autotune_report.read(tmp_path)
+    assert record["kernel"] == "_fwd_kernel" and record["key"]["KIND"] == 1 and record["key"]["CV"] == 16
+    assert [c["kwargs"] for c in record["configs"]] == [c.kwargs for c in space]
+    assert [c["over_best"] for c in record["configs"]] == [float(i + 1) for i in range(len(space))]
+    default = S._default("_fwd_kernel", kw)
+    assert [c["default"] for c in record["configs"]] == [c is default for c in space]
+    assert record["default_over_best"] == space.index(default) + 1

@@ -17,7 +17,7 @@ from gatlib import _dispatch
 
 __all__ = ["TRITON_MAX_CHANNELS", "TRITON_SPLIT", "compiled_gat_terms_in_kernel",  # noqa: F822
            "draw_dropout_seed", "dropout_keep_mask", "triton_admits_cpu_tensors",
-           "triton_attention", "triton_tuners"]
+           "triton_attention", "triton_default_config", "triton_tuners"]
 
 _TRITON_CONSTANTS = {
     "TRITON_SPLIT": ("_triton_schedule", "_SPLIT"),  # the longest run of edges of one work item
@@ -40,6 +40,11 @@ def triton_tuners() -> Dict[str, object]:
     """The row kernels' ``triton.autotune`` tuners by kernel name: their ``configs``, and
     their ``cache`` of the config chosen per key in this process."""
     return dict(_module("_triton_schedule")._TUNED)
+
+
+def triton_default_config(name: str, consts: Dict):
+    """The config row kernel ``name`` runs untuned at a call with constexprs ``consts``."""
+    return _module("_triton_schedule")._default(name, consts)
 
 
 def triton_attention(score, value: Tensor, plan, value_edge: Optional[Tensor], p: float,

@@ -8,7 +8,10 @@ synthetic graph (gatlib.bench.synthetic's power-law preset plus self-loops), tim
 
 of ``gatlib.graph_attention`` with ``backend="triton"`` (the fused kernels;
 an explicit backend never falls back) and ``backend="torch"`` (the reference),
-over one :class:`gatlib.GraphPlan`, after checking that the two agree. Next to each fused time it prints the
+over one :class:`gatlib.GraphPlan`, after checking that the two agree; and beside them
+``torch.sparse.mm`` on the plan's CSR with the call's attention weights as its values: the
+aggregation alone, no scores or softmax, forward and the value's gradient (a practical
+floor for the narrow rows of an output layer, issue 56). Next to each fused time it prints the
 *bandwidth floor*: the bytes the pass must move at least (every input and
 output read or written once, no re-reads of gathered rows) divided by the
 device-copy bandwidth measured in the same process — how far the kernel is
@@ -17,6 +20,7 @@ from being purely memory bound.
 Usage (CUDA only; from the repository root)::
 
     python -m tools.triton_bench --out benchmarks/results/triton_bench.json
+    python -m tools.triton_bench --heads 1 --channels 40 --dtypes float32 --out classes.json
 """
 from __future__ import annotations
 
@@ -136,6 +140,22 @@ def min_bytes(kind, N, E, H, C, elt, edge_features, backward) -> int:
     return fwd + bwd
 
 
+def sparse_mm_call(plan: GraphPlan, alpha: torch.Tensor, value: torch.Tensor):
+    """``out [N, H*C] = A_h @ value[:, h]`` per head by ``torch.sparse.mm``, ``A_h`` the plan's
+    graph as a CSR (destination rows) with ``alpha[:, h]`` as values: the attention call's
+    aggregation with its weights given (``alpha [E, H]`` in edge-list order, ``value [N, H, C]``)."""
+    src, dst = plan.edge_index
+    size = (plan.num_dst, plan.num_src)
+    # coalesced (a row's sources sorted, repeated edges summed), as torch's CSR requires
+    mats = [torch.sparse_coo_tensor(torch.stack([dst, src]), alpha.detach()[:, h].to(value.dtype),
+                                    size).coalesce().to_sparse_csr()
+            for h in range(value.size(1))]
+
+    def call():
+        return torch.cat([torch.sparse.mm(a, value[:, h]) for h, a in enumerate(mats)], dim=1)
+    return call
+
+
 def device_bandwidth(device) -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
     import triton.testing
@@ -200,7 +220,14 @@ def run_case(kind, dtype, plan, args, device, bandwidth):
         torch.cuda.empty_cache()
     grad = torch.randn(N, H * C, device=device, dtype=dtype)
     elt = torch.tensor([], dtype=dtype).element_size()
-    for name, fn in (("fused", fused_fwd), ("torch", ref_fwd)):
+    with torch.no_grad():
+        alpha = fused_fwd(need_alpha=True)[1]
+    spmm = sparse_mm_call(plan, alpha, value)
+    del alpha
+
+    def spmm_fwd(need_alpha=False):
+        return spmm(), None
+    for name, fn in (("fused", fused_fwd), ("torch", ref_fwd), ("sparse_mm", spmm_fwd)):
         for phase in ("fwd", "fwd+bwd"):
             if phase == "fwd":
                 def step(fn=fn):
@@ -246,11 +273,12 @@ def main(argv=None):
         return format(v, spec) if isinstance(v, float) else str(v)
 
     print(format_table(
-        ["kind", "dtype", "ok", "fwd fused ms", "torch", "floor", "f+b fused ms", "torch", "floor"],
-        [[r["kind"], r["dtype"], r["correct"], fmt(r["fused_fwd_ms"]), fmt(r["torch_fwd_ms"]),
-          fmt(r["floor_fwd_ms"]), fmt(r["fused_fwd+bwd_ms"]), fmt(r["torch_fwd+bwd_ms"]),
-          fmt(r["floor_fwd+bwd_ms"])] for r in rows],
-        align="<<<" + ">" * 6))
+        ["kind", "dtype", "ok", "fwd fused ms", "torch", "sparse.mm", "floor", "f+b fused ms",
+         "torch", "sparse.mm", "floor"],
+        [[r["kind"], r["dtype"], r["correct"], *(fmt(r[f"{name}_{phase}_ms"])
+          for phase in ("fwd", "fwd+bwd") for name in ("fused", "torch", "sparse_mm", "floor"))]
+         for r in rows],
+        align="<<<" + ">" * 8))
     result = dict(
         command=command_line(), **environment(device), copy_bandwidth_bytes_per_s=bandwidth,
         graph=args.graph, args={k: str(v) for k, v in vars(args).items()},
