@@ -341,15 +341,18 @@ def test_relative_links_resolve(path):
             assert anchor in {_anchor(h) for h in headings}, f"{path.name}: no heading #{anchor} in {file}"
 
 
-def test_the_gpu_run_commands_parse():
+@pytest.mark.parametrize("part,programs", [
+    ("1", ["gatlib.bench.selftest", "gatlib.bench.compare", "tools.triton_bench"]),
+    ("2", ["gatlib.bench.compare"] * 3)])
+def test_the_gpu_run_commands_parse(part, programs):
     """``scripts/gpu_run.sh``, the run kept ready for a session lent a GPU, runs commands that
-    parse (it cannot run here: no GPU)."""
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print"],
+    parse (it cannot run here: no GPU), in two parts of three steps."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print", part],
                          capture_output=True, text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == 3, out  # one call: the self-test, the arxiv-like and Cora steps
-    for line in lines:
+    assert len(lines) == len(programs), out
+    for line, expected in zip(lines, programs, strict=True):
         (words,) = split_commands(line)
         program, argv = invocation(words)
-        assert program in ("gatlib.bench.selftest", "gatlib.bench.compare"), line
+        assert program == expected, line
         parse(Command("scripts/gpu_run.sh", line, program, argv))

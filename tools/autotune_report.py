@@ -100,12 +100,17 @@ def knob_summary(records: List[Dict]) -> List[Dict]:
             for (k, knob, value), s in sorted(seen.items(), key=lambda kv: str(kv[0]))]
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(prog="python -m tools.autotune_report",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("folder", type=Path, help="a folder of Triton autotune cache files")
     p.add_argument("--json", type=Path, default=None, help="write the records and summary here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     records = read(args.folder)
     if not records:
         raise SystemExit(f"no *.autotune.json files under {args.folder}")
