@@ -71,7 +71,7 @@ if [[ $PART == 1 ]]; then
   step 250 "$PY" -m gatlib.bench.compare "${ARXIV[@]}" --repeats 3 \
     --json "$OUT/compare_arxiv-like_model_cuda_$gpu.json"
   step 120 "$PY" -m tools.triton_bench --heads 1 --channels 40 --kinds gat gatv2 dot \
-    --dtypes float32 bfloat16 --rep 100 --out "$OUT/classes_sparse_mm_$gpu.json"
+    --dtypes float32 --rep 100 --out "$OUT/classes_sparse_mm_$gpu.json"
 else
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
