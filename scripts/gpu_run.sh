@@ -1,35 +1,37 @@
 #!/usr/bin/env bash
-# The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in two calls of
+# The GPU run, kept ready for a session that is lent a GPU (the `device` tool), in three calls of
 # at most 9 minutes each (each part's limits sum to at most 530 s), every step under its own
-# limit, results in $OUT. A lease fits part 1; part 2 runs in the same lease if its time allows,
-# else in the next one.
+# limit, results in $OUT. The parts are in order of what decides most: a lease fits part 1; the
+# next parts run in the same lease if its time allows, else in the next one.
 #
-# Part 1, in order of what decides most: correctness (the kernels against the reference and the
-# compiled 2-layer step of each layer checked per parameter against float64: `gatlib selftest`,
-# at the default configs), then the 2-layer training step against PyG eager and compiled on the
-# arxiv-like graph, whose warm-up tunes every row kernel's key (triton.autotune; each compiled
-# and eager side is checked against PyG before it is timed), then the output layer's call
-# (1 head, 40 classes) beside torch.sparse.mm on the same graph (issue 56, item 5).
-# Part 2: Cora's step with both compiled sides replayed as CUDA graphs, the arxiv-like step
-# under bfloat16 autocast, and under torch.use_deterministic_algorithms (PyG where it runs).
+# Part 1: correctness of the flagship first: `gatlib selftest` of GATConv's kind at the default
+# configs (its kernels against the reference, the output layer's call, the compiled 2-layer step
+# checked per parameter against float64); then the 2-layer training step of every layer against
+# PyG eager and compiled on the arxiv-like graph, whose warm-up tunes every row kernel's key
+# (triton.autotune; each eager and compiled side is checked against PyG before it is timed); then
+# the output layer's call (1 head, 40 classes) beside torch.sparse.mm on the same graph (issue 56,
+# item 5). Part 2: Cora's step with both compiled sides replayed as CUDA graphs, the arxiv-like
+# step under bfloat16 autocast, and under torch.use_deterministic_algorithms (PyG where it runs).
+# Part 3: the self-test of the other five kinds (the compiled GATv2Conv and TransformerConv steps
+# among its checks).
 # Each key's tuning is printed (TRITON_PRINT_AUTOTUNING) and every config's time is kept in
 # Triton's autotune cache, copied to $OUT/autotune/ (one JSON per key and kernel; read them
 # with `python -m tools.autotune_report DIR`).
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh", carry [".planetoid"], timeout_s 570
-#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 570
+#   device run: command "bash scripts/gpu_run.sh 2", carry [".planetoid"], timeout_s 570 (and 3)
 #
 # Then copy the files from $OUT into benchmarks/results/<gpu>_<date>/ with a README naming the
 # GPU and the commit. The device machine has torch, PyG and Triton but no package registry, so
-# gatlib runs from this checkout (PYTHONPATH=.). `bash scripts/gpu_run.sh --print [2]` prints a
-# part's commands.
+# gatlib runs from this checkout (PYTHONPATH=.). `bash scripts/gpu_run.sh --print [PART]` prints
+# a part's commands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PRINT=0
 [[ "${1:-}" == "--print" ]] && { PRINT=1; shift; }
 PART=${1:-1}
-[[ $PART == 1 || $PART == 2 ]] || { echo "usage: $0 [--print] [1|2]" >&2; exit 2; }
+[[ $PART =~ ^[123]$ ]] || { echo "usage: $0 [--print] [1|2|3]" >&2; exit 2; }
 OUT=${OUT:-gpu_run}
 PY=${PYTHON:-python3}  # (the device machine's python3 holds torch)
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_PRINT_AUTOTUNING=1
@@ -65,14 +67,15 @@ step() {  # step SECONDS [VAR=VALUE...] COMMAND...: run COMMAND for at most SECO
 }
 
 ARXIV=(--scope model --layer all --graph arxiv-like --device cuda --backend triton --no-memory)
+SELFTEST=(-m gatlib.bench.selftest --device cuda --graphs "" --quick)
 if [[ $PART == 1 ]]; then
-  step 150 GATLIB_TRITON_AUTOTUNE=0 "$PY" -m gatlib.bench.selftest --device cuda --graphs "" \
-    --quick --json "$OUT/selftest_$gpu.json"
-  step 250 "$PY" -m gatlib.bench.compare "${ARXIV[@]}" --repeats 3 \
+  step 150 GATLIB_TRITON_AUTOTUNE=0 "$PY" "${SELFTEST[@]}" --kinds gat_projected \
+    --json "$OUT/selftest_gat_projected_$gpu.json"
+  step 260 "$PY" -m gatlib.bench.compare "${ARXIV[@]}" --repeats 3 \
     --json "$OUT/compare_arxiv-like_model_cuda_$gpu.json"
-  step 120 "$PY" -m tools.triton_bench --heads 1 --channels 40 --kinds gat gatv2 dot \
+  step 110 "$PY" -m tools.triton_bench --heads 1 --channels 40 --kinds gat gatv2 dot \
     --dtypes float32 --rep 100 --out "$OUT/classes_sparse_mm_$gpu.json"
-else
+elif [[ $PART == 2 ]]; then
   step 150 "$PY" -m gatlib.bench.compare --scope model --layer all --graph cora --device cuda \
     --backend triton --repeats 5 --no-memory --compile-mode reduce-overhead \
     --json "$OUT/compare_cora_model_cuda_reduce-overhead_$gpu.json"
@@ -81,6 +84,9 @@ else
   step 160 CUBLAS_WORKSPACE_CONFIG=:4096:8 "$PY" -m gatlib.bench.compare "${ARXIV[@]}" \
     --repeats 2 --no-compile --deterministic \
     --json "$OUT/compare_arxiv-like_model_cuda_deterministic_$gpu.json"
+else
+  step 520 GATLIB_TRITON_AUTOTUNE=0 "$PY" "${SELFTEST[@]}" --kinds gat,gatv2,dot,gat_inputs,dot_inputs \
+    --json "$OUT/selftest_other_kinds_$gpu.json"
 fi
 if [[ $PRINT == 0 ]]; then
   mkdir -p "$OUT/autotune"

@@ -343,10 +343,10 @@ def test_relative_links_resolve(path):
 
 @pytest.mark.parametrize("part,programs", [
     ("1", ["gatlib.bench.selftest", "gatlib.bench.compare", "tools.triton_bench"]),
-    ("2", ["gatlib.bench.compare"] * 3)])
+    ("2", ["gatlib.bench.compare"] * 3), ("3", ["gatlib.bench.selftest"])])
 def test_the_gpu_run_commands_parse(part, programs):
     """``scripts/gpu_run.sh``, the run kept ready for a session lent a GPU, runs commands that
-    parse (it cannot run here: no GPU), in two parts of three steps."""
+    parse (it cannot run here: no GPU), in three parts."""
     out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print", part],
                          capture_output=True, text=True, check=True).stdout
     lines = [line for line in out.splitlines() if line.strip()]
