@@ -191,9 +191,19 @@ def _attention_op(s_src: Tensor, s_dst: Optional[Tensor], s_edge: Optional[Tenso
     """``(out [N_dst, H, CV], alpha [E, H] in edge-list order or [0], lse [N_dst, H], attn)``
     (:class:`_FusedAttention` has the maths and the inputs' order); with a ``bias``, ``attn``
     is ``out`` before it (what the backward reads), else ``[0]``."""
-    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
+    ins = _aligned(s_src, s_dst, s_edge, s_att, value, value_edge, bias)
     meta = _meta(kind, scale, slope, p, need_alpha, alpha_dtype, share_v, share_ve, ins)
     return _forward(meta, _graph_of(graph), *ins, seed)
+
+
+def _aligned(*tensors: Optional[Tensor]) -> List[Optional[Tensor]]:
+    """``tensors``, each one whose data does not start on 16 bytes copied to one that does.
+    Triton specialises a kernel on whether each pointer is 16-byte aligned, and a layer's
+    projections are views into one product ([G, N, C] cut by group: the second starts N·C
+    elements in), so rows whose width is not a multiple of 16 bytes (7 classes) would start
+    aligned for some graph sizes and not for others: a new mini-batch would compile the kernels
+    again. Such rows load no wider than an element anyway; the copy is of narrow rows."""
+    return [t.clone() if t is not None and t.data_ptr() % 16 else t for t in tensors]
 
 
 def _fake_backward(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value, value_edge, bias, seed,
@@ -251,7 +261,8 @@ def _attention_backward_op(grad_out: Optional[Tensor], grad_alpha: Optional[Tens
     ``bias``) from those of ``out`` and ``alpha`` (an empty tensor for each one
     :func:`_returned` leaves out), then :func:`_partial_sums`' summed parameter
     gradients (or an empty tensor)."""
-    ins = (s_src, s_dst, s_edge, s_att, value, value_edge, bias)
+    grad_out, grad_alpha, *ins = _aligned(grad_out, grad_alpha, s_src, s_dst, s_edge, s_att, value,
+                                          value_edge, bias)
     meta = _meta(kind, scale, slope, p, alpha.numel() > 0, alpha.dtype, share_v, share_ve, ins)
     grads = _backward(meta, _graph_of(graph), need, grad_out, grad_alpha, *ins, seed, out, lse, alpha)
     return [g if g is not None else value.new_empty(0) for g in grads]

@@ -62,3 +62,36 @@ def test_a_case_of_the_classes_step_runs_through(monkeypatch):
             assert r["sparse_mm_fwd_ms"].startswith("error: ")
     out = triton_bench.table(rows)
     assert "sparse.mm" in out and out.count("\n") == len(rows) + 1
+
+
+def test_first_step_compiles_its_spaces_and_a_new_graph_nothing(tmp_path):
+    """``tools.tuning_cost`` through Triton's launch path (a stand-in GPU): a layer's first
+    training step compiles one config per row kernel's key untuned and more tuned (each config of
+    its space); mini-batches of other sizes compile nothing, 7-class rows included, whose
+    projections start off 16 bytes for some node counts (the operators copy those)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]),
+               TRITON_DEFAULT_FP_FUSION="1")
+    out = tmp_path / "cost.json"
+    proc = subprocess.run([sys.executable, "-m", "tools.tuning_cost", "--shapes", "cora",
+                           "--layers", "gatv2", "transformer", "--json", str(out)],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["new_graph"] == {}, r
+        assert r["classes"] == 7 and sum(r["tuning_keys"].values()) >= 5
+    for tuned, untuned in zip(rows[::2], rows[1::2], strict=True):
+        assert tuned["tuned"] and not untuned["tuned"]
+        for k, keys in untuned["tuning_keys"].items():
+            assert untuned["first_step"][k] == keys  # the default alone per key
+            assert tuned["first_step"][k] >= keys
+        assert tuned["first_step"]["_fwd_kernel"] > untuned["first_step"]["_fwd_kernel"]

@@ -115,6 +115,24 @@ def test_aliased_value_and_edge_tensors():
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_inputs_that_start_off_16_bytes(kind):
+    """Inputs that do not start on 16 bytes (a layer's projections cut from one product, at
+    some node counts) are computed as aligned ones are: the operators copy them, so Triton's
+    alignment specialisation sees one case (tests/test_gpu_tools.py counts the compiles)."""
+    ei, n_src, n_dst = graph_case("random", DEVICE)
+    E, H, C = ei.size(1), 2, 7
+
+    def off(t):  # the same values, starting one element (4 bytes) into a buffer
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=DEVICE)
+        view = buf[1:].view(t.shape).copy_(t.detach())
+        assert view.data_ptr() % 16 != 0 and view.is_contiguous()
+        return view.requires_grad_()
+    s = make_score(kind, n_src, n_dst, E, H, C, edge=False, dtype=torch.float32, device=DEVICE)
+    score = s.with_tensors(*(None if t is None else off(t) for t in s.tensors()))
+    compare(score, off(torch.randn(n_src, H, C)), ei, n_dst)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_split_hubs_and_gpu_tiles(kind, monkeypatch):
     """Rows and source columns longer than _SPLIT are cut into pieces merged
     afterwards; with a GPU config (the first of each kernel's space, pinned) and three

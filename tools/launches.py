@@ -318,13 +318,15 @@ class _StandInBinary:
 
 
 @contextlib.contextmanager
-def triton_warm_on_cpu(launched: collections.Counter):
+def triton_warm_on_cpu(launched: collections.Counter,
+                       compiled: Optional[collections.Counter] = None):
     """Inside: as :func:`triton_on_cpu`, but where that skips every launch at the
     compile its specialisation would need, here the first launch of each
     specialisation puts a :class:`_StandInBinary` into Triton's kernel cache and
     every later one takes Triton's cached path, as a warmed GPU run does — its
     argument binding and specialisation, the cache key, the binary's launch call —
-    and is counted into ``launched``. The stand-ins leave the cache on exit."""
+    and is counted into ``launched``; each specialisation placed (what a GPU would
+    compile) is counted into ``compiled``. The stand-ins leave the cache on exit."""
     from triton.runtime import driver
 
     placed = []
@@ -333,6 +335,8 @@ def triton_warm_on_cpu(launched: collections.Counter):
         cache = fn.jit_function.device_caches[driver.active.get_current_device()][0]
         cache[key] = _StandInBinary(fn.name, launched)
         placed.append((cache, key))
+        if compiled is not None:
+            compiled[fn.name] += 1
         return True  # this launch is skipped; the next finds the stand-in
 
     try:
