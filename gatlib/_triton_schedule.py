@@ -17,6 +17,7 @@ from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import _triton_kernels as K
+from . import _triton_tuned as _tuned
 from ._layout import Layout, _build_schedules, _Schedule
 from ._plan import GraphPlan
 
@@ -219,8 +220,7 @@ _TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=T
 
 
 def _stages(consts: dict) -> int:
-    """Pipelining stages of a row kernel's edge loops: 2, 1 with a per-edge feature (whose
-    extra stream spilled; docs/design.md, "Pipelined edge loops")."""
+    """Edge loops' pipelining stages: 2, 1 with a per-edge feature (docs/design.md, "Pipelined edge loops")."""
     return 1 if consts.get("HAS_EDGE") or consts.get("HAS_VEDGE") else 2
 
 
@@ -271,7 +271,8 @@ def _launch(name: str, items: _Schedule, *args, **consts) -> None:
         cfg = space[_PINNED % len(space)]
     elif _interpreted():
         cfg = _interpreter_config(name, consts)
-    else:
+    else:  # (a GPU's shipped configs go into the tuners first: _triton_tuned)
+        _tuned.preload(_tuned.device_name(items.bounds.device), _TUNED, _CONFIGS, _AUTOTUNE_ENV)
         _TUNED[name][grid](*args, **consts)
         return
     _TUNED[name].fn[grid](*args, **consts, **cfg.all_kwargs())

@@ -15,8 +15,9 @@
 # Part 3: the self-test of the other five kinds (the compiled GATv2Conv and TransformerConv steps
 # among its checks).
 # Each key's tuning is printed (TRITON_PRINT_AUTOTUNING) and every config's time is kept in
-# Triton's autotune cache, copied to $OUT/autotune/ (one JSON per key and kernel; read them
-# with `python -m tools.autotune_report DIR`).
+# Triton's autotune cache, copied to $OUT/autotune/ (one JSON per key and kernel, and the GPU's
+# name in device.json; read them with `python -m tools.autotune_report DIR`, and ship the choices
+# to that GPU's users with its `--ship gatlib/tuned`).
 #
 #   mkdir -p .planetoid && cp -r ../shared/data/Planetoid/Cora .planetoid/   # (.gitignored)
 #   device run: command "bash scripts/gpu_run.sh", carry [".planetoid"], timeout_s 570
@@ -91,5 +92,12 @@ fi
 if [[ $PRINT == 0 ]]; then
   mkdir -p "$OUT/autotune"
   find "$TRITON_CACHE_DIR" -name '*.autotune.json' -exec cp --backup=numbered {} "$OUT/autotune/" \;
+  # what `python -m tools.autotune_report DIR --ship gatlib/tuned` records the choices as
+  $PY -c "import json, subprocess, sys, torch, triton; from tools import internals; \
+git = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True).stdout.strip(); \
+json.dump({'device': torch.cuda.get_device_name(0), 'kernels_sha256': \
+internals.triton_tuned().kernels_digest(), \
+'torch': torch.__version__, 'triton': triton.__version__, 'git_sha': git or None}, \
+open(sys.argv[1], 'w'))" "$OUT/autotune/device.json" || status=1
 fi
 exit $status

@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from gatlib import EdgeScore, GraphPlan, _triton_kernels, _triton_schedule, graph_attention  # noqa: E402
+from gatlib import EdgeScore, GraphPlan, _triton_kernels, _triton_schedule, _triton_tuned, graph_attention  # noqa: E402,E501
 from gatlib.bench.selftest import unwritten_memory_is_nan  # noqa: E402
 
 from testing import DEVICE, leaves, make_score, record_launches, record_tiles  # noqa: E402
@@ -267,6 +267,11 @@ _TUNER = textwrap.dedent("""
     from gatlib import GraphPlan, _triton_schedule as S
     from tools import internals
 
+    if len(sys.argv) > 1:  # a folder of shipped configs, this stand-in GPU's
+        from pathlib import Path
+        from gatlib import _triton_tuned
+        _triton_tuned.DIR = Path(sys.argv[1])
+        _triton_tuned.device_name = lambda device: "Stand-in GPU"
     timed = []
     def bench(fn, quantiles):  # times nothing: the launch is skipped (the hook)
         fn()
@@ -293,12 +298,12 @@ _TUNER = textwrap.dedent("""
 """)
 
 
-def _tuner_run(cache_dir):
+def _tuner_run(cache_dir, shipped=None):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
                TRITON_CACHE_DIR=str(cache_dir), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _TUNER], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _TUNER, *([str(shipped)] if shipped else [])], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -307,7 +312,9 @@ def _tuner_run(cache_dir):
 def test_tuned_once_per_key_and_cached_across_processes(tmp_path):
     """Through Triton's real launch path (a stand-in GPU): a layer's first call times each
     config of its forward's space once and keeps the fastest; a second graph of other sizes
-    times nothing; a second process finds the choice in Triton's cache and times nothing."""
+    times nothing; a second process finds the choice in Triton's cache and times nothing. The
+    autotune report reads those files, and its shipped configs let a process with an empty
+    cache on that GPU time nothing either and run the choice."""
     kw = dict(KIND=1, H=2, ACC=tl.float32, BLOCK_CK=16, BLOCK_CV=16, HAS_DST=True,
               HAS_EDGE=False, HAS_VEDGE=False, HAS_BIAS=False, SHARE_V=False, SHARE_VE=False,
               ONE_K=False, ONE_V=False, DROPOUT=False)
@@ -328,3 +335,62 @@ def test_tuned_once_per_key_and_cached_across_processes(tmp_path):
     default = S._default("_fwd_kernel", kw)
     assert [c["default"] for c in record["configs"]] == [c is default for c in space]
     assert record["default_over_best"] == space.index(default) + 1
+    # shipped: the report's choices for this GPU, then a process with an empty Triton cache
+    (tmp_path / "device.json").write_text(json.dumps(
+        {"device": "Stand-in GPU", "kernels_sha256": _triton_tuned.kernels_digest()}))
+    autotune_report.main([str(tmp_path), "--ship", str(tmp_path / "tuned")])
+    path = tmp_path / "tuned" / "stand-in-gpu.json"
+    shipped = json.loads(path.read_text())
+    assert shipped["device"] == "Stand-in GPU" and list(shipped["configs"]) == ["_fwd_kernel"]
+    ((key, choice),) = shipped["configs"]["_fwd_kernel"]
+    assert choice == {"kwargs": space[0].kwargs, "num_warps": space[0].num_warps, "maxnreg": space[0].maxnreg}
+    # (another choice than the stand-in's timing would make, so that running it proves it was read)
+    last = space[-1]
+    shipped["configs"]["_fwd_kernel"] = [[key, {"kwargs": last.kwargs, "num_warps": last.num_warps,
+                                                "maxnreg": last.maxnreg}]]
+    path.write_text(json.dumps(shipped))
+    fresh = _tuner_run(tmp_path / "empty_cache", shipped=tmp_path / "tuned")
+    assert [r["timed"] for r in fresh] == [0, 0] and fresh[0]["best"] == last.kwargs
+
+
+def test_shipped_configs_fill_the_tuners_once_and_only_their_own(tmp_path, monkeypatch):
+    """A GPU's shipped file puts each key's config into the tuners, once per GPU model; a file
+    of other kernels (their digest), of another GPU or with a config outside the spaces is not
+    used, and says so; none for the GPU, or GATLIB_TRITON_AUTOTUNE=0: nothing."""
+    monkeypatch.setattr(_triton_tuned, "DIR", tmp_path)
+    monkeypatch.setattr(_triton_tuned, "_LOADED", {})
+    monkeypatch.delenv("GATLIB_TRITON_AUTOTUNE", raising=False)
+
+    class Tuner:
+        def __init__(self):
+            self.cache = {}
+    cfg = S._CONFIGS["_bwd_src_kernel"][3]
+    key = [2, 1, 16, 0, False, True, True, False, False, "torch.int32", "torch.float32"]
+    entry = {"kwargs": cfg.kwargs, "num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg}
+
+    def load(**change):
+        data = {"schema": _triton_tuned.SCHEMA, "device": "Test GPU",
+                "kernels_sha256": _triton_tuned.kernels_digest(), "configs": {"_bwd_src_kernel": [[key, entry]]}}
+        (tmp_path / "test-gpu.json").write_text(json.dumps({**data, **change}))
+        _triton_tuned._LOADED.clear()
+        tuners = {name: Tuner() for name in S._ROW_KERNELS}
+        return _triton_tuned.preload("Test GPU", tuners, S._CONFIGS, "GATLIB_TRITON_AUTOTUNE"), tuners
+
+    n, tuners = load()
+    assert n == 1 and tuners["_bwd_src_kernel"].cache == {tuple(key): cfg}
+    assert tuners["_bwd_src_kernel"].cache[tuple(key)] is cfg  # the space's own object
+    (tmp_path / "test-gpu.json").unlink()  # once per process: not read again
+    assert _triton_tuned.preload("Test GPU", tuners, S._CONFIGS, "GATLIB_TRITON_AUTOTUNE") == 1
+    unknown = {**entry, "kwargs": {**entry["kwargs"], "BLOCK_R": 3}}
+    for change in ({"kernels_sha256": "0" * 64}, {"device": "Other GPU"},
+                   {"configs": {"_bwd_src_kernel": [[key, unknown]]}}, {"configs": {"_nope": []}}):
+        with pytest.warns(UserWarning, match="tuned for other kernels than these"):
+            n, tuners = load(**change)
+        assert n == 0 and not any(t.cache for t in tuners.values()), change
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _triton_tuned.preload("No File GPU", {}, S._CONFIGS, "GATLIB_TRITON_AUTOTUNE") == 0
+        assert _triton_tuned.preload(None, {}, S._CONFIGS, "GATLIB_TRITON_AUTOTUNE") == 0
+        monkeypatch.setenv("GATLIB_TRITON_AUTOTUNE", "0")
+        n, tuners = load()
+        assert n == 0 and not any(t.cache for t in tuners.values())

@@ -4,9 +4,12 @@ measurement that decides which configs a space keeps (issue 56: the compile tabl
 
 Reads the ``*.autotune.json`` files of Triton's autotune cache (``cache_results=True``; one per
 kernel and key, as ``scripts/gpu_run.sh`` copies them to ``$OUT/autotune/``, numbered backups
-``.~N~`` included)::
+``.~N~`` included, beside its ``device.json``: the GPU, and the digest of the kernels that ran).
+``--ship`` writes each key's choice into ``gatlib/tuned/`` as that GPU's shipped configs
+(``gatlib/_triton_tuned.py``), so that its users skip the tuning::
 
     python -m tools.autotune_report gpu_run/autotune --json autotune_report.json
+    python -m tools.autotune_report gpu_run/autotune --ship gatlib/tuned
 """
 from __future__ import annotations
 
@@ -61,7 +64,8 @@ def read(folder: Path) -> List[Dict]:
         data = json.loads(path.read_text())
         consts = _consts(name, data["key"])
         default = internals.triton_default_config(name, consts)
-        configs = [{"label": _label(cfg), "kwargs": cfg["kwargs"], "ms": times[0],
+        configs = [{"label": _label(cfg), "kwargs": cfg["kwargs"], "num_warps": cfg["num_warps"],
+                    "maxnreg": cfg["maxnreg"], "ms": times[0],
                     "default": cfg["kwargs"] == default.kwargs and cfg["num_warps"] == default.num_warps
                     and cfg["maxnreg"] == default.maxnreg}
                    for cfg, times in data["configs_timings"]]
@@ -71,6 +75,7 @@ def read(folder: Path) -> List[Dict]:
             c["over_best"] = c["ms"] / best if finite else None
         key = {k: v for k, v in consts.items() if k in internals.triton_tuners()[name].keys}
         records.append({"kernel": name, "file": str(path.relative_to(folder)), "key": key,
+                        "key_values": data["key"],
                         "dtypes": sorted({k for k in data["key"] if isinstance(k, str)}),
                         "configs": configs, "best_ms": best,
                         "default_over_best": next((c["over_best"] for c in configs if c["default"]), None)})
@@ -100,12 +105,33 @@ def knob_summary(records: List[Dict]) -> List[Dict]:
             for (k, knob, value), s in sorted(seen.items(), key=lambda kv: str(kv[0]))]
 
 
+def ship(records: List[Dict], run: Dict, folder: Path) -> Path:
+    """Write each key's fastest config into ``folder`` as the shipped configs of the GPU of
+    ``run`` (the GPU run's ``device.json``); returns the file written."""
+    tuned = internals.triton_tuned()
+    configs: Dict[str, List] = defaultdict(list)
+    for r in records:
+        best = min(r["configs"], key=lambda c: c["ms"])
+        if not math.isfinite(best["ms"]):
+            continue
+        configs[r["kernel"]].append([r["key_values"], {k: best[k] for k in ("kwargs", "num_warps", "maxnreg")}])
+    path = folder / tuned.file_name(run["device"])
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema": tuned.SCHEMA, "device": run["device"],
+                                "kernels_sha256": run["kernels_sha256"],
+                                "tuned_with": {k: run.get(k) for k in ("torch", "triton", "git_sha")},
+                                "configs": dict(sorted(configs.items()))}, indent=1) + "\n")
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(prog="python -m tools.autotune_report",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("folder", type=Path, help="a folder of Triton autotune cache files")
     p.add_argument("--json", type=Path, default=None, help="write the records and summary here")
+    p.add_argument("--ship", type=Path, default=None, metavar="DIR",
+                   help="write each key's choice into DIR (gatlib/tuned) as the GPU's shipped configs")
     return p
 
 
@@ -133,6 +159,9 @@ def main(argv=None) -> None:
         args.json.write_text(json.dumps({"records": records, "knobs": summary}, indent=1,
                                         default=str))
         print(f"wrote {args.json}")
+    if args.ship:
+        run = json.loads((args.folder / "device.json").read_text())
+        print(f"wrote {ship(records, run, args.ship)} ({len(records)} keys of {run['device']})")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from gatlib import _dispatch
 
 __all__ = ["TRITON_MAX_CHANNELS", "TRITON_SPLIT", "compiled_gat_terms_in_kernel",  # noqa: F822
            "draw_dropout_seed", "dropout_keep_mask", "triton_admits_cpu_tensors",
-           "triton_attention", "triton_default_config", "triton_tuners"]
+           "triton_attention", "triton_default_config", "triton_tuned", "triton_tuners"]
 
 _TRITON_CONSTANTS = {
     "TRITON_SPLIT": ("_triton_schedule", "_SPLIT"),  # the longest run of edges of one work item
@@ -40,6 +40,11 @@ def triton_tuners() -> Dict[str, object]:
     """The row kernels' ``triton.autotune`` tuners by kernel name: their ``configs``, and
     their ``cache`` of the config chosen per key in this process."""
     return dict(_module("_triton_schedule")._TUNED)
+
+
+def triton_tuned():
+    """:mod:`gatlib._triton_tuned`: the shipped configs' file names, schema and the kernels' digest."""
+    return _module("_triton_tuned")
 
 
 def triton_default_config(name: str, consts: Dict):
