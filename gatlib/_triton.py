@@ -396,7 +396,7 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
                 lay.src, plan.csr_eid, s_src, _or(s_dst, dummy), _or(s_edge, dummy),
                 _or(s_att, dummy), value, _or(value_edge, dummy), _or(bias, dummy), coef,
                 out, _or(out_b, dummy), lse, part_out, part_lse, _or(seed, dummy), meta.p,
-                H=H, CK=CK, CV=CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None, **consts)
+                DEG=_degree(E, N_dst), H=H, CK=CK, CV=CV, DROPOUT=meta.p > 0, HAS_BIAS=bias is not None, **consts)
         _merge(out, part_out, items, H, lse, part_lse, bias=bias, out_b=out_b)
         alpha = value.new_empty(0)  # (an operator returns tensors only)
         if meta.need_alpha:
@@ -413,6 +413,14 @@ def _forward(meta: _Meta, graph: _Graph, s_src, s_dst, s_edge, s_att, value, val
     if out_b is None:
         return out, alpha, lse, value.new_empty(0)
     return out_b, alpha, lse, out
+
+
+def _degree(edges: int, rows: int) -> int:
+    """A launch's degree bucket, a tuning key (``DEG``): the mean degree of its ``rows`` (of
+    ``edges`` edges in all) below 4, 16, 64 or above, 0 to 3. A graph of other degrees (a
+    products-like one beside Cora) is tuned for its own, while a graph's mini-batches share one."""
+    mean = edges / max(rows, 1)
+    return sum(mean >= t for t in (4, 16, 64))
 
 
 def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_dst, s_edge, s_att,
@@ -477,7 +485,7 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                 g, out, lse, _or(delta_alpha, dummy), _or(grad_alpha, dummy), a_buf, ds_buf,
                 _or(d_vedge, dummy), _or(d_edge, dummy), _or(d_dst, dummy),
                 _or(part_dst, dummy), _or(seed, dummy), meta.p, _or(part_att, dummy),
-                _or(part_bias, dummy), rows, H=H, CK=CK, CV=CV,
+                _or(part_bias, dummy), rows, DEG=_degree(E, lay.num_dst), H=H, CK=CK, CV=CV,
                 DROPOUT=meta.p > 0, GALPHA=galpha, NEED_VEDGE=need_vedge,
                 NEED_EDGE=need_edge, NEED_DST=d_dst is not None, NEED_ATT=part_att is not None,
                 NEED_BIAS=part_bias is not None, SLOTS=_slot_sums(width), **consts)
@@ -513,8 +521,8 @@ def _backward(meta: _Meta, graph: _Graph, need, grad_out, grad_alpha, s_src, s_d
                     _or(d_value, dummy), _or(part_value, dummy), _or(d_src, dummy),
                     _or(part_src, dummy), _or(d_dst, dummy),
                     _or(parts.get("att_src"), dummy), _or(parts.get("att_dst"), dummy),
-                    rows, H=H, CK=CK, CV=CV, SLOTS=_slot_sums(TS._width("_bwd_src_kernel", src)),
-                    **src)
+                    rows, DEG=_degree(E, value.size(0)), H=H, CK=CK, CV=CV,
+                    SLOTS=_slot_sums(TS._width("_bwd_src_kernel", src)), **src)
             if need_value:
                 _merge(d_value, part_value, sitems, H)
                 if meta.one_v:

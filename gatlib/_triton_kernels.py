@@ -6,10 +6,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# Integer arguments that change with the graph: not specialised on their value, which
-# would compile anew for many a mini-batch. Heads and channels are fixed per layer and
-# constexprs: row offsets are known multiples (vector loads) and `lane // H` no division.
-_PER_CALL = ("E", "P_ROWS")
+# Integer arguments that change with the graph (DEG: its degree bucket, a tuning key only): not
+# specialised on their value, which would compile anew for many a mini-batch. Heads and channels
+# are fixed per layer and constexprs: row offsets are known multiples (vector loads), no division.
+_PER_CALL = ("E", "P_ROWS", "DEG")
 
 
 # A program owns BLOCK_R lanes: lane l is (work item l // H, head l % H), so a source's [H, C]
@@ -204,7 +204,7 @@ def _fwd_heads_block(
 @triton.jit(do_not_specialize=_PER_CALL)
 def _fwd_kernel(
     items, bounds, csr_src, csr_eid, s_src, s_dst, s_edge, s_att, value, value_edge, bias, coef,
-    out, out_b, lse, part_out, part_lse, seed, p_drop,
+    out, out_b, lse, part_out, part_lse, seed, p_drop, DEG,
     H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr,
@@ -486,7 +486,7 @@ def _bwd_dst_heads_block(
 def _bwd_dst_kernel(
     items, bounds, csr_src, csr_eid, ptr, s_src, s_dst, s_edge, s_att, value, value_edge, coef,
     grad_out, out, lse, delta_alpha, grad_alpha, a_buf, ds_buf, d_vedge, d_edge, d_dst, part_dst,
-    seed, p_drop, part_att, part_bias, P_ROWS,
+    seed, p_drop, part_att, part_bias, P_ROWS, DEG,
     H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_DST: tl.constexpr, HAS_EDGE: tl.constexpr, HAS_VEDGE: tl.constexpr,
     SHARE_V: tl.constexpr, SHARE_VE: tl.constexpr, ONE_K: tl.constexpr, ONE_V: tl.constexpr,
@@ -658,7 +658,7 @@ def _bwd_dst_kernel(
 def _bwd_src_kernel(
     items, bounds, csc_edge, csc_dst, csc_eid, csr_src, s_src, s_dst, s_edge, s_att, coef,
     grad_out, a_buf, ds_buf, d_value, part_value, d_src, part_src, d_dst, part_att, part_att_d,
-    P_ROWS, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
+    P_ROWS, DEG, H: tl.constexpr, CK: tl.constexpr, CV: tl.constexpr,
     KIND: tl.constexpr, HAS_EDGE: tl.constexpr, NEED_VALUE: tl.constexpr, NEED_SRC: tl.constexpr,
     SUM_SRC: tl.constexpr, NEED_ATT: tl.constexpr, SLOTS: tl.constexpr, ACC: tl.constexpr,
     STAGES: tl.constexpr, BLOCK_CK: tl.constexpr, BLOCK_CV: tl.constexpr,

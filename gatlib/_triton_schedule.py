@@ -203,18 +203,18 @@ def _prune(name: str, configs, nargs, **kw) -> List[triton.Config]:
     return _space(name, kw)
 
 
-# The tuning key: what a layer fixes (Triton adds the dtypes), never a graph's size, so that
-# new graphs and mini-batches reuse a tuned config.
+# The tuning key: what a layer fixes (Triton adds the dtypes) and the degree bucket (DEG), never a
+# graph's size, so that new graphs and mini-batches reuse a tuned config.
 _KEYS = {
     "_fwd_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "HAS_BIAS", "SHARE_V", "SHARE_VE",
-                    "ONE_K", "ONE_V", "DROPOUT"],
+                    "ONE_K", "ONE_V", "DROPOUT", "DEG"],
     "_bwd_dst_kernel": ["H", "CK", "CV", "KIND", "HAS_DST", "HAS_EDGE", "HAS_VEDGE", "SHARE_V", "SHARE_VE", "ONE_K",
-                        "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE", "NEED_EDGE", "NEED_DST", "NEED_ATT", "NEED_BIAS"],
-    "_bwd_src_kernel": ["H", "CK", "CV", "KIND", "HAS_EDGE", "NEED_VALUE", "NEED_SRC", "SUM_SRC", "NEED_ATT"],
+                        "ONE_V", "DROPOUT", "GALPHA", "NEED_VEDGE", "NEED_EDGE", "NEED_DST", "NEED_ATT", "NEED_BIAS",
+                        "DEG"],
+    "_bwd_src_kernel": ["H", "CK", "CV", "KIND", "HAS_EDGE", "NEED_VALUE", "NEED_SRC", "SUM_SRC", "NEED_ATT", "DEG"],
 }
 _CONFIGS = {name: _all_configs(name) for name in _ROW_KERNELS}
-# Every launch goes through these (pinned and interpreted ones through their .fn); Triton
-# caches the timings on disk per device and version (cache_results).
+# Every launch goes through these (pinned, interpreted: .fn); Triton caches timings on disk per device.
 _TUNED = {name: triton.autotune(_CONFIGS[name], key=_KEYS[name], cache_results=True, prune_configs_by=dict(
     early_config_prune=functools.partial(_prune, name)))(getattr(K, name)) for name in _ROW_KERNELS}
 
