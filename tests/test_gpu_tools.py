@@ -68,7 +68,8 @@ def test_first_step_compiles_its_spaces_and_a_new_graph_nothing(tmp_path):
     """``tools.tuning_cost`` through Triton's launch path (a stand-in GPU): a layer's first
     training step compiles one config per row kernel's key untuned and more tuned (each config of
     its space); mini-batches of other sizes compile nothing, 7-class rows included, whose
-    projections start off 16 bytes for some node counts (the operators copy those)."""
+    projections start off 16 bytes for some node counts (the operators copy those), and a graph of
+    another degree bucket is tuned anew (new keys) without compiling."""
     import json
     import os
     import subprocess
@@ -88,10 +89,12 @@ def test_first_step_compiles_its_spaces_and_a_new_graph_nothing(tmp_path):
     assert len(rows) == 4
     for r in rows:
         assert r["new_graph"] == {}, r
-        assert r["classes"] == 7 and sum(r["tuning_keys"].values()) >= 5
+        # the last graph's degree bucket is new: its keys too, each a row kernel's
+        assert r["classes"] == 7 and sum(r["first_step_keys"].values()) >= 5
+        assert {k: 2 * n for k, n in r["first_step_keys"].items()} == r["new_graph_keys"]
     for tuned, untuned in zip(rows[::2], rows[1::2], strict=True):
         assert tuned["tuned"] and not untuned["tuned"]
-        for k, keys in untuned["tuning_keys"].items():
+        for k, keys in untuned["first_step_keys"].items():
             assert untuned["first_step"][k] == keys  # the default alone per key
             assert tuned["first_step"][k] >= keys
         assert tuned["first_step"]["_fwd_kernel"] > untuned["first_step"]["_fwd_kernel"]
