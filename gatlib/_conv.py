@@ -262,8 +262,6 @@ def project(x: Tensor, *lins) -> List[Tensor]:
     return [t.view(*lead, out_f) for t in y.unbind(0)]
 
 
-
-
 class _StackedLinear(torch.autograd.Function):
     """``y[g] = x @ w[g]^T + b[g]`` for ``x [R, F_in]`` and ``G`` weights ``w [G, F_out, F_in]``
     and biases ``b [G, F_out]`` (or none), all in the one vector ``flat``, as one batched
