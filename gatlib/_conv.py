@@ -197,14 +197,14 @@ class _AttentionConv(MessagePassing):
                 edge_attr = _add_self_loops(ei, edge_attr, fill_value=fill_value, num_nodes=n)[1]
         return plan, edge_attr
 
-    def _attend(self, score, value, plan, want_alpha, value_edge=None, concat=None, bias=None):
+    def _attend(self, score, value, plan, want_alpha, value_edge=None, concat=None):
         """Run the attention core over ``plan`` with this layer's dropout, head mode (or
-        ``concat``) and backend, ``bias`` added to its output; ``alpha`` only where wanted."""
+        ``concat``) and backend; ``alpha`` only where wanted."""
         if self.value_dropout > 0.0:  # scores above came from the undropped features
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
         return attend_planned(score, value, plan, value_edge, self.dropout, self.training,
                               self.concat if concat is None else concat, self.backend,
-                              bool(want_alpha), self._explain_weight(plan), bias)
+                              bool(want_alpha), self._explain_weight(plan))
 
     def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
         if not return_attention_weights:

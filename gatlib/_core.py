@@ -62,9 +62,6 @@ class EdgeScore:
     ``"dot"``         key ``k_j`` [N_s, H, C]  query ``q_i`` [N_t, H, C] ``[E, H, C]``
     ================  =======================  =======================  ================
 
-    A ``"gat"`` score may instead hold the projected features ``h`` ``[N, H, C]``
-    as ``src`` and ``dst`` and ``att = [a_src; a_dst]`` ``[2, H, C]``
-    (:meth:`gat_projected`, :attr:`projected`), its terms formed by the kernel.
     ``att`` ``[H, C]`` is GATv2's attention vector; ``scale`` multiplies dot
     products; ``negative_slope`` is the LeakyReLU slope of GAT and GATv2.
     ``dst`` may be ``None`` for GAT only; ``edge`` is always optional. A
@@ -85,13 +82,7 @@ class EdgeScore:
             raise ValueError(f"kind must be one of {SCORE_KINDS}; got {self.kind!r}")
         if self.kind != "gat" and self.dst is None:
             raise ValueError(f"a {self.kind!r} score needs per-destination terms (dst)")
-        if self.kind == "gat" and self.att is not None:  # gat_projected's form
-            H, C = self.src.shape[1:] if self.src.dim() == 3 else (None, None)
-            if (self.dst is None or self.dst.shape != self.src.shape
-                    or tuple(self.att.shape) != (2, H, C)):
-                raise ValueError("a projected GAT score takes one [N, H, C] tensor as src and dst "
-                                 "and att [2, H, C]: see EdgeScore.gat_projected")
-        elif (self.kind == "gatv2") != (self.att is not None):
+        if (self.kind == "gatv2") != (self.att is not None):
             raise ValueError("att is GATv2's attention vector: required for 'gatv2', unused otherwise")
 
     @classmethod
@@ -105,32 +96,6 @@ class EdgeScore:
         computes ``[N, H]`` terms once per node instead of ``[E, H, C]`` per edge.
         """
         return cls("gat", src, dst, edge, None, 1.0, negative_slope)
-
-    @classmethod
-    def gat_projected(cls, h: Tensor, att_src: Tensor, att_dst: Tensor,
-                      edge: Optional[Tensor] = None, negative_slope: float = 0.2) -> "EdgeScore":
-        r"""GAT's score over one graph's nodes from their projected features ``h = Wx``
-        ``[N, H, C]`` (also the values) and ``att_src``, ``att_dst`` ``[H, C]``: the per-node
-        terms ``a·h`` are left to the kernel (the Triton kernels form them from the rows they
-        gather anyway; every other kernel is given :meth:`node_terms`). Fields: ``src = dst =
-        h``, ``att = [att_src; att_dst]`` ``[2, H, C]``."""
-        att = torch.stack([att_src.reshape(h.shape[1:]), att_dst.reshape(h.shape[1:])])
-        return cls("gat", h, h, edge, att, 1.0, negative_slope)
-
-    @property
-    def projected(self) -> bool:
-        """Whether this is :meth:`gat_projected`'s form."""
-        return self.kind == "gat" and self.att is not None
-
-    def node_terms(self) -> "EdgeScore":
-        """A :meth:`gat_projected` score as :meth:`gat`'s ``[N, H]`` per-node terms
-        ``a_src·h_j`` and ``a_dst·h_i`` (:func:`gatlib._scores.gat_projected_terms`,
-        as GATConv reduces them); any other score as itself."""
-        if not self.projected:
-            return self
-        # (src and dst may be two aliases of h: reference_grads differentiates each alone)
-        a_src, a_dst = S.gat_projected_terms(self.src, self.dst, self.att)
-        return EdgeScore.gat(a_src, a_dst, self.edge, self.negative_slope)
 
     @classmethod
     def gatv2(cls, x_src: Tensor, x_dst: Tensor, att: Tensor, edge: Optional[Tensor] = None,
@@ -169,8 +134,6 @@ class EdgeScore:
     def edge_scores(self, src: Tensor, index: Tensor) -> Tensor:
         """Stage 1, reference: ``e_ij`` for every edge, ``[E, H]``: the kind's formula
         (:mod:`gatlib._scores`) over the gathered terms of each edge."""
-        if self.projected:
-            return self.node_terms().edge_scores(src, index)
         s_j = self.src.index_select(0, src)
         t_i = None if self.dst is None else self.dst.index_select(0, index)
         if self.kind == "gat":

@@ -32,8 +32,7 @@ BACKENDS = ("auto", "torch", "scatter", "fused", "triton")
 
 class AttentionCall(NamedTuple):
     """One call of the attention core, as every kernel sees it: :func:`graph_attention`'s
-    arguments on a plan, ``p`` the dropout in effect, ``bias`` set only for a kernel that
-    adds it (:attr:`Kernel.adds_bias`)."""
+    arguments on a plan, ``p`` the dropout in effect."""
 
     score: EdgeScore
     value: Tensor
@@ -42,14 +41,13 @@ class AttentionCall(NamedTuple):
     p: float
     need_alpha: bool
     edge_weight: Optional[Tensor] = None
-    bias: Optional[Tensor] = None
 
     @property
     def device(self) -> torch.device:
         return self.value.device
 
     def tensors(self) -> Tuple[Tensor, ...]:
-        return tuple(t for t in (self.value, self.value_edge, self.edge_weight, self.bias,
+        return tuple(t for t in (self.value, self.value_edge, self.edge_weight,
                                  *self.score.tensors()) if t is not None)
 
 
@@ -85,9 +83,6 @@ class Kernel(abc.ABC):
     """An implementation of the three stages for the calls it supports."""
 
     name = ""
-    # whether run() adds call.bias to out itself (as it stores each row); for any
-    # other kernel the dispatcher adds it
-    adds_bias = False
 
     def available(self, device: torch.device) -> Optional[str]:
         """``None`` when this kernel can run on ``device`` here (its package is
@@ -187,7 +182,6 @@ class TritonKernel(Kernel):
     under ``TRITON_INTERPRET=1`` (how CI tests the kernels)."""
 
     name = "triton"
-    adds_bias = True
 
     def available(self, device: torch.device) -> Optional[str]:
         if not _installed("triton"):
@@ -218,7 +212,7 @@ class TritonKernel(Kernel):
         from . import _triton
 
         return _triton.attention(call.score, call.value, call.plan, call.value_edge, call.p,
-                                 call.need_alpha, call.bias)
+                                 call.need_alpha)
 
 
 @torch.compiler.assume_constant_result
@@ -356,12 +350,6 @@ def graph_attention(
     return (out, alpha) if return_attention else out
 
 
-# Whether a compiled graph may run GAT's in-kernel terms (EdgeScore.gat_projected, KIND 3):
-# not until a GPU run of `gatlib selftest`'s compiled-step check passes with it
-# (docs/design.md, "Compiled GAT takes the node terms").
-_PROJECTED_UNDER_COMPILE = False
-
-
 def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge: Optional[Tensor],
                    dropout: float, training: bool, concat: bool, backend: str, need_alpha: bool,
                    edge_weight: Optional[Tensor] = None,
@@ -369,35 +357,21 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     """:func:`graph_attention` on a plan of ``value``'s ``N_src`` sources that the caller built
     and checked: ``(out, alpha or None)``. What the layers call, having checked their inputs
     once (docs/design.md, "Per-call cost on small graphs"). ``bias`` is added to the combined
-    heads, by the kernel as it stores each row where it can (:attr:`Kernel.adds_bias`)."""
+    heads."""
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
-    if score.projected and (plan.sink or value is not score.src or plan.num_dst != value.size(0)
-                            or (torch.compiler.is_compiling() and not _PROJECTED_UNDER_COMPILE)):
-        # in-kernel terms need the values to be h and each node both source and destination;
-        # compiled graphs take the node terms (_PROJECTED_UNDER_COMPILE)
-        score = score.node_terms()
     if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
         dst = score.dst
         score = score.with_tensors(score.src, torch.cat([dst, dst.new_zeros(1, *dst.shape[1:])]),
                                    score.edge, score.att)
     call = AttentionCall(score, value, plan, value_edge, p, need_alpha, edge_weight)
-    kernel = select_kernel(backend, call)
-    if score.projected and kernel.name != "triton":  # the others take GAT's per-node terms
-        call = call._replace(score=score.node_terms())
-    heads = score.heads
-    fused_bias = (bias is not None and kernel.adds_bias and (concat or heads == 1)
-                  and bias.dim() == 1 and bias.numel() == heads * value.size(-1)
-                  and bias.dtype == value.dtype and bias.device == value.device)
-    if fused_bias:
-        call = call._replace(bias=bias)
-    out, alpha = kernel.run(call)
+    out, alpha = select_kernel(backend, call).run(call)
     if plan.sink:  # the row that collected the edges attention ignores (GraphPlan.num_rows)
         out = out[:plan.num_dst]
         if alpha is not None:
             alpha = alpha.masked_fill((plan.coo()[1] == plan.num_dst).unsqueeze(1), 0)
     out = _core.combine_heads(out, concat)
-    if bias is not None and not fused_bias:
+    if bias is not None:
         out = out + bias
     return out, alpha

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -320,96 +320,3 @@ def _layout_with_loops(base: Layout, keep_list: Tensor, num_edges: int, n: int) 
                   csc=(new_cptr.to(idt),
                        place(cpos, new_pos.index_select(0, sel(cedge, kt)), loop_cpos, loop_pos, idt),
                        place(cpos, sel(cdst, kt), loop_cpos, loops, idt)))
-
-
-# The Triton kernels' work over a layout's CSR or CSC, kept on a plan by gatlib._triton_schedule
-# (docs/design.md, "Split rows").
-@dataclass
-class _Schedule:
-    """Work items over the segments of a CSR ``ptr``, longest first, as device tensors sized
-    by the graph's sizes alone: nothing is read on the host, so a captured or compiled call
-    replays on a new graph."""
-
-    # [max_items, 4]: item w is (row, start, length, slot), positions start : start + length
-    # of segment row; slot -1 for a whole segment, else the piece's partial-result slot;
-    # length -1 past the real items
-    items: Tensor
-    bounds: Tensor  # [2] int64: the numbers of real items and of split segments
-    split_row: Tensor  # [max_split]: split segment s is row split_row[s], its slots
-    split_first: Tensor  # [max_split]  split_first[s] : split_first[s] + split_count[s]
-    split_count: Tensor  # [max_split]
-    max_pieces: int  # partial-result slots a call allocates
-
-    @property
-    def max_split(self) -> int:
-        return self.split_row.numel()
-
-
-def _schedule_sizes(num_segments: int, num_edges: int, split: int) -> Tuple[int, int, int]:
-    """At most how many items, split segments and pieces of split segments, from the sizes
-    alone: a segment of ``d`` edges is at most ``1 + d // split`` items; a split one has
-    ``d > split`` edges and fewer than ``2 d / split`` pieces."""
-    return (num_segments + num_edges // split, min(num_segments, num_edges // (split + 1)),
-            2 * num_edges // split)
-
-
-def _build_schedules(ptrs: List[Tensor], num_edges: int, split: int) -> List[_Schedule]:
-    """The :class:`_Schedule` of each CSR ``ptr`` of ``ptrs`` (each ending at ``num_edges``),
-    its segments cut into pieces of at most ``split``: built side by side, one op for all
-    (docs/design.md, "Fewer launches per step")."""
-    K = len(ptrs)
-    sizes = [q.numel() - 1 for q in ptrs]
-    n = max(sizes)
-    dev = ptrs[0].device
-    M, _, max_pieces = _schedule_sizes(n, num_edges, split)  # room for every schedule's items
-    # Each ptr goes on to n + 1 segments of -1 edges: the room past its real items, whose
-    # length and slot then come out -1 with no mask.
-    p = torch.empty(K, n + 2, dtype=torch.long, device=dev)
-    p[:, -1] = num_edges - 1  # (not a size: an index that is one would fix it when compiled)
-    for k, (q, nk) in enumerate(zip(ptrs, sizes, strict=True)):
-        p[k, :nk + 1] = q
-        if nk < n:
-            p[k, nk + 1:n + 1] = num_edges
-    deg = p.diff(dim=1)  # [K, n + 1]
-    for k, nk in enumerate(sizes):
-        if nk < n:
-            deg[k, nk:n] = -1
-    pieces = (deg + (split - 1)).div_(split, rounding_mode="floor").clamp_(min=1)  # an empty row: one empty item
-    ends = pieces.cumsum(1)
-    splits = pieces > 1  # (never the room)
-    spieces = pieces * splits
-    slot0 = spieces.cumsum(1).sub_(spieces)  # a split row's first slot: slots in row order
-    w = torch.arange(M, device=dev).repeat(K, 1)
-    row = torch.searchsorted(ends, w, right=True).clamp_(max=n)  # past the last segment: the room's
-    j = w.sub_((ends - pieces).gather(1, row))  # the item's piece of its row
-    start = p.gather(1, row).add_(j, alpha=split)  # (in the room: any value will do)
-    length = deg.gather(1, row).sub_(j, alpha=split).clamp_(-1, split)
-    slot = (slot0.gather(1, row) + j).masked_fill_(spieces.gather(1, row) == 0, -1)
-    # Longest first: hub pieces start before the short rows fill the gaps.
-    order = torch.argsort(length, dim=1, descending=True, stable=True)
-    items = torch.stack([row, start, length, slot], 2).gather(1, order.unsqueeze(2).expand(K, M, 4))
-    bounds = _rows_aligned(torch.stack([(items[:, :, 2] >= 0).sum(1), splits.sum(1)], 1), torch.int64)
-    # the split rows first, in row order (a stable sort: no value-sized output)
-    split_row = torch.argsort(pieces[:, :n].clamp(max=2), dim=1, descending=True, stable=True)
-    first_count = torch.stack([slot0[:, :n], pieces[:, :n]], 1).gather(2, split_row.unsqueeze(1).expand(K, 2, n))
-    idt = index_dtype(num_edges, n + 1, M, max_pieces)
-    items = _rows_aligned(items.reshape(K, M * 4), idt)
-    split_row = _rows_aligned(split_row, idt)
-    first_count = _rows_aligned(first_count.reshape(K * 2, n), idt)
-    out = []
-    for k, nk in enumerate(sizes):
-        m, ms, pieces_k = _schedule_sizes(nk, num_edges, split)
-        out.append(_Schedule(items[k].view(M, 4)[:m], bounds[k], split_row[k][:ms],
-                             first_count[2 * k][:ms], first_count[2 * k + 1][:ms], pieces_k))
-    return out
-
-
-def _rows_aligned(rows: Tensor, dtype: torch.dtype) -> List[Tensor]:
-    """The rows of ``rows`` ``[R, M]`` in ``dtype``, each on 16 bytes with room past its end,
-    whatever ``M``: Triton specialises on pointers' 16-byte alignment, and ``torch.compile``
-    guards on which rows are padded (else new graphs' sizes compile anew)."""
-    step = 16 // dtype.itemsize
-    M = rows.size(1)
-    out = rows.new_empty(rows.size(0), (M // step + 1) * step, dtype=dtype)
-    out[:, :M] = rows
-    return list(out[:, :M])

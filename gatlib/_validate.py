@@ -277,14 +277,11 @@ def check_attention_inputs(score, value, value_edge, num_src: int, num_dst: int,
     another (rows per node and edge, ``H`` heads, the kind's channels): the kernels index them
     by node and edge, so a row too few would be read past its end. (``value``: :func:`check_value`.)"""
     H = score.heads
-    if score.projected:  # (h is the values: checked where it is formed)
-        terms = [("src", score.src, num_src, "N_src", (H,))]
-    else:
-        terms = [("src", score.src, num_src, "N_src", (H, 1) if score.kind == "dot" else (H,)),
-                 ("dst", score.dst, num_dst, "num_dst", (H,)),
-                 ("edge", score.edge, num_edges, "E", (H,))]
-    wide = score.kind != "gat" or score.projected  # terms of CK channels, else scalars
-    CK = score.src.size(-1) if score.projected else score.dst.size(-1) if wide else None
+    terms = [("src", score.src, num_src, "N_src", (H, 1) if score.kind == "dot" else (H,)),
+             ("dst", score.dst, num_dst, "num_dst", (H,)),
+             ("edge", score.edge, num_edges, "E", (H,))]
+    wide = score.kind != "gat"  # terms of CK channels, else scalars
+    CK = score.dst.size(-1) if wide else None
     for name, t, rows, what, heads in terms:
         if t is None:
             continue

@@ -10,14 +10,15 @@ needs no Triton; the ``triton_*`` functions do.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Dict
+import contextlib
+from typing import TYPE_CHECKING, Dict, Iterator
 
 from . import _dispatch
 
 if TYPE_CHECKING:  # (annotations only: importing this module must not import triton)
     from ._plan import GraphPlan
 
-__all__ = ["check_triton_interpreter", "kernel", "triton_kernels", "triton_schedule"]
+__all__ = ["check_triton_interpreter", "kernel", "triton_config", "triton_kernels", "triton_schedule"]
 
 
 def _triton_module(name: str):
@@ -52,3 +53,16 @@ def check_triton_interpreter() -> None:
     """Raise ``RuntimeError`` (with what to do) unless the Triton kernels can take CPU
     tensors in this process: ``TRITON_INTERPRET=1`` set before triton was first imported."""
     _triton_module("_triton")._check_interpreter()
+
+
+@contextlib.contextmanager
+def triton_config(index: int) -> Iterator[None]:
+    """Inside: every row kernel launches config ``index`` of its space (modulo the space's size)
+    instead of the tuner's choice (the self-test's check that no config changes a result)."""
+    schedule = _triton_module("_triton_schedule")
+    previous = schedule._PINNED
+    schedule._PINNED = index
+    try:
+        yield
+    finally:
+        schedule._PINNED = previous

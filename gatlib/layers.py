@@ -164,22 +164,13 @@ class GATConv(_AttentionConv):
         # own dropout needs them projected.
         in_space = (propagate is None and _input_space(x_src, lin_src, C)
                     and not (self.value_dropout > 0.0 and self.training))
-        # the output bias goes to the attention core (the Triton kernels add it as they
-        # store each row) where it is the next thing added, as PyG adds it
-        core_bias = self.bias if not (propagate or in_space or res is not None) else None
         h_src = None if in_space else lin_src(x_src).view(-1, H, C)  # [N_s, H, C], the values
         if x_dst is not None and isinstance(lin_dst.weight, UninitializedTensorMixin):
             lin_dst(x_dst)  # lazy in_channels: let the layer take its shape
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
         # and a_edge·W_e e_ij one [E, H] term per edge (see gatlib._scores.gat_node_terms).
-        # Where they would be reduced from h (not folded into the weights), one x
-        # under one weight leaves them to the kernel (EdgeScore.gat_projected).
-        projected = (not propagate and h_src is not None and x_dst is x_src
-                     and lin_dst is lin_src and not S.folds(x_src, H, C))
-        if projected:
-            a_src = a_dst = None
-        elif x_dst is x_src and lin_dst is lin_src:  # one x under one weight: both terms at once
+        if x_dst is x_src and lin_dst is lin_src:  # one x under one weight: both terms at once
             a_src, a_dst = S.gat_node_term_pair(x_src, lin_src.weight, self.att_src, self.att_dst,
                                                   h_src)
         else:
@@ -203,21 +194,16 @@ class GATConv(_AttentionConv):
             a_edge = None
             if self.lin_edge is not None:
                 a_edge = S.gat_node_terms(edge_attr, self.lin_edge.weight, self.att_edge)  # [E, H]
-            if projected:
-                score = EdgeScore.gat_projected(h_src, self.att_src, self.att_dst, a_edge,
-                                                self.negative_slope)
-            else:
-                score = EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope)
+            score = EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope)
             if in_space:  # every head aggregates x_j [N_s, 1, F]; then W_h per head
                 agg, alpha = self._attend(score, x_src.unsqueeze(1), plan, return_attention_weights,
                                           concat=True)
                 out = _project_heads(agg, lin_src.weight, H, self.concat)
             else:
-                out, alpha = self._attend(score, h_src, plan, return_attention_weights,
-                                          bias=core_bias)
+                out, alpha = self._attend(score, h_src, plan, return_attention_weights)
         if res is not None:
             out = out + res
-        if self.bias is not None and core_bias is None:
+        if self.bias is not None:
             out = out + self.bias
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
@@ -339,7 +325,6 @@ class GATv2Conv(_AttentionConv):
         else:
             h_src = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
             h_dst = self.lin_r(x_dst).view(-1, H, C)  # [N_t, H, C]
-        core_bias = None  # (the output bias to the attention core as in GATConv.forward)
         if self._use_propagate():  # PyG's flow: edge_update, then message per edge
             ei = plan.edge_index.long()
             # edge_updater_type: (x: PairTensor, edge_attr: OptTensor)
@@ -354,13 +339,12 @@ class GATv2Conv(_AttentionConv):
             h_edge = None
             if self.lin_edge is not None:
                 h_edge = self.lin_edge(edge_attr).view(-1, H, C)  # [E, H, C]
-            core_bias = self.bias if res is None else None
             out, alpha = self._attend(
                 EdgeScore.gatv2(h_src, h_dst, self.att.view(H, C), h_edge, self.negative_slope),
-                h_src, plan, return_attention_weights, bias=core_bias)
+                h_src, plan, return_attention_weights)
         if res is not None:
             out = out + res
-        if self.bias is not None and core_bias is None:
+        if self.bias is not None:
             out = out + self.bias
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
 

@@ -2,11 +2,6 @@
 ``fullgraph=True`` (no graph break) from a raw ``edge_index`` and from a
 ``GraphPlan``, the compiled training step runs the fused operators (their own
 log entries, written as they run), and it computes what the eager step does."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -379,27 +374,3 @@ def test_compiled_inference_runs_the_fused_operator(layer):
     with torch.no_grad():
         torch.testing.assert_close(got, conv(x, ei), rtol=1e-4, atol=1e-5)
     torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("allow", [False, True], ids=["as_shipped", "in_kernel_terms_allowed"])
-def test_compiled_gat_takes_the_node_terms(allow):
-    """GATConv whose inputs are wider than its projection forms its attention terms
-    in the Triton kernels (KIND 3) eagerly, and takes the node terms (KIND 0) inside
-    a compiled graph (``_dispatch._PROJECTED_UNDER_COMPILE``: on an H100 the compiled
-    step with KIND 3 went wrong; ``internals.compiled_gat_terms_in_kernel`` lifts the
-    rule). Read from the launches themselves: Triton's real launch path on CPU
-    tensors (no GPU; ``tests/compiled_kinds_worker.py``), in a
-    subprocess without this process's ``TRITON_INTERPRET=1``. ``allow`` lifts the rule:
-    then the compiled graph launches KIND 3, so the check can fail."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    proc = subprocess.run([sys.executable, str(root / "tests" / "compiled_kinds_worker.py"),
-                           *(["--allow"] if allow else [])],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    kinds = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert kinds["eager"] == [3, 3, 3]  # forward, dst and src backward
-    assert kinds["compiled"] == ([3, 3, 3] if allow else [0, 0, 0])

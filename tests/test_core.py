@@ -289,10 +289,10 @@ def test_auto_rule_on_cuda(monkeypatch):
     call = _call()
     weighted = AttentionCall(call.score, call.value, call.plan, None, 0.0, False, torch.ones(2))
     assert select_kernel("auto", weighted).name == "torch"  # explainer edge masks
-    wide = torch.zeros(3, 1, 1025)
+    wide = torch.zeros(3, 3, 1025)
     plan = call.plan
     assert select_kernel("auto", AttentionCall(EdgeScore.dot(wide, wide), wide, plan, None, 0.0,
-                                               False)).name == "torch"  # > 1024 channels
+                                               False)).name == "torch"  # > 4096 heads x channels
 
 
 def test_explicit_backend_never_hands_over():

@@ -341,18 +341,29 @@ def test_relative_links_resolve(path):
             assert anchor in {_anchor(h) for h in headings}, f"{path.name}: no heading #{anchor} in {file}"
 
 
-@pytest.mark.parametrize("part,programs", [
-    ("1", ["gatlib.bench.selftest", "gatlib.bench.compare", "tools.triton_bench"]),
-    ("2", ["gatlib.bench.compare"] * 3), ("3", ["gatlib.bench.selftest"])])
-def test_the_gpu_run_commands_parse(part, programs):
-    """``scripts/gpu_run.sh``, the run kept ready for a session lent a GPU, runs commands that
-    parse (it cannot run here: no GPU), in three parts."""
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_run.sh"), "--print", part],
-                         capture_output=True, text=True, check=True).stdout
-    lines = [line for line in out.splitlines() if line.strip()]
-    assert len(lines) == len(programs), out
-    for line, expected in zip(lines, programs, strict=True):
-        (words,) = split_commands(line)
+@pytest.mark.parametrize("dry", [False, True], ids=["gpu", "dry_run"])
+def test_the_gpu_run_commands_parse(dry):
+    """The GPU run's commands (``tools.gpu_run --print``; it cannot run here: no GPU) parse with
+    their programs' real parsers, the sanitizer's program too; its steps' limits fit the run."""
+    out = subprocess.run([sys.executable, "-m", "tools.gpu_run", "--print", *(["--dry-run"] * dry)],
+                         capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    programs, limits = [], {}
+    for line in out.splitlines():
+        name, limit, _, command = line.split("\t")
+        limits[name] = int(limit)
+        words = shlex.split(command)
+        if words[0] == "compute-sanitizer":
+            words = words[words.index("--error-exitcode") + 2:]
         program, argv = invocation(words)
-        assert program == expected, line
-        parse(Command("scripts/gpu_run.sh", line, program, argv))
+        programs.append(program)
+        parse(Command("tools/gpu_run.py", command, program, argv))
+    assert set(programs) == ({"gatlib.bench.selftest", "gatlib.bench.compare", "tools.triton_bench"}
+                             | ({"tools.gpu_run"} if not dry else set()))
+    if not dry:  # the sanitizer beside the self-test, then the timed steps: within the deadline
+        from tools import gpu_run
+
+        side = max(sum(v for k, v in limits.items() if k.startswith("sanitizer")),
+                   max(v for k, v in limits.items() if k.startswith("selftest")))
+        timed = sum(v for k, v in limits.items() if not k.startswith(("sanitizer", "selftest")))
+        assert side + timed <= gpu_run.DEADLINE_S <= 7 * 60

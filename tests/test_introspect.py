@@ -43,7 +43,7 @@ def test_triton_names_are_the_kernels_own():
     from gatlib import _triton, _triton_kernels, _triton_schedule
 
     assert internals.TRITON_SPLIT == _triton_schedule._SPLIT
-    assert internals.TRITON_MAX_CHANNELS == _triton._MAX_C
+    assert internals.TRITON_MAX_TILE == _triton._MAX_TILE
     kernels = introspect.triton_kernels()
     assert {"_fwd_kernel", "_bwd_dst_kernel", "_bwd_src_kernel", "_alpha_kernel", "_keep_kernel",
             "_merge_kernel"} == set(kernels)
@@ -68,7 +68,7 @@ def test_triton_functions_call_the_kernels_own(monkeypatch):
     for private, public, args in (
             ("_check_interpreter", "check_triton_interpreter", ()),
             ("_draw_seed", "draw_dropout_seed", ("cpu",)),
-            ("attention", "triton_attention", (None, None, plan, None, 0.0, False, None))):
+            ("attention", "triton_attention", (None, None, plan, None, 0.0, False))):
         monkeypatch.setattr(_triton, private, lambda *a, _n=private: calls.append((_n, a)) or _n)
         result = getattr(introspect if public == "check_triton_interpreter" else internals, public)(*args)
         assert calls[-1] == (private, args)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from testing import compile_budget, run_without_interpreter
+
 pytestmark = pytest.mark.slow  # the compile tests again, under torch 2.11: not in the fast lane
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,33 +50,24 @@ def test_compile_tests_pass_on_the_older_torch():
     print(tail.splitlines()[-1], file=sys.stderr)
 
 
-def test_small_and_wide_rows_compile_with_the_older_triton():
-    """Triton 3.6's compiler (the older venv's) once failed the source backward of GAT's node
-    terms at C <= 4 in its TritonGPUOptimizeThreadLocality pass, where Triton 3.9 compiles it:
-    a GAT output layer of a few classes per head would fail on torch 2.10/2.11. Every kind at
-    the narrow widths, plain and with every extra, compiles for sm_90 there; and at C = 256
-    (the GPU runs' width) its pipeliner turns the row kernels' edge loops into asynchronous
-    copies as Triton 3.9's does, without spilling."""
+def test_compile_budget_under_the_older_triton(tmp_path):
+    """The compile budget (tests/test_triton_compile.py) under the GPU machine's Triton 3.6: at
+    the users' shapes, every config, no spill, wide loads, pipelined loops, sums laid out alike
+    in every config of a layer (at 16 elements per thread its GATv2 dst kernel spilled 472 bytes
+    where Triton 3.9's did not: that kernel's space keeps 8). And at the narrow widths of an
+    output layer of a few classes, where its compiler once failed the source backward of GAT's
+    node terms (C <= 4, TritonGPUOptimizeThreadLocality), every kind compiles."""
     _require_the_older_venv()
+    report = compile_budget(tmp_path, python=PYTHON)
+    assert report["triton"].startswith("3.6"), report["triton"]
     script = (
-        "import itertools, triton\n"
+        "import itertools\n"
         "from tools import triton_compile as tc\n"
-        "cases = [tc.Case(k, d, c, e, e, e) for k, d, c, e in itertools.product(\n"
-        "    tc.KINDS, ('float32', 'bfloat16'), (1, 2, 3, 4, 8), (False, True))]\n"
-        "cases += [tc.Case(k, 'float32', 256, False, False, False) for k in tc.KINDS]\n"
-        "rows = tc.compile_all(tc.capture(cases), ['sm_90'])\n"
+        "cases = [tc.Case(k, 'float32', h, c, alpha=True) for k, h, c in itertools.product(\n"
+        "    tc.KINDS, (1, 3), (1, 2, 3, 4))]\n"
+        "rows = tc.compile_all(tc.capture(cases))\n"
         "bad = [(r['kernel'], r['cases'][0], r['error'][:200]) for r in rows if 'error' in r]\n"
-        "print('triton', triton.__version__, len(rows), 'compiled', bad)\n"
-        "assert rows and not bad, bad\n"
-        "row = ('_fwd_kernel', '_bwd_dst_kernel', '_bwd_src_kernel')\n"
-        "wide = [r for r in rows if r['kernel'] in row and 'C=256' in r['cases'][0]]\n"
-        "off = [(r['kernel'], r['cases'][0], r['async_copies'], r['spill_stores']) for r in wide\n"
-        "       if not r['async_copies'] or r['spill_stores'] + r['spill_loads']]\n"
-        "print('wide', len(wide), 'unpipelined or spilling', off)\n"
-        "assert len(wide) >= 3 * len(tc.KINDS) and not off, off\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "0"}
-    res = subprocess.run([str(PYTHON), "-c", script], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=1800)
-    tail = (res.stdout + res.stderr)[-3000:]
-    assert res.returncode == 0, tail
-    assert "triton 3.6" in res.stdout, tail
+        "print(len(rows), 'compiled', bad)\n"
+        "assert rows and not bad, bad\n")
+    res = run_without_interpreter(["-c", script], python=PYTHON, timeout=1800)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]

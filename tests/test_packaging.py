@@ -79,9 +79,6 @@ def test_the_wheel_holds_the_package_and_nothing_else(wheel):
     assert wheel[f"{info.pop()}/top_level.txt"].decode().split() == ["gatlib"]
     # the fused CPU kernel compiles this on first use
     assert "gatlib/csrc/fused_cpu.cpp" in names
-    # the Triton configs shipped per GPU (gatlib/_triton_tuned.py), as many as the checkout has
-    shipped = {p.relative_to(ROOT).as_posix() for p in (ROOT / "gatlib" / "tuned").glob("*.json")}
-    assert shipped <= names, sorted(shipped - names)
     # every module of the checkout's package is installed (a folder without __init__.py
     # would be left out by packages.find)
     checkout = {p.relative_to(ROOT).as_posix() for p in (ROOT / "gatlib").rglob("*.py")}

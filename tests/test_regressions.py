@@ -238,7 +238,7 @@ def test_requested_kernel_that_cannot_run_raises_instead_of_falling_back():
     pytest.importorskip("triton")
     from gatlib import _triton
 
-    C = _triton._MAX_C + 1
+    C = _triton._MAX_TILE + 1  # one head of 4097 channels: a 8192-wide tile
     x = torch.randn(10, C)  # (narrower inputs would be attended in input space, F wide)
     ei = random_graph(10, 30, seed=9)
     m = gatlib.TransformerConv(C, C, backend="triton")

@@ -65,9 +65,9 @@ def test_selftest_end_to_end(tmp_path, capsys, monkeypatch):
 def _skip_merge(monkeypatch, softmax: bool):
     merge = _triton._merge
 
-    def skipping(out, part, items, H, lse=None, part_lse=None, bias=None, out_b=None):
+    def skipping(splits, part, out, part_lse=None, lse=None):
         if (lse is not None) != softmax:
-            merge(out, part, items, H, lse, part_lse, bias=bias, out_b=out_b)
+            merge(splits, part, out, part_lse, lse)
     monkeypatch.setattr(_triton, "_merge", skipping)
 
 
@@ -87,9 +87,9 @@ def _unseeded_dropout(monkeypatch):  # a dropout mask torch.manual_seed does not
 def _backward_mask_differs(monkeypatch):  # the backward draws another dropout mask
     real = _triton._backward
 
-    def backward(*args):  # (meta, graph, need, grad_out, grad_alpha, the 7 inputs, seed, ...)
+    def backward(*args):  # (meta, graph, need, grad_out, grad_alpha, the 6 inputs, seed, ...)
         args = list(args)
-        args[12] = args[12] + 1
+        args[11] = args[11] + 1
         return real(*args)
 
     monkeypatch.setattr(_triton, "_backward", backward)
@@ -103,7 +103,7 @@ def _reference_instead(monkeypatch):  # right numbers, but not from the Triton k
 # the kinds differ so that each kernel path is broken once.
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation, expect, kind", [
-    (_skip_split_merge, "max abs error", "gat_projected"),
+    (_skip_split_merge, "max abs error", "gat"),
     (_skip_gradient_merge, "grad dst: max abs error", "dot"),
     (_unseeded_dropout, "same seed, different results", "gatv2"),
     (_backward_mask_differs, "the backward's dropout mask is not the forward's", "gat"),
@@ -255,6 +255,32 @@ def test_the_output_layer_check_passes_and_can_fail(kind, monkeypatch):
     detail = selftest.output_layer_check(kind, torch.device("cpu"), plan)
     assert detail is not None and "grad " in detail and "(row 0)" in detail, detail
     assert "max abs error nan" in detail, detail
+
+
+@pytest.mark.slow
+def test_the_configs_check_passes_and_can_fail(monkeypatch):
+    """The GPU checks' configs check (every config of the row kernels' spaces pinned in turn,
+    against the tuned one: here the interpreter's) passes over the check graph's split rows; a
+    "config" that changes what is summed in what order (the hub's pieces cut elsewhere) fails it."""
+    import contextlib
+
+    from gatlib import introspect
+
+    pytest.importorskip("triton")
+    plan, _ = selftest.check_graph(selftest.NUM_NODES, 4 * (selftest.NUM_NODES - 21), 0, "cpu")
+    cpu = torch.device("cpu")
+    assert selftest.configs_check("gatv2", cpu, plan) is None
+    pinned = introspect.triton_config
+
+    @contextlib.contextmanager
+    def reordering(i):
+        with pinned(i), monkeypatch.context() as m:
+            if i == 1:
+                m.setattr(_triton_schedule, "_SPLIT", 16)
+            yield
+    monkeypatch.setattr(introspect, "triton_config", reordering)
+    detail = selftest.configs_check("gatv2", cpu, plan)
+    assert detail is not None and "config 1: out" in detail and "config 0" not in detail, detail
 
 
 def test_unwritten_memory_reads_as_nan_inside_the_block_only():

@@ -39,8 +39,7 @@ HOMES = {
         r"\bsoftmax\(|\.softmax\(|\.exp_?\(|\bexp\(|logsumexp|def \w*softmax",
         {"_core.py": {"segment_softmax", "reference_attention"},
          "_fused_cpu.py": {"_recomputed_alpha", "_softmax_aggregate", "_softmax_aggregate_backward"},
-         "_triton_kernels.py": {"_softmax_step", "_softmax_end", "_fwd_kernel", "_fwd_heads_block",
-                                "_alpha_kernel", "_merge_kernel", "_bwd_dst_kernel", "_bwd_dst_heads_block"}}),
+         "_triton_kernels.py": {"_fwd_kernel", "_alpha_kernel", "_merge_kernel", "_bwd_dst_kernel"}}),
     "a segment reduction": (
         r"scatter_reduce|index_add|segment_reduce|(import|from) torch_scatter|segment_sum",
         {"_core.py": {"segment_reduce", "segment_softmax", "segment_aggregate"},

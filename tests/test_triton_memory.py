@@ -88,7 +88,7 @@ def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_rows=0):
     """docs/gpu.md's formula: (forward bytes, backward bytes, largest temporary)
     of one call, excluding its inputs and the graph's plan. ``P`` and ``Q`` are the
     partial-result slots of split rows and columns (fixed by the graph's sizes),
-    ``att_rows`` the rows of GATv2's ``att`` partials (fixed by the grid)."""
+    ``att_rows`` the rows of GATv2's ``att`` partials (one per program of 16 work items)."""
     s = torch.empty((), dtype=dtype).element_size()
     a = 8 if dtype == torch.float64 else 4
     W = 1 if kind == "gat" else C  # per-node score width
@@ -105,12 +105,13 @@ def model(kind, N, E, H, C, dtype, P, Q, *, alpha, att_rows=0):
     # split rows' and columns' partial sums (GATv2: the columns' value and source
     # gradients in one)
     merge_b = (P * H * W + Q * H * (C + (0 if kind == "gatv2" else W))) * a
-    # GATv2's att gradient: one partial per lane of each program, summed into [H, C]
-    att_partials = att_rows * C * a if kind == "gatv2" else 0
+    # GATv2's att gradient: one [H, C] partial per program, summed, cast to att's dtype
+    att_partials = att_rows * H * C * a if kind == "gatv2" else 0
     att = att_partials + H * C * a if kind == "gatv2" else 0
     galpha = (N * H + 2 * E * H) * a if alpha else 0
+    # the softmax gradient per edge, [E, 2, H]: the weights and the score gradients
     bwd = 2 * E * H * a + grads + merge_b + att + galpha
-    largest_temp = max(E * H * a, att_partials)
+    largest_temp = max(2 * E * H * a, att_partials)
     return fwd, bwd, largest_temp
 
 
@@ -129,7 +130,7 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     value_edge = score.edge if kind == "dot" else None
     graph_attention(score, value, plan, n, value_edge=value_edge, backend="triton")  # derive the plan
     tplan = _triton_schedule._plan(plan)
-    P, Q = tplan.dst_items.max_pieces, tplan.src_items.max_pieces
+    P, Q = tplan.dst_items.pieces, tplan.src_items.pieces
     assert int(tplan.dst_items.bounds[1]) > 0 and int(tplan.src_items.bounds[1]) > 0  # split rows
     inputs = [t for t in (*score.tensors(), value, value_edge) if t is not None]
 
@@ -151,7 +152,7 @@ def test_allocations_follow_the_memory_model(kind, alpha, recorder, monkeypatch)
     # the backward: one launch per direction and three merges (destination, value,
     # source; GATv2's value and source gradients are one)
     assert rec.launches == 2 + (2 if kind == "gatv2" else 3)
-    att_rows = _triton_schedule._partial_rows(torch.device("cpu"), H)
+    att_rows = tplan.dst_items.items.size(0) // 16
     f_model, b_model, largest = model(kind, n, E, H, C, dtype, P, Q, alpha=alpha, att_rows=att_rows)
     f_bytes = sum(b for *_, b in fwd)
     b_bytes = sum(b for _, _, b in bwd)
@@ -218,10 +219,10 @@ def test_no_host_sync_once_the_plan_exists(kind, monkeypatch):
     merged = []  # whether each merge of split pieces was the forward's softmax merge
     merge = _triton._merge
 
-    def counted(out, part, items, H, lse=None, part_lse=None, bias=None, out_b=None):
-        if items.max_split:  # (a graph this size can have split rows: the merge launches)
+    def counted(splits, part, out, part_lse=None, lse=None):
+        if splits.size(0):  # (a graph this size can have split rows: the merge launches)
             merged.append(lse is not None)
-        merge(out, part, items, H, lse, part_lse, bias=bias, out_b=out_b)
+        merge(splits, part, out, part_lse, lse)
     monkeypatch.setattr(_triton, "_merge", counted)
     with AtenOps() as ops:
         loss = call()
@@ -255,10 +256,10 @@ def test_merges_launch_only_where_rows_are_split(hubs, expect, recorder, monkeyp
     merged = []
     merge = _triton._merge
 
-    def counted(out, part, items, H, lse=None, part_lse=None, bias=None, out_b=None):
-        if items.max_split:  # (the merge launches)
+    def counted(splits, part, out, part_lse=None, lse=None):
+        if splits.size(0):  # (the merge launches)
             merged.append("forward" if lse is not None else "gradient")
-        merge(out, part, items, H, lse, part_lse, bias=bias, out_b=out_b)
+        merge(splits, part, out, part_lse, lse)
     monkeypatch.setattr(_triton, "_merge", counted)
     rec = recorder([value, *(t for t in score.tensors() if t is not None)])
     with rec:

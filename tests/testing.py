@@ -1,9 +1,16 @@
 """Shared test helpers: kernels, dtypes, graphs (fixed cases and hypothesis
-strategies), scores, and a runner that proves which kernel ran."""
+strategies), scores, a runner that proves which kernel ran, and Triton's launch
+path and compiler in a subprocess."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,8 +264,8 @@ def record_launches(monkeypatch):
 def record_tiles(monkeypatch):
     """A dict that gets, for each row kernel the Triton path launches from now on (by
     name), the constexprs and options of its config as launched (``BLOCK_R``,
-    ``BLOCK_E``, ``num_warps``, ...; the last launch's) where a config is pinned or
-    interpreted (a tuned launch picks its config inside the autotuner)."""
+    ``num_warps``, ``num_stages``, ...; the last launch's) where a config is pinned,
+    untuned or interpreted (a tuned launch picks its config inside the autotuner)."""
     from gatlib import _triton_kernels
 
     tiles = {}
@@ -269,7 +276,7 @@ def record_tiles(monkeypatch):
         launch = getitem(kernel, grid)
 
         def recorded(*args, **kw):
-            if "BLOCK_E" in kw:  # (a row kernel)
+            if "BLOCK_R" in kw:  # (a row kernel)
                 tiles[kernel.fn.__name__] = kw
             return launch(*args, **kw)
         return recorded
@@ -342,3 +349,46 @@ class AtenOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(str(func))
         return _run_op(self, func, args, kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Triton's real launch path and compiler (without TRITON_INTERPRET, in a subprocess).
+# ---------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_KERNELS = {"_fwd_kernel", "_alpha_kernel", "_bwd_dst_kernel", "_bwd_src_kernel", "_merge_kernel"}
+
+
+def run_without_interpreter(args, python=sys.executable, **kw):
+    """``python args`` from the repository root without ``TRITON_INTERPRET`` (which this test
+    process has, conftest): Triton's launch binder and compiler run there."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
+    return subprocess.run([str(python), *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          **kw)
+
+
+def compile_budget(tmp_path, python=sys.executable) -> dict:
+    """``python -m tools.triton_compile`` (the users' calls, every config, sm_90) under ``python``
+    (another venv's Triton) must pass the compile budget (tools.triton_compile.budget_problems);
+    its report, after checking what it covered."""
+    out = tmp_path / "budget.json"
+    proc = run_without_interpreter(["-m", "tools.triton_compile", "--json", str(out)],
+                                   python=python, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert not report["problems"] and not [r for r in rows if "error" in r]
+    # what it covered: every kernel, the three layers' kinds at the users' widths in float32 and
+    # bfloat16, the input-space calls and an output layer, every config of every row kernel's space
+    assert {r["kernel"] for r in rows} == TRITON_KERNELS
+    labels = {c for r in rows for c in r["cases"]}
+    for kind, dtype, c in itertools.product(("gat", "gatv2", "dot"), ("float32", "bfloat16"),
+                                            (8, 40, 64, 128, 256)):
+        assert f"{kind} {dtype} H=3 C={c}" in labels, (kind, dtype, c)
+    assert {"gat_inputs float32 H=3 C=128", "dot_inputs float32 H=3 C=128",
+            "gat float32 H=1 C=40"} <= labels
+    row = [r for r in rows if r["config"]]
+    assert all(sum(x["layer"] == r["layer"] for x in row) == len(r["space"]) for r in row)
+    assert {r["config"][1] for r in row} == {1, 3} and max(r["registers"] for r in rows) <= 255
+    return report

@@ -15,13 +15,13 @@ from torch import Tensor
 
 from gatlib import _dispatch
 
-__all__ = ["TRITON_MAX_CHANNELS", "TRITON_SPLIT", "compiled_gat_terms_in_kernel",  # noqa: F822
+__all__ = ["TRITON_MAX_TILE", "TRITON_SPLIT",  # noqa: F822
            "draw_dropout_seed", "dropout_keep_mask", "triton_admits_cpu_tensors",
-           "triton_attention", "triton_default_config", "triton_tuned", "triton_tuners"]
+           "triton_attention", "triton_default_config", "triton_space", "triton_tuners"]
 
 _TRITON_CONSTANTS = {
     "TRITON_SPLIT": ("_triton_schedule", "_SPLIT"),  # the longest run of edges of one work item
-    "TRITON_MAX_CHANNELS": ("_triton", "_MAX_C"),  # the most channels per head the kernels take
+    "TRITON_MAX_TILE": ("_triton", "_MAX_TILE"),  # the most (padded) heads x channels per row
 }
 
 
@@ -42,22 +42,21 @@ def triton_tuners() -> Dict[str, object]:
     return dict(_module("_triton_schedule")._TUNED)
 
 
-def triton_tuned():
-    """:mod:`gatlib._triton_tuned`: the shipped configs' file names, schema and the kernels' digest."""
-    return _module("_triton_tuned")
-
-
 def triton_default_config(name: str, consts: Dict):
     """The config row kernel ``name`` runs untuned at a call with constexprs ``consts``."""
     return _module("_triton_schedule")._default(name, consts)
 
 
+def triton_space(name: str, consts: Dict):
+    """Row kernel ``name``'s configs (its tuning space) at a call with constexprs ``consts``."""
+    return _module("_triton_schedule")._space(name, consts)
+
+
 def triton_attention(score, value: Tensor, plan, value_edge: Optional[Tensor], p: float,
-                     need_alpha: bool, bias: Optional[Tensor] = None
-                     ) -> Tuple[Tensor, Optional[Tensor]]:
+                     need_alpha: bool) -> Tuple[Tensor, Optional[Tensor]]:
     """The Triton kernels' fused attention called as the dispatcher calls it for
     ``backend="triton"`` (no ``supports`` check, no kernel log)."""
-    return _module("_triton").attention(score, value, plan, value_edge, p, need_alpha, bias)
+    return _module("_triton").attention(score, value, plan, value_edge, p, need_alpha)
 
 
 def draw_dropout_seed(device: torch.device) -> Tensor:
@@ -82,15 +81,4 @@ def triton_admits_cpu_tensors() -> Iterator[None]:
 
     with mock.patch.object(_dispatch, "_interpreting", lambda: True), \
             mock.patch.object(_module("_triton"), "_check_interpreter", lambda: None):
-        yield
-
-
-@contextlib.contextmanager
-def compiled_gat_terms_in_kernel() -> Iterator[None]:
-    """Inside: compiled GAT calls form their attention terms in the Triton kernels, as eager
-    calls do (``EdgeScore.gat_projected``), instead of taking the node terms (docs/compile.md).
-    A diagnosis (``tools.profile_step --projected-under-compile``)."""
-    from unittest import mock
-
-    with mock.patch.object(_dispatch, "_PROJECTED_UNDER_COMPILE", True):
         yield

@@ -22,7 +22,6 @@ Usage (CUDA only; from the repository root)::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -46,10 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sides (pyg, eager PyG, is the gradients' reference: always run)")
     p.add_argument("--top", type=int, default=15,
                    help="kernels, host operators and Python functions listed per side")
-    p.add_argument("--projected-under-compile", action="store_true",
-                   help="diagnosis: compiled GATConv forms its attention terms in the Triton "
-                        "kernels (KIND 3), as eager does, instead of the node terms "
-                        "(tools.internals.compiled_gat_terms_in_kernel)")
     p.add_argument("--json", type=Path, default=None)
     return p
 
@@ -108,7 +103,6 @@ def main(argv=None) -> int:
     from gatlib.bench import compare as c
     from gatlib.bench import measure
     from gatlib.bench.data import resolve_data_dir
-    from tools import internals
 
     device = torch.device("cuda")
     graph = c.load_graph(args.graph, resolve_data_dir(None), 0)
@@ -120,58 +114,54 @@ def main(argv=None) -> int:
     labels = c.random_labels(N, 40, device, 0)
     out = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "graph": args.graph, "compile_mode": args.compile_mode,
-           "projected_under_compile": args.projected_under_compile, "layers": {}}
-    # (the diagnosis: compiled GAT forms its attention terms in the kernels, as eager does)
-    terms = (internals.compiled_gat_terms_in_kernel() if args.projected_under_compile
-             else contextlib.nullcontext())
-    with terms:
-        for layer in args.layer:
-            torch._dynamo.reset()
-            pair = c.build_pair(layer, F_in, H, C, "triton", device, torch.float32, 0, "model", 40)
-            options = {**c.COMPILE_OPTIONS,
-                       **({} if args.compile_mode == "default" else {"mode": args.compile_mode})}
-            modules = c.with_compiled(pair, args.impls, options)
-            edge_index = c.layer_edge_index(layer, ei, ei_loops)
-            graphs = {impl: c.graph_input(impl, edge_index, N, "plan") for impl in args.impls}
-            grads, sides, steps = {}, {}, {}
-            for impl in args.impls:  # before any step: a compiled side shares its eager twin's weights
-                c.warm_plan(impl, modules[impl], x, graphs[impl])
-                grads[impl] = c.model_outputs(modules[impl], x, graphs[impl], labels)[1]
-            for impl in args.impls:
-                step = steps[impl] = c.make_pass(modules[impl], x, graphs[impl], labels,
-                                                 c.TRAIN_STEP)
-                if c.is_compiled(impl):  # until a call compiles nothing (and records its graphs)
-                    settled = c.settle(step, device)
-                    if settled["status"] != "ok":
-                        raise RuntimeError(f"{layer} {impl}: {settled['error']}")
-                for _ in range(3):  # warm (reduce-overhead records its CUDA graphs here)
-                    step()
-                kernels = _profile(step)
-                total = sum(ms for _, _, ms in kernels)
-                err = ((grads[impl] - grads["pyg"]).norm() / grads["pyg"].norm()).item()
-                host_ops, host_python = _host_ops(step, args.top), _host_python(step, args.top)
-                sides[impl] = {"gpu_ms": total, "kernels": kernels, "weight_grad_rel_err": err,
-                               "host_ops": host_ops, "host_python": host_python}
-                print(f"== {layer} {impl}: {total:.2f} ms of GPU time in "
-                      f"{sum(n for _, n, _ in kernels)} launches; conv1 weight grad vs eager PyG "
-                      f"{err:.2e}", flush=True)
-                for name, n, ms in kernels[:args.top]:
+           "layers": {}}
+    for layer in args.layer:
+        torch._dynamo.reset()
+        pair = c.build_pair(layer, F_in, H, C, "triton", device, torch.float32, 0, "model", 40)
+        options = {**c.COMPILE_OPTIONS,
+                   **({} if args.compile_mode == "default" else {"mode": args.compile_mode})}
+        modules = c.with_compiled(pair, args.impls, options)
+        edge_index = c.layer_edge_index(layer, ei, ei_loops)
+        graphs = {impl: c.graph_input(impl, edge_index, N, "plan") for impl in args.impls}
+        grads, sides, steps = {}, {}, {}
+        for impl in args.impls:  # before any step: a compiled side shares its eager twin's weights
+            c.warm_plan(impl, modules[impl], x, graphs[impl])
+            grads[impl] = c.model_outputs(modules[impl], x, graphs[impl], labels)[1]
+        for impl in args.impls:
+            step = steps[impl] = c.make_pass(modules[impl], x, graphs[impl], labels,
+                                             c.TRAIN_STEP)
+            if c.is_compiled(impl):  # until a call compiles nothing (and records its graphs)
+                settled = c.settle(step, device)
+                if settled["status"] != "ok":
+                    raise RuntimeError(f"{layer} {impl}: {settled['error']}")
+            for _ in range(3):  # warm (reduce-overhead records its CUDA graphs here)
+                step()
+            kernels = _profile(step)
+            total = sum(ms for _, _, ms in kernels)
+            err = ((grads[impl] - grads["pyg"]).norm() / grads["pyg"].norm()).item()
+            host_ops, host_python = _host_ops(step, args.top), _host_python(step, args.top)
+            sides[impl] = {"gpu_ms": total, "kernels": kernels, "weight_grad_rel_err": err,
+                           "host_ops": host_ops, "host_python": host_python}
+            print(f"== {layer} {impl}: {total:.2f} ms of GPU time in "
+                  f"{sum(n for _, n, _ in kernels)} launches; conv1 weight grad vs eager PyG "
+                  f"{err:.2e}", flush=True)
+            for name, n, ms in kernels[:args.top]:
+                print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
+            for title, rows in (("host: operators and CUDA runtime calls, own CPU time",
+                                 host_ops),
+                                ("host: Python functions, own time per step (cProfile)",
+                                 host_python)):
+                print(f"  -- {title}", flush=True)
+                for name, n, ms in rows:
                     print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
-                for title, rows in (("host: operators and CUDA runtime calls, own CPU time",
-                                     host_ops),
-                                    ("host: Python functions, own time per step (cProfile)",
-                                     host_python)):
-                    print(f"  -- {title}", flush=True)
-                    for name, n, ms in rows:
-                        print(f"  {ms:8.3f} ms {n:4d}x  {name[:100]}", flush=True)
-            times = measure.time_interleaved(steps, device, args.repeats)
-            for impl, t in times.items():
-                if t["status"] != "ok":
-                    raise RuntimeError(f"{layer} {impl}: {t['error']}")
-                sides[impl]["step_ms"] = t["median_s"] * 1e3
-                print(f"== {layer} {impl}: step {t['median_s'] * 1e3:.2f} ms, GPU busy "
-                      f"{sides[impl]['gpu_ms']:.2f} ms of it", flush=True)
-            out["layers"][layer] = sides
+        times = measure.time_interleaved(steps, device, args.repeats)
+        for impl, t in times.items():
+            if t["status"] != "ok":
+                raise RuntimeError(f"{layer} {impl}: {t['error']}")
+            sides[impl]["step_ms"] = t["median_s"] * 1e3
+            print(f"== {layer} {impl}: step {t['median_s'] * 1e3:.2f} ms, GPU busy "
+                  f"{sides[impl]['gpu_ms']:.2f} ms of it", flush=True)
+        out["layers"][layer] = sides
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

@@ -8,10 +8,12 @@ synthetic graph (gatlib.bench.synthetic's power-law preset plus self-loops), tim
 
 of ``gatlib.graph_attention`` with ``backend="triton"`` (the fused kernels;
 an explicit backend never falls back) and ``backend="torch"`` (the reference),
-over one :class:`gatlib.GraphPlan`, after checking that the two agree; and beside them
-``torch.sparse.mm`` on the plan's CSR with the call's attention weights as its values: the
-aggregation alone, no scores or softmax, forward and the value's gradient (a practical
-floor for the narrow rows of an output layer, issue 56). Next to each fused time it prints the
+over one :class:`gatlib.GraphPlan`, after checking that the two agree; beside them, for GAT,
+the *two-pass* candidate for narrow rows (an output layer's): scores and softmax over ``[E, H]``,
+then the aggregation as ``torch.sparse.mm`` on the plan's CSR (cuSPARSE), its backward on the CSC
+(:func:`two_pass_gat`); and ``torch.sparse.mm`` alone with the call's attention weights as its
+values: the aggregation, no scores or softmax, forward and the value's gradient (the practical
+floor of narrow rows). Next to each fused time it prints the
 *bandwidth floor*: the bytes the pass must move at least (every input and
 output read or written once, no re-reads of gathered rows) divided by the
 device-copy bandwidth measured in the same process — how far the kernel is
@@ -25,14 +27,16 @@ Usage (CUDA only; from the repository root)::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
 
-from gatlib import EdgeScore, GraphPlan, graph_attention, record_kernels
+from gatlib import EdgeScore, GraphPlan, graph_attention, record_kernels, segment_softmax
 from gatlib.bench.report import command_line, environment, format_table, write_json
-from gatlib.bench.synthetic import PRESETS, power_law_edges
+from gatlib.bench.synthetic import PRESETS, parse_spec, power_law_edges
 
 KINDS = ("gat", "gatv2", "dot")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(prog="python -m tools.triton_bench",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--graph", default="arxiv-like", choices=sorted(PRESETS))
+    p.add_argument("--graph", default="arxiv-like",
+                   help=f"one of {sorted(PRESETS)} or synthetic:N:E:F (default: %(default)s)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: the kernels in Triton's interpreter (TRITON_INTERPRET=1), timed by "
+                        "the clock: a dry run of the tool, its times say nothing (default: cuda)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--channels", type=int, default=64, help="channels per head")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
@@ -61,7 +69,7 @@ def parse_args(argv=None):
 
 
 def make_graph(name: str, seed: int, device) -> tuple[torch.Tensor, int]:
-    spec = PRESETS[name]
+    spec = parse_spec(name)
     ei = power_law_edges(spec.num_nodes, spec.num_edges, exponent=spec.exponent,
                          max_degree=spec.max_degree, seed=seed)
     loops = torch.arange(spec.num_nodes).repeat(2, 1)  # GAT layers add self-loops
@@ -156,6 +164,50 @@ def sparse_mm_call(plan: GraphPlan, alpha: torch.Tensor, value: torch.Tensor):
     return call
 
 
+class CsrAggregate(torch.autograd.Function):
+    r"""``out_h = A_h v_h`` by ``torch.sparse.mm``, ``A_h`` the plan's CSR (destination rows)
+    holding ``alpha[:, h]`` (``[E, H]`` in CSR order). Backward: ``dv_h = A_h^T g_h`` on the CSC,
+    ``dalpha_ij = <g_i, v_j>`` sampled at the edges (``sampled_addmm``): no atomics.
+
+    Inputs: the layout's ``ptr, src, dst, csc_ptr, csc_edge``, ``alpha``, ``value [N_src, H, C]``.
+    Output ``[N_dst, H, C]``."""
+
+    @staticmethod
+    def forward(ctx, ptr, src, dst, csc_ptr, csc_edge, alpha, value):
+        size = (ptr.numel() - 1, value.size(0))
+        ctx.save_for_backward(ptr, src, dst, csc_ptr, csc_edge, alpha, value)
+        return torch.stack([torch.sparse.mm(_csr(ptr, src, alpha[:, h], size), value[:, h])
+                            for h in range(value.size(1))], 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        ptr, src, dst, csc_ptr, csc_edge, alpha, value = ctx.saved_tensors
+        N, M = ptr.numel() - 1, value.size(0)
+        g = g.contiguous()
+        heads = range(value.size(1))
+        dv = torch.stack([torch.sparse.mm(_csr(csc_ptr, dst.index_select(0, csc_edge),
+                                               alpha[:, h].index_select(0, csc_edge), (M, N)), g[:, h])
+                          for h in heads], 1)
+        pattern = _csr(ptr, src, torch.ones_like(alpha[:, 0]), (N, M))
+        da = torch.stack([torch.sparse.sampled_addmm(pattern, g[:, h], value[:, h].t(), beta=0.0).values()
+                          for h in heads], 1)
+        return None, None, None, None, None, da, dv
+
+
+def _csr(ptr, col, values, size):
+    return torch.sparse_csr_tensor(ptr.long(), col.long(), values, size)
+
+
+def two_pass_gat(score: EdgeScore, value: torch.Tensor, plan: GraphPlan) -> torch.Tensor:
+    """GAT's narrow rows in two passes: the scores and their softmax over ``[E, H]`` (the
+    reference's, in CSR order), then the aggregation as :class:`CsrAggregate`: ``[N_dst, H * C]``."""
+    lay = plan.layout()
+    src, dst = lay.src.long(), lay.dst.long()
+    alpha = segment_softmax(score.edge_scores(src, dst), dst, plan.num_dst)
+    return CsrAggregate.apply(lay.ptr, lay.src, lay.dst, lay.csc_ptr, lay.csc_edge, alpha,
+                              value).flatten(1)
+
+
 def device_bandwidth(device) -> float:
     """Bytes per second of a 1 GiB device-to-device copy (read + write)."""
     import triton.testing
@@ -197,8 +249,23 @@ def check(kind, dtype, score, value, value_edge, plan, fused_fwd, ref_fwd) -> di
                 correct=err_fused <= max(2 * err_torch, tol), kernels=list(dict.fromkeys(log)))
 
 
-def run_case(kind, dtype, plan, args, device, bandwidth):
+def _clock_bench(fn, warmup, rep, grad_to_none, return_mode):
+    """``do_bench``'s stand-in off CUDA: the median of ``rep`` calls' wall-clock milliseconds."""
+    import statistics
+
+    fn()
+    times = []
+    for _ in range(max(1, rep)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_case(kind, dtype, plan, args, device, bandwidth, bench=None):
     import triton.testing
+
+    bench = bench or triton.testing.do_bench
 
     N, E, H, C = plan.num_dst, plan.num_edges, args.heads, args.channels
     score, value, value_edge = make_inputs(kind, N, E, H, C, dtype, args.edge_features, device,
@@ -227,7 +294,15 @@ def run_case(kind, dtype, plan, args, device, bandwidth):
 
     def spmm_fwd(need_alpha=False):
         return spmm(), None
-    for name, fn in (("fused", fused_fwd), ("torch", ref_fwd), ("sparse_mm", spmm_fwd)):
+
+    def two_pass(need_alpha=False):
+        return two_pass_gat(score, value, plan), None
+
+    sides = [("fused", fused_fwd), ("torch", ref_fwd), ("sparse_mm", spmm_fwd)]
+    if kind == "gat" and not args.edge_features:  # (the candidate for GAT's narrow output layers)
+        row["two_pass_rel_error"] = _two_pass_error(score, value, plan, grad, ins)
+        sides.append(("two_pass", two_pass))
+    for name, fn in sides:
         for phase in ("fwd", "fwd+bwd"):
             if phase == "fwd":
                 def step(fn=fn):
@@ -238,14 +313,14 @@ def run_case(kind, dtype, plan, args, device, bandwidth):
                     out, _ = fn()
                     out.backward(grad)
             try:
-                ms = triton.testing.do_bench(step, warmup=args.warmup, rep=args.rep,
-                                             grad_to_none=ins, return_mode="median")
+                ms = bench(step, warmup=args.warmup, rep=args.rep, grad_to_none=ins,
+                           return_mode="median")
                 row[f"{name}_{phase}_ms"] = ms
             except torch.cuda.OutOfMemoryError:
                 row[f"{name}_{phase}_ms"] = "oom"
                 torch.cuda.empty_cache()
             except (RuntimeError, NotImplementedError) as exc:
-                if name != "sparse_mm":
+                if name not in ("sparse_mm", "two_pass"):
                     raise
                 # (torch's sparse.mm lacks some dtypes on some devices: bfloat16 on CPU)
                 row[f"{name}_{phase}_ms"] = f"error: {str(exc).splitlines()[0][:120]}"
@@ -258,34 +333,52 @@ def run_case(kind, dtype, plan, args, device, bandwidth):
     return row
 
 
-def table(rows) -> str:
-    """The rows' times beside each other, per pass: fused, reference, sparse.mm, floor."""
-    def fmt(v, spec=".3f"):
-        return format(v, spec) if isinstance(v, float) else str(v)
+def _two_pass_error(score, value, plan, grad, ins) -> float:
+    """The two-pass candidate's largest norm-wise error (output, every gradient) against the
+    reference in the same dtype."""
+    res = []
+    for fn in (lambda: two_pass_gat(score, value, plan), lambda: attend("torch", score, value, None, plan)[0]):
+        try:
+            out = fn()
+        except (RuntimeError, NotImplementedError) as exc:  # (a dtype cuSPARSE or CPU lacks)
+            return f"error: {str(exc).splitlines()[0][:120]}"
+        res.append([out, *torch.autograd.grad(out, ins, grad.to(out.dtype))])
+    return max(float((a.detach().float() - b.detach().float()).norm()
+                     / b.detach().float().norm().clamp_min(1e-30)) for a, b in zip(*res, strict=True))
 
+
+def table(rows) -> str:
+    """The rows' times beside each other, per pass: fused, reference, two-pass, sparse.mm, floor."""
+    def fmt(v, spec=".3f"):
+        return format(v, spec) if isinstance(v, float) else str(v if v is not None else "-")
+
+    names = ("fused", "torch", "two_pass", "sparse_mm", "floor")
     return format_table(
-        ["kind", "dtype", "ok", "fwd fused ms", "torch", "sparse.mm", "floor", "f+b fused ms",
-         "torch", "sparse.mm", "floor"],
-        [[r["kind"], r["dtype"], r["correct"], *(fmt(r[f"{name}_{phase}_ms"])
-          for phase in ("fwd", "fwd+bwd") for name in ("fused", "torch", "sparse_mm", "floor"))]
-         for r in rows],
-        align="<<<" + ">" * 8)
+        ["kind", "dtype", "ok", "fwd fused ms", "torch", "two-pass", "sparse.mm", "floor",
+         "f+b fused ms", "torch", "two-pass", "sparse.mm", "floor"],
+        [[r["kind"], r["dtype"], r["correct"], *(fmt(r.get(f"{name}_{phase}_ms"))
+          for phase in ("fwd", "fwd+bwd") for name in names)] for r in rows],
+        align="<<<" + ">" * 10)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("tools.triton_bench needs a CUDA device (the Triton interpreter is for tests only)")
-    device = "cuda"
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("tools.triton_bench --device cuda needs a CUDA device")
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("tools.triton_bench --device cpu runs the kernels in Triton's interpreter: "
+                 "set TRITON_INTERPRET=1")
     torch.manual_seed(args.seed)
     ei, N = make_graph(args.graph, args.seed, device)
     plan = GraphPlan(ei, num_nodes=N)  # checked and sorted once; the kernels' schedule lives on it
     deg = torch.bincount(ei[1], minlength=N)
-    bandwidth = device_bandwidth(device)
-    print(f"{torch.cuda.get_device_name()}: graph {args.graph} N={N} E={ei.size(1)} "
+    bandwidth = device_bandwidth(device) if device == "cuda" else 1e11  # (the dry run's: any)
+    print(f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}: graph {args.graph} N={N} E={ei.size(1)} "
           f"max in-degree {int(deg.max())}, H={args.heads} C={args.channels}, "
           f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    rows = [run_case(kind, DTYPES[dname], plan, args, device, bandwidth)
+    bench = None if device == "cuda" else _clock_bench
+    rows = [run_case(kind, DTYPES[dname], plan, args, device, bandwidth, bench)
             for kind in args.kinds for dname in args.dtypes]
 
     print(table(rows))

@@ -7,9 +7,9 @@ every row kernel's key is tuned (each config of its space compiled and "timed" o
 ``triton.autotune`` does on its first launch) and every specialisation a GPU would compile is
 counted, per kernel. Steps on graphs of other sizes (new mini-batches: node counts whose rows of
 7 classes start at every offset modulo 16 bytes, where Triton would specialise a pointer's
-alignment; then one of higher degree, whose keys are tuned anew) follow, which must compile
-nothing. On the GPU each compile takes ptxas's time; the run's own seconds there
-are the lease's measurement (``scripts/gpu_run.sh``)::
+alignment; then one of higher degree) follow, which must compile and tune nothing. On the GPU
+each compile takes ptxas's time; the run's own seconds there are the lease's measurement
+(``scripts/gpu_run.sh``)::
 
     python -m tools.tuning_cost --json benchmarks/results/tuning_cost_cpu_standin.json
 """
@@ -31,7 +31,7 @@ SHAPES = {"arxiv-like": (128, 3, 256, 40), "cora": (1433, 8, 8, 7)}
 LAYERS = ("gat", "gatv2", "transformer")
 AUTOTUNE_ENV = "GATLIB_TRITON_AUTOTUNE"  # "0": the defaults, untimed (docs/gpu.md, "Tuning")
 # (nodes, directed random edges) of the mini-batches after the first graph's (600, 3000), the
-# last of another degree bucket (tuned again: its keys are new, its kernels are not)
+# last of a higher degree
 NEW_GRAPHS = ((457, 2100), (458, 1500), (459, 2500), (601, 3100), (320, 9000))
 
 
@@ -53,7 +53,8 @@ def graph(num_nodes: int, num_edges: int, features: int, seed: int):
 @contextlib.contextmanager
 def cold_tuners(tune: bool = True) -> Iterator[None]:
     """Inside: the row kernels' tuners know no key (as in a fresh process) and, unless ``tune``,
-    run their defaults (``GATLIB_TRITON_AUTOTUNE=0``); theirs and the variable's value after."""
+    are bypassed for the defaults (``GATLIB_TRITON_AUTOTUNE=0``); theirs and the variable's value
+    after."""
     from tools import internals
 
     tuners = internals.triton_tuners().values()
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         write_json(args.json, {"command": command_line(), **environment(torch.device("cpu")),
                                "target": "sm_90 (stand-in)", "rows": rows})
         print(f"wrote {args.json}")
-    return 1 if any(r["new_graph"] for r in rows) else 0
+    return 1 if any(r["new_graph"] or r["new_graph_keys"] != r["first_step_keys"] for r in rows) else 0
 
 
 if __name__ == "__main__":

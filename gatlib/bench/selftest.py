@@ -27,14 +27,12 @@ from . import floor, synthetic
 from .report import command_line, environment, format_table, write_json
 
 SCHEMA = "gatlib.selftest/1"
-# "gat_projected": GAT's score formed by the kernels from the projected rows h, which are
-# the values too (EdgeScore.gat_projected: what GATConv runs where it does not fold)
 # "gat_inputs", "dot_inputs": GATConv's and TransformerConv's calls in input space, values
 # (and the Transformer's key, which is its value) of one head that every head shares
 INPUT_KINDS = ("gat_inputs", "dot_inputs")
-KINDS = ("gat", "gatv2", "dot", "gat_projected", *INPUT_KINDS)
+KINDS = ("gat", "gatv2", "dot", *INPUT_KINDS)
 # the kinds whose layers (GATConv, GATv2Conv) have an output bias: the checks add one
-BIASED = ("gat", "gatv2", "gat_projected")
+BIASED = ("gat", "gatv2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 GRAPHS = ("cora", "arxiv-like", "products-like")
@@ -92,16 +90,13 @@ def _inputs(kind: str, edge: bool, E: int, device, seed: int, heads: int = HEADS
     if kind == "dot_inputs":  # the key is the value (no edge features in input space)
         t["dst"] = r(N, H, C)
         return t
-    if kind == "gat_projected":  # (no value_edge: GATConv has none)
-        t.update(att_src=r(H, C), att_dst=r(H, C), **({"edge": r(E, H)} if edge else {}))
-    else:
-        per_node = (N, H) if kind == "gat" else (N, H, C)
-        t.update(src=r(*per_node), dst=r(*per_node))
-        if edge:
-            t["value_edge"] = r(E, H, C)
-            t["edge"] = r(E, *per_node[1:])
-        if kind == "gatv2":
-            t["att"] = r(H, C)
+    per_node = (N, H) if kind == "gat" else (N, H, C)
+    t.update(src=r(*per_node), dst=r(*per_node))
+    if edge:
+        t["value_edge"] = r(E, H, C)
+        t["edge"] = r(E, *per_node[1:])
+    if kind == "gatv2":
+        t["att"] = r(H, C)
     if kind in BIASED:
         t["bias"] = r(H * C)
     return t
@@ -110,8 +105,6 @@ def _inputs(kind: str, edge: bool, E: int, device, seed: int, heads: int = HEADS
 def _score(kind: str, t: Dict[str, Tensor]):
     from gatlib import EdgeScore
 
-    if kind == "gat_projected":
-        return EdgeScore.gat_projected(t["value"], t["att_src"], t["att_dst"], t.get("edge"))
     if kind in ("gat", "gat_inputs"):
         return EdgeScore.gat(t["src"], t["dst"], t.get("edge"))
     if kind == "dot_inputs":
@@ -260,9 +253,9 @@ def _dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) -> Dict:
     effect = _max_abs(a["out"], plain)
     # With the mask fixed, out is linear in (value, value_edge, bias), so
     # <w, out> = <grad value, value> + <grad value_edge, value_edge> + <grad bias, bias>
-    # holds only if the backward applied the forward's mask. Not for gat_projected and
-    # dot_inputs, whose values are also the scores' input (the mask is the others' code).
-    linear = kind not in ("gat_projected", "dot_inputs")
+    # holds only if the backward applied the forward's mask. Not for dot_inputs, whose values
+    # are also the scores' input (the mask is the others' code).
+    linear = kind != "dot_inputs"
     terms = [a["out"].double() * weights["out"].double()]
     terms += [-a[f"grad {k}"].double() * inputs[k].double()
               for k in ("value", "value_edge", "bias") if k in inputs]
@@ -288,16 +281,16 @@ def _dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) -> Dict:
 
 
 def kernel_checks(device: torch.device, quick: bool = False, log=print,
-                  kinds: Sequence[str] = KINDS) -> Dict:
+                  kinds: Sequence[str] = KINDS, dtypes: Sequence[str] = tuple(DTYPES)) -> Dict:
     """Every kernel check on ``device``: ``{"graph": ..., "cases": [...], "passed", "failed"}``.
     ``quick``: per kind and dtype only two cases (edge features with weights returned,
-    dropout without either); ``kinds``: the score kinds checked (all by default)."""
+    dropout without either); ``kinds``, ``dtypes``: those checked (all by default)."""
     import gatlib
 
     plan = gatlib.GraphPlan(kernel_graph().to(device), num_nodes=NUM_NODES)
     grid = list(dict.fromkeys(
         (kind, dtype, edge and kind != "dot_inputs", p, alpha)  # (it has no edge features)
-        for kind in kinds for dtype in DTYPES.values()
+        for kind in kinds for dtype in (DTYPES[d] for d in dtypes)
         for edge in (True, False) for p in (0.0, DROPOUT) for alpha in (True, False)
         # quick: edge features and weights without dropout; neither with it
         if not quick or edge == alpha == (p == 0)))
@@ -353,7 +346,7 @@ def check_call(plan, n: int, inputs: Dict[str, Tensor], p: float = 0.5,
 # The layer of each score kind whose compiled training step the GPU checks run, its output layer one head
 # of 40 classes as OGB arxiv's: the shape where compiled GAT once disagreed with PyG (docs/design.md,
 # "Compiled GAT takes the node terms").
-STEP_LAYERS = {"gat_projected": "GATConv", "gatv2": "GATv2Conv", "dot": "TransformerConv"}
+STEP_LAYERS = {"gat": "GATConv", "gatv2": "GATv2Conv", "dot": "TransformerConv"}
 STEP_FEATURES, STEP_CLASSES = 64, 40
 # ... and its agreement: norm-wise relative error of the loss and each gradient, as gatlib compare's float32
 # rule. A gradient far smaller than the largest is measured against STEP_FLOOR times that one: one that is
@@ -413,6 +406,29 @@ def compiled_step_check(layer: str, device: torch.device, plan, compile_fn=None)
     if bad:
         return f"largest relative error against float64 > {STEP_TOL:.0e}: " + ", ".join(bad)
     return None
+
+
+# Configs per row kernel's space at most (gatlib._triton_schedule._space): the check below pins
+# each index; a smaller space repeats its configs.
+MAX_CONFIGS = 4
+
+
+def configs_check(kind: str, device: torch.device, plan) -> Optional[str]:
+    """``None`` where every config of the row kernels' spaces (each pinned in turn) and the
+    tuner's choice give score ``kind``'s call (float32, edge features, weights; the graph's hub
+    split) the same bits: output, weights and every gradient; else which differ. The tuned
+    knobs must not change what a program sums nor in what order (docs/gpu.md, "Tuning")."""
+    from gatlib import introspect
+
+    inputs, weights = _case_inputs(kind, torch.float32, kind != "dot_inputs", plan, device, 0)
+    runs = {"tuned": _run("triton", kind, inputs, plan, weights, True, 0.0)[1]}
+    for i in range(MAX_CONFIGS):
+        with introspect.triton_config(i):
+            runs[f"config {i}"] = _run("triton", kind, inputs, plan, weights, True, 0.0)[1]
+    base = runs["tuned"]
+    bad = [f"{name}: {q}" for name, got in runs.items() for q in base
+           if not torch.equal(got[q].nan_to_num(), base[q].nan_to_num())]
+    return ("not the tuned config's bits: " + ", ".join(bad[:4])) if bad else None
 
 
 def output_layer_check(kind: str, device: torch.device, plan) -> Optional[str]:
@@ -493,6 +509,8 @@ def gpu_checks(device: torch.device, kinds: Sequence[str] = KINDS) -> List[Dict]
     for kind in kinds:
         check(f"{kind}: an output layer's call (1 head of {STEP_CLASSES}) computes the reference",
               lambda kind=kind: output_layer_check(kind, device, plan))
+        check(f"{kind}: every config of the row kernels' spaces gives the tuned config's bits",
+              lambda kind=kind: configs_check(kind, device, plan))
     for kind in kinds:
         if kind in STEP_LAYERS:
             check(f"a compiled {STEP_LAYERS[kind]} training step computes the eager step",
@@ -626,6 +644,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help="comma-separated score kinds the kernel checks cover "
                              "(default: %(default)s)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES),
+                        help="comma-separated dtypes the kernel checks cover (default: %(default)s)")
     parser.add_argument("--json", default=None, metavar="PATH", dest="json_path",
                         help="write everything here (after every step)")
     parser.add_argument("--table", default=None, metavar="PATH",
@@ -674,6 +694,10 @@ def run(args: argparse.Namespace) -> int:
         if unknown or not kinds:
             raise ValueError(f"--kinds takes a comma-separated subset of {','.join(KINDS)}; "
                              f"got {args.kinds!r}")
+        dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+        if set(dtypes) - set(DTYPES) or not dtypes:
+            raise ValueError(f"--dtypes takes a comma-separated subset of {','.join(DTYPES)}; "
+                             f"got {args.dtypes!r}")
         for graph in graphs:  # a typo fails now, not after the kernel checks
             if graph != "cora":
                 synthetic.parse_spec(graph)
@@ -687,7 +711,7 @@ def run(args: argparse.Namespace) -> int:
         "config": {"device": args.device, "graphs": graphs, "repeats": args.repeats,
                    "block_seconds": args.block_seconds, "memory": args.memory,
                    "heads": args.heads, "channels": args.channels, "quick": args.quick,
-                   "kinds": kinds,
+                   "kinds": kinds, "dtypes": dtypes,
                    # GATLIB_TRITON_AUTOTUNE=0: every row kernel at its default config
                    "triton_autotune": os.environ.get("GATLIB_TRITON_AUTOTUNE", "1") != "0"},
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
@@ -702,12 +726,12 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    return _checks(args, device, cuda, kinds, graphs, result, save, log)
+    return _checks(args, device, cuda, kinds, dtypes, graphs, result, save, log)
 
 
-def _checks(args, device, cuda, kinds, graphs, result, save, log) -> int:
+def _checks(args, device, cuda, kinds, dtypes, graphs, result, save, log) -> int:
     t0 = time.perf_counter()
-    result["kernel_checks"] = kernel_checks(device, args.quick, log, kinds)
+    result["kernel_checks"] = kernel_checks(device, args.quick, log, kinds, dtypes)
     result["kernel_checks"]["seconds"] = time.perf_counter() - t0
     save()
     if cuda:
