@@ -45,3 +45,21 @@ def test_the_dry_run_writes_what_a_gpu_run_brings_back(tmp_path):
     assert isinstance(json.loads((out / "autotune.json").read_text()), list)
     log = (out / "log.txt").read_text()
     assert "== the run:" in log and "sanitizer: skipped" in log
+
+
+@pytest.mark.parametrize("output, code, status", [
+    ("========= Error: Device not supported", 1, "refused"),  # (the tool, not the kernels)
+    ("Traceback (most recent call last):\nRuntimeError: boom", 1, "FAIL"),  # (the calls failed)
+    ("========= ERROR SUMMARY: 2 errors", 3, "FAIL"),  # (what it found)
+    ("gat: ok", 0, "ok")])
+def test_a_sanitizer_refusal_is_told_from_a_failure(tmp_path, monkeypatch, output, code, status):
+    import sys
+
+    from tools import gpu_run
+
+    monkeypatch.setattr(gpu_run.shutil, "which", lambda name: "/bin/" + name)
+    run = gpu_run.Run(tmp_path, 60, {})
+    script = f"import sys; print({output!r}); sys.exit({code})"
+    gpu_run.sanitizer_steps(run, [("sanitizer memcheck", [sys.executable, "-c", script], 30, {})], False)
+    (rec,) = run.steps
+    assert rec["status"] == status and rec["returncode"] == code

@@ -163,8 +163,9 @@ def sanitizer_steps(run: Run, steps: List, dry: bool) -> None:
         return
     for name, argv, limit, env in steps:
         rec = run.step(name, argv, limit, env)
-        if rec is not None and rec["returncode"] not in (0, 3):
-            # (it refuses the device on one of the machine's runtimes: not the kernels' failure)
+        if rec is not None and rec["returncode"] not in (0, 3) and "Traceback" not in rec["output_tail"]:
+            # (it refuses the device on one of the machine's runtimes: not the kernels' failure;
+            # a Python traceback is the calls' own failure and stays a FAIL)
             rec.update(status="refused", detail=(rec["output_tail"].strip().splitlines() or ["?"])[-1])
             run.say(f"== {name}: did not run ({rec['detail'][:200]}); the run goes on")
 
@@ -179,11 +180,11 @@ def calls(device: str = "cuda") -> None:
 
     plan = gatlib.GraphPlan(selftest.kernel_graph().to(device), num_nodes=selftest.NUM_NODES)
     for kind in KINDS:
-        inputs, weights = selftest._case_inputs(kind, torch.float32, kind != "dot_inputs", plan,
+        inputs, weights = selftest.case_inputs(kind, torch.float32, kind != "dot_inputs", plan,
                                                 device, 0)
 
         def call(t, kind=kind):
-            return gatlib.graph_attention(selftest._score(kind, t), t["value"], plan,
+            return gatlib.graph_attention(selftest.edge_score(kind, t), t["value"], plan,
                                           selftest.NUM_NODES, value_edge=t.get("value_edge"),
                                           dropout=0.3, training=True, backend="triton",
                                           return_attention=True, bias=t.get("bias"))
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
     env.pop("TRITON_INTERPRET", None)
     run = Run(args.out, args.deadline, env)
     record = {"schema": "gatlib.gpu_run/1", "dry_run": dry, "environment": _environment(dry)}
-    run.say(f"gatlib GPU run{' (dry)' if dry else ''}: {json.dumps(record['environment'])}")
+    run.say(f"gatlib GPU run{' (dry)' if dry else ''}: {json.dumps(record['environment'], default=str)}")
     with tempfile.TemporaryDirectory() as tmp:
         steps = commands(dry, args.out, Path(tmp))
         # the sanitizer's slow launches beside the self-test's compiles
@@ -263,14 +264,9 @@ def _autotune_files(cache: Path) -> List[Dict]:
 
 
 def _environment(dry: bool) -> Dict:
-    import torch
-    import triton
+    from gatlib.bench.report import environment
 
-    git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(0),
-            "python": sys.version.split()[0], "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": triton.__version__,
-            "git_sha": git.stdout.strip() or None}
+    return environment("cpu" if dry else "cuda")
 
 
 if __name__ == "__main__":

@@ -102,7 +102,7 @@ def _inputs(kind: str, edge: bool, E: int, device, seed: int, heads: int = HEADS
     return t
 
 
-def _score(kind: str, t: Dict[str, Tensor]):
+def edge_score(kind: str, t: Dict[str, Tensor]):
     from gatlib import EdgeScore
 
     if kind in ("gat", "gat_inputs"):
@@ -145,7 +145,7 @@ def _run(backend: str, kind: str, inputs: Dict[str, Tensor], plan, weights: Dict
     leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
     with gatlib.record_kernels() as log, torch.set_grad_enabled(backward), \
             unwritten_memory_is_nan():
-        res = gatlib.graph_attention(_score(kind, leaves), leaves["value"], plan, NUM_NODES,
+        res = gatlib.graph_attention(edge_score(kind, leaves), leaves["value"], plan, NUM_NODES,
                                      value_edge=leaves.get("value_edge"), dropout=p,
                                      training=p > 0, backend=backend, return_attention=alpha,
                                      bias=leaves.get("bias"))
@@ -201,7 +201,7 @@ def check_case(kind: str, dtype: torch.dtype, edge: bool, p: float, alpha: bool,
     return rec
 
 
-def _case_inputs(kind, dtype, edge, plan, device, seed, heads=HEADS, channels=CHANNELS):
+def case_inputs(kind, dtype, edge, plan, device, seed, heads=HEADS, channels=CHANNELS):
     E = plan.num_edges
     rounded = {k: v.to(dtype) for k, v in _inputs(kind, edge, E, device, seed, heads,
                                                    channels).items()}
@@ -216,7 +216,7 @@ def _agreement_check(kind, dtype, edge, alpha, plan, device, seed, heads=HEADS,
     """One case against the float64 reference (TOL, LOWP_FACTOR); ``relative_to_reference``:
     the low-precision rule (a multiple of the reference's own error in ``dtype``) in
     float32 too."""
-    inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed, heads, channels)
+    inputs, weights = case_inputs(kind, dtype, edge, plan, device, seed, heads, channels)
     log, got = _run("triton", kind, inputs, plan, weights, alpha, 0.0)
     exact = _run("torch", kind, {k: v.double() for k, v in inputs.items()}, plan, weights, alpha,
                  0.0)[1]
@@ -243,7 +243,7 @@ def _agreement_check(kind, dtype, edge, alpha, plan, device, seed, heads=HEADS,
 
 
 def _dropout_check(kind, dtype, edge, p, alpha, plan, device, seed) -> Dict:
-    inputs, weights = _case_inputs(kind, dtype, edge, plan, device, seed)
+    inputs, weights = case_inputs(kind, dtype, edge, plan, device, seed)
     torch.manual_seed(seed)
     log, a = _run("triton", kind, inputs, plan, weights, alpha, p)
     torch.manual_seed(seed)
@@ -335,7 +335,7 @@ def check_call(plan, n: int, inputs: Dict[str, Tensor], p: float = 0.5,
     import gatlib
 
     leaves = {k: v.detach().clone().requires_grad_(backward) for k, v in inputs.items()}
-    out = gatlib.graph_attention(_score("gatv2", leaves), leaves["value"], plan, n,
+    out = gatlib.graph_attention(edge_score("gatv2", leaves), leaves["value"], plan, n,
                                  dropout=p, training=p > 0, backend="triton",
                                  bias=leaves.get("bias"))
     if backward:
@@ -420,7 +420,7 @@ def configs_check(kind: str, device: torch.device, plan) -> Optional[str]:
     knobs must not change what a program sums nor in what order (docs/gpu.md, "Tuning")."""
     from gatlib import introspect
 
-    inputs, weights = _case_inputs(kind, torch.float32, kind != "dot_inputs", plan, device, 0)
+    inputs, weights = case_inputs(kind, torch.float32, kind != "dot_inputs", plan, device, 0)
     runs = {"tuned": _run("triton", kind, inputs, plan, weights, True, 0.0)[1]}
     for i in range(MAX_CONFIGS):
         with introspect.triton_config(i):
