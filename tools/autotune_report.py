@@ -76,11 +76,16 @@ def knob_wins(records: List[Dict]) -> Dict[str, Dict[str, List[int]]]:
     return {k: dict(v) for k, v in out.items()}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (tests/test_docs_commands.py parses the docs' commands with it)."""
     p = argparse.ArgumentParser(prog="python -m tools.autotune_report", description=__doc__.split("\n\n")[0])
     p.add_argument("autotune", type=Path, help="the GPU run's autotune.json")
     p.add_argument("--json", type=Path, default=None, help="write the records here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     records = read(json.loads(args.autotune.read_text()))
     rows = [[r["kernel"], " ".join(f"{k}={v}" for k, v in r["key"].items()), c["label"],
              f"{c['ms']:.3f}", f"{c['over_best']:.2f}", "default" if c["default"] else ""]
