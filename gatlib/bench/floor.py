@@ -2,7 +2,7 @@
 implementation must move, set against each measured time (issue 29, item 5).
 
 Per kernel the floor is max(bytes / bandwidth, flops / GEMM peak), summed over a pass's kernels, in two
-variants (lo: gathered rows read once; hi: once per edge). docs/gpu.md ("Against the bandwidth floor")
+variants (lo: gathered rows read once; hi: once per edge). docs/benchmarks.md ("Against the bandwidth floor")
 lists every term, tensor by tensor.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ STEP = "train_step"  # gatlib compare --scope model
 # Bytes and flops of a pass
 @dataclass(frozen=True)
 class Shape:
-    """Sizes of one layer call, named as in docs/gpu.md's floor terms (``num_src == num_dst``: one
+    """Sizes of one layer call, named as in docs/benchmarks.md's floor terms (``num_src == num_dst``: one
     ``x``; ``input_grad``: the backward computes ``grad x``)."""
 
     num_src: int
@@ -181,7 +181,7 @@ def _csc(k: Kernel, sh: Shape, edge_ids: bool = False) -> Kernel:
 
 
 def layer_floor(layer: str, pass_: str, shape: Shape) -> Floor:
-    """The kernels of ``layer``'s ``pass_`` (every term: docs/gpu.md, "The floor's terms")."""
+    """The kernels of ``layer``'s ``pass_`` (every term: docs/benchmarks.md, "The floor's terms")."""
     if layer not in LAYERS or pass_ not in PASSES:
         raise ValueError(f"layer must be one of {LAYERS} and pass one of {PASSES}; "
                          f"got {layer!r}, {pass_!r}")
