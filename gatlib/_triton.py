@@ -21,7 +21,7 @@ from . import _record
 from . import _triton_schedule as TS
 from ._core import EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, reference_grads, score_heads
 from ._plan import GraphPlan
-from ._triton_kernels import _alpha_kernel, _fwd_kernel, _keep_kernel
+from ._triton_kernels import _ATT_ROWS, _alpha_kernel, _fwd_kernel, _keep_kernel
 from ._triton_schedule import _launch, _merge, _Plan, _plan, _schedule_sizes, _tile, _tl_acc, _warps
 
 # A work item's padded [heads, channels] tile holds at most this many elements; wider rows run
@@ -278,7 +278,7 @@ class _FusedAttention(torch.autograd.Function):
         du_ij  = A_ij g_i                                          # value_edge
         GAT:   dz_ij = dS_ij * leaky'(z_ij);  da_dst_i = sum_j dz_ij;  da_edge_ij = dz_ij
         GATv2: dz_ij = dS_ij * att ⊙ leaky'(z_ij);  dx_dst_i = sum_j dz_ij;  de_ij = dz_ij
-               datt  = sum_ij dS_ij * leaky(z_ij)          (per program of 16 rows, then summed)
+               datt  = sum_ij dS_ij * leaky(z_ij)          (per program of _ATT_ROWS items, then summed)
         dot:   dq_i  = scale * sum_j dS_ij (k_j + e_ij);  de_ij = scale * dS_ij q_i
         # source-major (CSC) kernel, gathering A and dS (GAT: dz) saved as [E, 2, H]:
         dv_j = sum_i A_ij g_i
@@ -358,7 +358,7 @@ def _backward(meta: _Meta, g: _Graph, need, grad_out, grad_alpha, s_src, s_dst, 
     dst_shape = d_dst.shape[1:] if d_dst is not None else ()
     part_dst = new(value, True, g.pieces, *dst_shape) if d_dst is not None else None
     items = g.dst_items.size(0)
-    part_att = value.new_empty(items // 16, H, CK, dtype=acc) if need[3] else None
+    part_att = value.new_empty(items // _ATT_ROWS.value, H, CK, dtype=acc) if need[3] else None
     buf = value.new_empty(g.num_edges, 2, H, dtype=acc) if need_src_side else None
     score = (s_src, s_dst, s_edge, s_att)
     coef = _coef(meta, value)
@@ -366,7 +366,7 @@ def _backward(meta: _Meta, g: _Graph, need, grad_out, grad_alpha, s_src, s_dst, 
         _launch("_bwd_dst_kernel", g.dst_items, (g.src, g.csr_eid),
                 score, value, value_edge, coef, seed, (grad_out, out, lse, grad_alpha, delta_alpha),
                 (buf, d_edge, d_vedge, d_dst, part_dst, part_att),
-                group=16 if part_att is not None else None, **meta.consts())
+                group=_ATT_ROWS.value if part_att is not None else None, **meta.consts())
         if d_dst is not None:
             _merge(g.dst_splits, part_dst, d_dst)
         d_value = None

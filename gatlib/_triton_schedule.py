@@ -20,9 +20,9 @@ from ._plan import GraphPlan
 
 # Longest run of edges one work item handles; longer rows are split and merged
 # (docs/design.md, "Split rows"). The interpreter steps one edge per loop trip at a cost per
-# op, not per element: there, rows are split at 32 (docs/design.md, "The interpreter's tiles").
+# op, not per element: there, rows are split at 16 (docs/design.md, "The interpreter's tiles").
 _SPLIT = 256
-_SPLIT_INTERPRETER = 32
+_SPLIT_INTERPRETER = 16
 # A schedule's rows are padded to a multiple of this: the most items a program can own.
 _PAD = 64
 
@@ -185,10 +185,10 @@ def _default(name: str, consts: dict) -> triton.Config:
     return _space(name, consts)[0]
 
 
-def _interpreter_config(name: str, consts: dict) -> triton.Config:
+def _interpreter_config(group: Optional[int]) -> triton.Config:
     """The interpreter's one config: few programs, as many items as one can own (it pays per
-    program and per op, not per element)."""
-    return _BY_TILE[K._ATT_ROWS.value if name == "_bwd_dst_kernel" else _PAD, 4, 1]
+    program and per op, not per element): a group's (GATv2's att gradient), else the padding's."""
+    return _BY_TILE[group or _PAD, 4, 1]
 
 
 # "0": every row kernel runs its default config, untimed.
@@ -244,7 +244,7 @@ def _launch(name: str, items: Tensor, *args, group: Optional[int] = None, **cons
         space = _space(name, consts)
         cfg = space[_PINNED % len(space)]
     elif _interpreted():
-        cfg = _interpreter_config(name, consts)
+        cfg = _interpreter_config(group)
     elif _untuned():
         cfg = _default(name, consts)
     if cfg is None:
