@@ -41,7 +41,8 @@ def _cpu_key() -> str:
     except OSError:
         flags += platform.processor()
     source = hashlib.sha256(SOURCE.read_bytes()).hexdigest() if SOURCE.is_file() else ""
-    text = f"{source}|{flags}|{torch.__version__}|{sys.version_info[:2]}|{' '.join(FLAGS)}"
+    # (DIGEST_FILE in the text: builds from before the digest was kept live in other folders)
+    text = f"{source}|{flags}|{torch.__version__}|{sys.version_info[:2]}|{' '.join(FLAGS)}|{DIGEST_FILE}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -55,6 +56,35 @@ def build_directory() -> Path:
 def _library(directory: Path) -> Optional[Path]:
     found = sorted(directory.glob("*.so"))
     return found[0] if found else None
+
+
+# Beside a published library: the SHA-256 of its bytes, written by the build before publishing.
+# A library cut short (a full disk, a copy interrupted) crashes the process that maps it (SIGBUS);
+# checked against this first, it is rebuilt instead.
+DIGEST_FILE = "library.sha256"
+
+
+def _digest(library: Path) -> str:
+    return hashlib.sha256(library.read_bytes()).hexdigest()
+
+
+def _intact(library: Path) -> bool:
+    """Whether ``library``'s bytes are the ones its build recorded."""
+    try:
+        return (library.parent / DIGEST_FILE).read_text().split() == [_digest(library), library.name]
+    except OSError:
+        return False
+
+
+def _discard(final: Path) -> None:
+    """Move a damaged published build out of the way (atomically, so no process loads it from
+    there again), then delete it."""
+    aside = final.parent / f".{final.name}.damaged-{os.getpid()}"
+    try:
+        os.rename(final, aside)
+    except OSError:  # another process moved it first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _remove_stale_builds(final: Path) -> None:
@@ -79,6 +109,9 @@ def _build(final: Path) -> None:
         cpp_extension.load(name="gatlib_cpu", sources=[str(SOURCE)], extra_cflags=list(FLAGS),
                            extra_ldflags=["-fopenmp"], build_directory=str(private),
                            is_python_module=False, verbose=False)
+        library = _library(private)
+        if library is not None:
+            (private / DIGEST_FILE).write_text(f"{_digest(library)} {library.name}\n")
         try:
             os.rename(private, final)  # atomic; fails if another process published first
         except OSError:
@@ -116,6 +149,12 @@ def _build_or_load() -> Optional[str]:
     try:
         final = build_directory()
         built = _library(final)
+        if built is not None and not _intact(built):
+            warnings.warn(f"gatlib: the fused CPU kernel's cached build {built} is not the library "
+                          "its build wrote (cut short or changed since); building it again",
+                          RuntimeWarning, stacklevel=4)
+            _discard(final)
+            built = None
         if built is not None:
             torch.ops.load_library(str(built))
         else:

@@ -349,3 +349,40 @@ def test_a_build_killed_midway_leaves_nothing_that_blocks_the_next(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert third.returncode == 0 and "first call ok" in third.stdout, third.stderr[-3000:]
     assert list((tmp_path / "native").iterdir()) == [published]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "no digest"])
+def test_a_damaged_build_is_rebuilt_not_loaded(tmp_path, damage):
+    """A cached library cut short (a full disk, an interrupted copy) crashes the process that maps
+    it; one whose build's digest is missing cannot be trusted either. The next process finds it
+    does not match its digest, says so, and builds and runs it again. (The build's compiler run is
+    a copy of this process's library, as in the test above.)"""
+    env = {**os.environ, "GATLIB_CACHE": str(tmp_path)}
+    built = _native._library(_native.build_directory())
+    assert built is not None
+    copy_built = ("import shutil, torch.utils.cpp_extension as c\n"
+                  "def build(name, build_directory, **kw):  # (the compiler's run)\n"
+                  "    print('built')\n"
+                  f"    shutil.copy({str(built)!r}, build_directory + '/' + name + '.so')\n"
+                  "c._write_ninja_file_and_build_library = build\n")
+
+    def first_call():
+        return subprocess.run([sys.executable, "-c", copy_built + FIRST_CALL], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    first = first_call()
+    assert first.returncode == 0 and "built\nfirst call ok" in first.stdout, first.stderr[-3000:]
+    (library,) = (tmp_path / "native").glob("*/*.so")
+    assert _native._intact(library)
+    if damage == "truncated":
+        library.write_bytes(library.read_bytes()[: library.stat().st_size // 3])
+    else:
+        (library.parent / _native.DIGEST_FILE).unlink()
+    assert not _native._intact(library)
+    second = first_call()
+    assert second.returncode == 0 and "built\nfirst call ok" in second.stdout, second.stderr[-3000:]
+    assert "is not the library its build wrote" in second.stderr
+    (again,) = (tmp_path / "native").glob("*/*.so")
+    assert again.read_bytes() == built.read_bytes() and _native._intact(again)
+    assert [p.name for p in (tmp_path / "native").iterdir()] == [again.parent.name]  # nothing aside
