@@ -142,10 +142,12 @@ class _AttentionConv(MessagePassing):
         else:
             self.register_parameter("bias", None)
 
-    def _split(self, x, weight: Tensor, allow_missing_dst: bool = False) -> OptPairTensor:
-        """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels``."""
+    def _split(self, x, lin, allow_missing_dst: bool = False) -> OptPairTensor:
+        """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels`` and
+        the dtype and device of ``lin``'s weight where it has a plain one (:func:`_weight`)."""
         in_src, in_dst = ((self.in_channels, self.in_channels)
                           if isinstance(self.in_channels, int) else self.in_channels)
+        weight = _weight(lin)
         if isinstance(x, Tensor):
             V.check_features("x", x, in_src, weight)
             if in_dst != in_src:
@@ -222,15 +224,24 @@ class _AttentionConv(MessagePassing):
 
 def _plain(lin) -> bool:
     """Whether calling ``lin`` is exactly ``F.linear(x, lin.weight, lin.bias)``: a
-    PyG ``Linear`` (not a subclass or a replacement), initialised, without module
-    hooks of its own or global ones (a lazy layer's initialising hook among them)."""
+    PyG ``Linear`` (not a subclass, a parametrized one, or a replacement such as a
+    LoRA wrapper), initialised, without module hooks of its own (``prune``'s among
+    them) or global ones (a lazy layer's initialising hook among them). Only then may
+    a fast path read ``lin.weight`` instead of calling ``lin``."""
     return (type(lin) is Linear and not isinstance(lin.weight, UninitializedTensorMixin)
+            and "forward" not in lin.__dict__  # (an instance's own forward)
             and not (lin._forward_hooks or lin._forward_pre_hooks or lin._backward_hooks
                      or lin._backward_pre_hooks)
             and not (torch.nn.modules.module._global_forward_hooks
                      or torch.nn.modules.module._global_forward_pre_hooks
                      or torch.nn.modules.module._global_backward_hooks
                      or torch.nn.modules.module._global_backward_pre_hooks))
+
+
+def _weight(lin) -> Optional[Tensor]:
+    """``lin.weight`` where :func:`_plain` allows reading it in place of calling ``lin``,
+    else ``None``."""
+    return lin.weight if _plain(lin) else None
 
 
 def project(x: Tensor, *lins) -> List[Tensor]:
@@ -314,13 +325,13 @@ class _StackedLinear(torch.autograd.Function):
         return gx, gflat, None, None, None
 
 
-def _input_space(x: Tensor, lin: Linear, channels: int) -> bool:
+def _input_space(x: Tensor, channels: int) -> bool:
     r"""Whether a layer aggregates its sources' *inputs* and projects afterwards,
     :math:`\mathbf{W}_h \sum_j \alpha^h_{ij} \mathbf{x}_j` (equal, the projection being
     linear): where the input is narrower than a head (``F < C``), every edge then moves ``F``
     values per head instead of ``C``, in every backend (docs/design.md, "Input-space
-    aggregation"). Weights not yet initialised take the usual path on their first call."""
-    return x.size(-1) < channels and not isinstance(lin.weight, UninitializedTensorMixin)
+    aggregation"). The layer asks it only of a plain projection (:func:`_plain`)."""
+    return x.size(-1) < channels
 
 
 def _project_heads(agg: Tensor, weight: Tensor, heads: int, concat: bool) -> Tensor:

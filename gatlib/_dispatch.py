@@ -371,6 +371,8 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
         out = out[:plan.num_dst]
         if alpha is not None:
             alpha = alpha.masked_fill((plan.coo()[1] == plan.num_dst).unsqueeze(1), 0)
+    if edge_weight is not None:  # (as PyG's explain_message: the mask's dtype promotes)
+        out = out.to(torch.promote_types(out.dtype, edge_weight.dtype))
     out = _core.combine_heads(out, concat)
     if bias is not None:
         out = out + bias

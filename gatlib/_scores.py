@@ -40,25 +40,27 @@ def gat_edge_backward(de: Tensor, z: Tensor, negative_slope: float) -> Tensor:
     return torch.ops.aten.leaky_relu_backward(de, z, negative_slope, False)
 
 
-def gat_node_terms(x: Tensor, weight: Tensor, att: Tensor, h: Optional[Tensor] = None) -> Tensor:
+def gat_node_terms(x: Tensor, weight: Optional[Tensor], att: Tensor,
+                   h: Optional[Tensor] = None) -> Tensor:
     """``a_h · (W x)_h`` for every row of ``x`` and head ``h``, shape ``[N, H]``: as ``x @ (W_h^T
     a_h)``, the attention vector folded into the weights (one thin product, no ``[N, H, C]``
     pass; docs/design.md, "GAT's attention folded into the weights"), or by reducing the
-    projection ``h`` where it exists and the fold does not pay (:func:`folds`)."""
+    projection ``h`` where it exists and the fold does not pay (:func:`folds`) or there is no
+    ``weight`` to fold into (a projection that is not a plain ``Linear``: its ``h`` is given)."""
     H, C = att.shape[1:]
-    if h is not None and not folds(x, H, C):  # (no h: input-space aggregation, gatlib.layers)
+    if h is not None and (weight is None or not folds(x, H, C)):
         return (h * att).sum(-1)
     w = (weight.view(H, C, -1) * att.view(H, C, 1)).sum(1)  # [H, F]
     return x @ w.t()
 
 
-def gat_node_term_pair(x: Tensor, weight: Tensor, att_a: Tensor, att_b: Tensor,
+def gat_node_term_pair(x: Tensor, weight: Optional[Tensor], att_a: Tensor, att_b: Tensor,
                        h: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
     """:func:`gat_node_terms` of one ``x`` for two attention vectors: with the
     fold, one ``[N, F] @ [F, 2H]`` product (and one input gradient in backward)
     instead of two. Returns two ``[N, H]``."""
     H, C = att_a.shape[1:]
-    if h is not None and not folds(x, H, C):
+    if h is not None and (weight is None or not folds(x, H, C)):
         # both as one [2, N, H] (each half contiguous, as the kernels take them): one
         # product and one reduction, forward and per input in backward, not two
         # (docs/design.md, "Fewer launches per step")

@@ -340,7 +340,9 @@ def check_edge_attr(edge_attr, num_edges: int, edge_dim: Optional[int], x: Tenso
     if edge_attr.size(1) != edge_dim:
         raise ValueError(f"edge_attr must have edge_dim={edge_dim} columns; "
                          f"got shape {tuple(edge_attr.shape)}")
-    if edge_attr.dtype != x.dtype:
+    # (under autocast the edge features keep their dtype beside features in the autocast
+    # dtype, as F.linear takes them: lin_edge computes in the autocast dtype)
+    if edge_attr.dtype != x.dtype and not autocast_enabled(x.device.type):
         raise TypeError(f"edge_attr has dtype {edge_attr.dtype} but x has {x.dtype}")
     if edge_attr.device != x.device:
         raise ValueError(f"edge_attr is on {edge_attr.device} but x is on {x.device}")

@@ -15,14 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn import Parameter
-from torch.nn.parameter import UninitializedTensorMixin
 from torch_geometric.nn.dense.linear import Linear
 from torch_geometric.nn.inits import glorot, zeros
 from torch_geometric.typing import OptPairTensor, OptTensor, PairTensor
 
 from . import _scores as S
 from . import _validate as V
-from ._conv import _AttentionConv, _input_space, _project_heads, project
+from ._conv import _AttentionConv, _input_space, _plain, _project_heads, _weight, project
 from ._core import EdgeScore, combine_heads, segment_softmax
 from ._heads import per_head_mm
 from ._plan import GraphPlan, checked_edge_list, owned_plan
@@ -130,7 +129,7 @@ class GATConv(_AttentionConv):
         H, C = self.heads, self.out_channels
         lin_src = self.lin if self.lin is not None else self.lin_src
         lin_dst = self.lin if self.lin is not None else self.lin_dst
-        x_src, x_dst = self._split(x, lin_src.weight, allow_missing_dst=True)
+        x_src, x_dst = self._split(x, lin_src, allow_missing_dst=True)
         num_src = x_src.size(0)
         if size is not None:
             if (not isinstance(size, (tuple, list)) or len(size) != 2
@@ -159,31 +158,31 @@ class GATConv(_AttentionConv):
 
         res = self.res(x_dst) if self.res is not None and x_dst is not None else None
         propagate = self._use_propagate()
+        one_x = x_dst is x_src and lin_dst is lin_src  # one x under one projection
         # Values are W_h x_j, projected first (h_src), or x_j, projected after the
-        # aggregation where that moves fewer bytes (_input_space); the values'
-        # own dropout needs them projected.
-        in_space = (propagate is None and _input_space(x_src, lin_src, C)
+        # aggregation where that moves fewer bytes (_input_space) and the projection is
+        # a plain Linear (_plain); the values' own dropout needs them projected.
+        in_space = (propagate is None and _plain(lin_src) and _input_space(x_src, C)
                     and not (self.value_dropout > 0.0 and self.training))
         h_src = None if in_space else lin_src(x_src).view(-1, H, C)  # [N_s, H, C], the values
-        if x_dst is not None and isinstance(lin_dst.weight, UninitializedTensorMixin):
-            lin_dst(x_dst)  # lazy in_channels: let the layer take its shape
+        h_dst = None  # [N_t, H, C], where the destinations' terms or propagate need it
+        if x_dst is not None and not one_x and (propagate or not _plain(lin_dst)):
+            h_dst = lin_dst(x_dst).view(-1, H, C)
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
         # and a_edge·W_e e_ij one [E, H] term per edge (see gatlib._scores.gat_node_terms).
-        if x_dst is x_src and lin_dst is lin_src:  # one x under one weight: both terms at once
-            a_src, a_dst = S.gat_node_term_pair(x_src, lin_src.weight, self.att_src, self.att_dst,
-                                                  h_src)
+        if one_x:  # both terms at once
+            a_src, a_dst = S.gat_node_term_pair(x_src, _weight(lin_src), self.att_src,
+                                                self.att_dst, h_src)
         else:
-            a_src = S.gat_node_terms(x_src, lin_src.weight, self.att_src, h_src)  # [N_s, H]
-            a_dst = None if x_dst is None else S.gat_node_terms(x_dst, lin_dst.weight,
-                                                                self.att_dst)  # [N_t, H]
+            a_src = S.gat_node_terms(x_src, _weight(lin_src), self.att_src, h_src)  # [N_s, H]
+            a_dst = None if x_dst is None else S.gat_node_terms(
+                x_dst, _weight(lin_dst), self.att_dst, h_dst)  # [N_t, H]
         if propagate:  # PyG's flow: edge_update, then message per edge
+            if x_dst is not None and one_x:
+                h_dst = h_src
             if self.value_dropout > 0.0:
                 h_src = F.dropout(h_src, self.value_dropout, self.training)
-            h_dst = None
-            if x_dst is not None:
-                same = x_dst is x_src and lin_dst is lin_src
-                h_dst = h_src if same else lin_dst(x_dst).view(-1, H, C)
             ei, size = plan.edge_index.long(), (num_src, num_dst)
             # edge_updater_type: (alpha: OptPairTensor, edge_attr: OptTensor)
             alpha = self.edge_updater(ei, alpha=(a_src, a_dst), edge_attr=edge_attr, size=size)
@@ -191,9 +190,7 @@ class GATConv(_AttentionConv):
             out = self.propagate(ei, x=(h_src, h_dst), alpha=alpha, size=size)
             out = combine_heads(out, self.concat)
         else:
-            a_edge = None
-            if self.lin_edge is not None:
-                a_edge = S.gat_node_terms(edge_attr, self.lin_edge.weight, self.att_edge)  # [E, H]
+            a_edge = None if self.lin_edge is None else self._edge_terms(edge_attr)  # [E, H]
             score = EdgeScore.gat(a_src, a_dst, a_edge, self.negative_slope)
             if in_space:  # every head aggregates x_j [N_s, 1, F]; then W_h per head
                 agg, alpha = self._attend(score, x_src.unsqueeze(1), plan, return_attention_weights,
@@ -207,14 +204,19 @@ class GATConv(_AttentionConv):
             out = out + self.bias
         return self._output(out, alpha, plan, edge_index, return_attention_weights)
 
+    def _edge_terms(self, edge_attr: Tensor) -> Tensor:
+        """``a_edge · W_e e_ij`` ``[E, H]``: folded into the weight for a plain ``lin_edge``."""
+        lin = self.lin_edge
+        h = None if _plain(lin) else lin(edge_attr).view(-1, self.heads, self.out_channels)
+        return S.gat_node_terms(edge_attr, _weight(lin), self.att_edge, h)
+
     # MessagePassing's extension points, run only by the propagate path (see
     # _AttentionConv): the same computation as the attention core, edge by edge.
     def edge_update(self, alpha_j: Tensor, alpha_i: Optional[Tensor], edge_attr: Optional[Tensor],
                     index: Tensor, ptr: Optional[Tensor], dim_size: Optional[int]) -> Tensor:
         a_edge = None
         if edge_attr is not None and self.lin_edge is not None:
-            a_edge = S.gat_node_terms(edge_attr.view(edge_attr.size(0), -1), self.lin_edge.weight,
-                                      self.att_edge)
+            a_edge = self._edge_terms(edge_attr.view(edge_attr.size(0), -1))
         alpha = S.gat_edge(alpha_j, alpha_i, a_edge, self.negative_slope)
         alpha = segment_softmax(alpha, index, dim_size)
         return F.dropout(alpha, p=self.dropout, training=self.training)
@@ -313,7 +315,7 @@ class GATv2Conv(_AttentionConv):
         return_attention_weights: Optional[bool] = None,
     ):
         H, C = self.heads, self.out_channels
-        x_src, x_dst = self._split(x, self.lin_l.weight)
+        x_src, x_dst = self._split(x, self.lin_l)
         num_src, num_dst = x_src.size(0), x_dst.size(0)
         plan, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
                                       self.add_self_loops, self.fill_value)
@@ -451,7 +453,7 @@ class TransformerConv(_AttentionConv):
         return_attention_weights: Optional[bool] = None,
     ):
         H, C = self.heads, self.out_channels
-        x_src, x_dst = self._split(x, self.lin_key.weight)
+        x_src, x_dst = self._split(x, self.lin_key)
         plan, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
                                       x_src, self_loops=False)
         propagate = self._use_propagate()
@@ -494,7 +496,7 @@ class TransformerConv(_AttentionConv):
         by_input = []  # [(input, [(name, layer)])], one entry per distinct input
         lins = [("query", self.lin_query, x_dst), ("key", self.lin_key, x_src),
                 ("value", self.lin_value, x_src)]
-        if self.root_weight and self.lin_skip.out_channels == H * C:
+        if self.root_weight and _plain(self.lin_skip) and self.lin_skip.out_channels == H * C:
             lins.append(("skip", self.lin_skip, x_dst))
         for name, lin, x in lins:  # (by identity, not id(): see _core.distinct_inputs)
             group = next((g for t, g in by_input if t is x), None)
@@ -513,12 +515,11 @@ class TransformerConv(_AttentionConv):
         with edge features, nor where the value's bias would need the sum of a row's weights
         and it is not one (attention dropout, an explainer's mask), nor with value dropout."""
         train = self.training
-        biased = self.lin_value.bias is not None
-        return (self.lin_edge is None
-                and _input_space(x_src, self.lin_key, self.out_channels)
-                and not isinstance(self.lin_value.weight, UninitializedTensorMixin)
+        return (self.lin_edge is None and _plain(self.lin_key) and _plain(self.lin_value)
+                and _input_space(x_src, self.out_channels)
                 and not (self.value_dropout > 0.0 and train)
-                and not (biased and ((self.dropout > 0.0 and train) or self.explain)))
+                and not (self.lin_value.bias is not None
+                         and ((self.dropout > 0.0 and train) or self.explain)))
 
     def _attend_inputs(self, x_src: Tensor, query: Tensor, plan: GraphPlan, want_alpha):
         r"""Attention in input space: keys and values are the sources' inputs ``x_j`` (one

@@ -208,6 +208,58 @@ def test_autocast_takes_features_in_the_autocast_dtype(layer, backend):
         m(x, ei)
 
 
+@pytest.mark.parametrize("backend", kernels())
+@pytest.mark.parametrize("extra", ["edge_attr", "pair", "edge_mask"])
+@pytest.mark.parametrize("layer", LAYERS)
+def test_autocast_across_every_optional_input(layer, extra, backend):
+    """Under autocast a layer's optional inputs come in their own dtypes - float32 edge
+    features beside a previous layer's bfloat16 output, a float32 destination side of a
+    pair, an explainer's float32 edge mask - and PyG's layer takes them all, as F.linear
+    does: so does gatlib's, with PyG's output and gradients."""
+    from torch_geometric.explain.algorithm.utils import clear_masks, set_masks
+
+    kw = dict(edge_dim=3) if extra == "edge_attr" else {}
+    in_channels = (6, 6) if extra == "pair" else 6
+    torch.manual_seed(0)
+    ours = getattr(gatlib, layer)(in_channels, 4, heads=2, backend=backend, **kw)
+    theirs = getattr(pyg, layer)(in_channels, 4, heads=2, **kw)
+    theirs.load_state_dict(ours.state_dict())
+    g = torch.Generator().manual_seed(3)
+    ei = random_graph(20, 70, seed=10)
+    x = torch.randn(20, 6, generator=g).bfloat16()  # a previous layer's output
+    x_dst = torch.randn(20, 6, generator=g)  # the caller's own features
+    edge_attr = torch.randn(70, 3, generator=g)
+    mask = torch.randn(70 + (20 if layer != "TransformerConv" else 0), generator=g)
+    if backend == "triton" and extra == "edge_mask":  # refused, by name
+        set_masks(ours, torch.nn.Parameter(mask[:70].clone()), ei, apply_sigmoid=True)
+        with pytest.raises(ValueError, match="the Triton kernels take no edge weights"):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ours(x, ei)
+        return
+    outs, grads = {}, {}
+    for name, module in (("gatlib", ours), ("pyg", theirs)):
+        xs = [x.clone().requires_grad_(), x_dst.clone().requires_grad_()]
+        inputs = (xs[0], xs[1]) if extra == "pair" else xs[0]
+        if extra == "edge_mask":
+            set_masks(module, torch.nn.Parameter(mask[:70].clone()), ei, apply_sigmoid=True)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs[name] = module(inputs, ei, edge_attr) if kw else module(inputs, ei)
+        finally:
+            clear_masks(module)
+        outs[name].float().square().sum().backward()
+        grads[name] = [t.grad for t in xs if t.grad is not None] + [p.grad for p in module.parameters()]
+    assert outs["gatlib"].dtype == outs["pyg"].dtype
+    torch.testing.assert_close(outs["gatlib"], outs["pyg"], rtol=3e-2, atol=3e-2)
+    assert len(grads["gatlib"]) == len(grads["pyg"])
+    # (the Triton backward reads the bfloat16 output, as flash attention's does: its
+    # gradients round up to ~10x the reference's here, docs/gpu.md)
+    atol = 0.15 if backend == "triton" else 6e-2
+    for a, b in zip(grads["gatlib"], grads["pyg"], strict=True):
+        scale = max(1.0, float(b.float().abs().max()))
+        torch.testing.assert_close(a.float(), b.float(), rtol=6e-2, atol=atol * scale)
+
+
 # ---------------------------------------------------------------------------
 # Empty graphs
 # ---------------------------------------------------------------------------
