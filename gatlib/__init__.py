@@ -5,7 +5,7 @@
 ``gatlib`` command's harness is :mod:`gatlib.bench`, which the library never imports.
 """
 from ._core import EdgeScore, reference_attention, segment_aggregate, segment_softmax
-from ._dispatch import BACKENDS, available_backends, graph_attention, record_kernels
+from ._dispatch import BACKENDS, FallbackWarning, available_backends, graph_attention, record_kernels
 from ._plan import GraphPlan
 from ._validate import UnsupportedInputError
 from .layers import GATConv, GATv2Conv, TransformerConv
@@ -26,4 +26,5 @@ __all__ = [
     "record_kernels",
     "BACKENDS",
     "UnsupportedInputError",
+    "FallbackWarning",
 ]

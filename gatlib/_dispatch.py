@@ -13,7 +13,8 @@ import abc
 import functools
 import importlib.util
 import os
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+import warnings
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -67,16 +68,17 @@ def _transformed() -> Optional[str]:
     return None
 
 
-def _fused_context(call: AttentionCall) -> Optional[str]:
+def _fused_context(call: AttentionCall) -> List[str]:
     """Why no fused kernel runs ``call`` in this context (transforms other than
-    grad/vjp, forward-mode AD), or ``None``. Their operators have a backward (and a
+    grad/vjp, forward-mode AD); empty if none. Their operators have a backward (and a
     differentiable one for higher orders), no jvp or vmap rule."""
     reason = _transformed()
+    reasons = [] if reason is None else [reason]
     # dual tensors exist only inside a dual_level() block (its level is >= 0 there)
-    if (reason is None and getattr(fwAD, "_current_level", 0) >= 0
+    if (getattr(fwAD, "_current_level", 0) >= 0
             and any(fwAD.unpack_dual(t).tangent is not None for t in call.tensors())):
-        reason = "forward-mode AD (dual tensors): fused kernels have no jvp"
-    return reason
+        reasons.append("forward-mode AD (dual tensors): fused kernels have no jvp")
+    return reasons
 
 
 class Kernel(abc.ABC):
@@ -89,9 +91,15 @@ class Kernel(abc.ABC):
         installed, ...); else the reason it cannot."""
         return None
 
+    def reasons(self, call: AttentionCall) -> List[str]:
+        """Every reason this kernel does not run ``call``; empty when it does."""
+        reason = self.available(call.device)
+        return [] if reason is None else [reason]
+
     def supports(self, call: AttentionCall) -> Optional[str]:
-        """``None`` when this kernel runs ``call``; else the reason it does not."""
-        return self.available(call.device)
+        """``None`` when this kernel runs ``call``; else its reasons, joined."""
+        reasons = self.reasons(call)
+        return "; ".join(reasons) if reasons else None
 
     @abc.abstractmethod
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
@@ -144,14 +152,13 @@ class ScatterKernel(ReferenceKernel):
             return "torch_scatter is not installed (pip install 'gatlib[scatter]')"
         return None
 
-    def supports(self, call: AttentionCall) -> Optional[str]:
-        if self.available(call.device) is not None:
-            return self.available(call.device)
+    def reasons(self, call: AttentionCall) -> List[str]:
+        reasons = super().reasons(call)
         if torch.compiler.is_compiling():
-            return "torch_scatter's operators are not traced by torch.compile"
+            reasons.append("torch_scatter's operators are not traced by torch.compile")
         if _transforms():
-            return "torch_scatter's operators have no torch.func (functorch) rules"
-        return None
+            reasons.append("torch_scatter's operators have no torch.func (functorch) rules")
+        return reasons
 
     softmax = staticmethod(functools.partial(_core.segment_softmax,
                                              segment_reduce=_torch_scatter_reduce))
@@ -168,9 +175,12 @@ class FusedCPUKernel(Kernel):
             return f"the fused CPU kernel runs on CPU tensors; got {device} (on CUDA: 'triton')"
         return None
 
-    def supports(self, call: AttentionCall) -> Optional[str]:
-        return (self.available(call.device) or _fused_context(call)
-                or _fused_cpu.unsupported(call.score, call.value, call.value_edge))
+    def reasons(self, call: AttentionCall) -> List[str]:
+        reasons = super().reasons(call) + _fused_context(call)
+        if not reasons:  # (builds the compiled passes on the first call: only where they could run)
+            reason = _fused_cpu.unsupported(call.score, call.value, call.value_edge)
+            reasons += [] if reason is None else [reason]
+        return reasons
 
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
         return _fused_cpu.attention(call.score, call.value, call.plan, call.value_edge, call.p,
@@ -190,23 +200,26 @@ class TritonKernel(Kernel):
             return f"Triton kernels need a CUDA device (or TRITON_INTERPRET=1 on CPU); got {device}"
         return None
 
-    def supports(self, call: AttentionCall) -> Optional[str]:
-        reason = self.available(call.device) or _fused_context(call)
-        if reason is None and torch.jit.is_tracing():
-            reason = "torch.jit.trace of the Triton kernels has not been tried"
-        if reason is None and call.edge_weight is not None:
-            reason = "the Triton kernels take no edge weights (explainer edge masks)"
-        if reason is None and torch.compiler.is_exporting() and any(
+    def reasons(self, call: AttentionCall) -> List[str]:
+        reasons = super().reasons(call)
+        if reasons:  # (no triton, or a device it cannot take: nothing more to ask of it)
+            return reasons
+        reasons += _fused_context(call)
+        if torch.jit.is_tracing():
+            reasons.append("torch.jit.trace of the Triton kernels has not been tried")
+        if call.edge_weight is not None:
+            reasons.append("the Triton kernels take no edge weights (explainer edge masks)")
+        if torch.compiler.is_exporting() and any(
                 isinstance(s, torch.SymInt) for s in (call.plan.num_edges, call.plan.num_dst)):
             # (the schedule's sizes are integer arithmetic on the node and edge counts whose
             # guards export's solver cannot prove for every size: docs/compile.md)
-            reason = ("torch.export with free node or edge counts cannot trace the Triton kernels' "
-                      "work schedule: export with static sizes, or with backend='torch'")
-        if reason is None:
-            from . import _triton
+            reasons.append("torch.export with free node or edge counts cannot trace the Triton "
+                           "kernels' work schedule: export with static sizes, or with "
+                           "backend='torch'")
+        from . import _triton
 
-            reason = _triton.unsupported(call.score, call.value, call.value_edge)
-        return reason
+        reason = _triton.unsupported(call.score, call.value, call.value_edge)
+        return reasons + ([] if reason is None else [reason])
 
     def run(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
         from . import _triton
@@ -250,10 +263,27 @@ def check_backend_name(backend) -> str:
 FUSED_CPU_MIN_ENTRIES = 1 << 18
 
 
+class Dispatch(NamedTuple):
+    """How one call's kernel was chosen (:func:`gatlib.record_kernels`' ``decisions``):
+    ``backend=`` as asked, the kernel that ran, the rule ``"auto"`` applied (``""`` for a
+    named backend), and every reason of each kernel tried before it."""
+
+    backend: str
+    kernel: str
+    rule: str
+    refused: Dict[str, Tuple[str, ...]]
+
+
+# The reasons auto has warned of, once each: a fallback to the [E, H, C] reference where a
+# fused kernel would run is told, not hidden (a fast path quietly lost is a regression).
+_WARNED: set = set()
+
+
 def select_kernel(backend: str, call: AttentionCall) -> Kernel:
     """The kernel that runs ``call`` for ``backend=`` (see the module docstring)."""
     check_backend_name(backend)
     dev = call.device.type
+    refused: Dict[str, Tuple[str, ...]] = {}
     if backend == "auto":
         # The rule (its measurements: docs/design.md, "Which kernel auto runs"):
         #   CPU:  "fused" from FUSED_CPU_MIN_ENTRIES [E, H, C] entries (far less memory than
@@ -267,24 +297,57 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         #         triton, torch.func vmap/jvp, forward-mode AD, torch.jit.trace, edge weights,
         #         over 1024 channels, non-float dtypes, torch.export with free sizes).
         #   Other devices: "torch".
+        # Where the fused kernel of the device is refused, the reference runs with a warning
+        # (once per reason).
         if dev == "cpu":
-            small = not at_least(call.plan.num_edges * call.score.heads * call.value.shape[2],
-                                 FUSED_CPU_MIN_ENTRIES)
-            order = ("torch",) if small or torch.jit.is_tracing() else ("fused", "torch")
+            entries = call.plan.num_edges * call.score.heads * call.value.shape[2]
+            if torch.jit.is_tracing():
+                order, rule = ("torch",), "CPU under torch.jit.trace: the reference"
+            elif not at_least(entries, FUSED_CPU_MIN_ENTRIES):
+                order, rule = ("torch",), "CPU, fewer [E, H, C] entries than FUSED_CPU_MIN_ENTRIES"
+            else:
+                order, rule = ("fused", "torch"), "CPU, at least FUSED_CPU_MIN_ENTRIES [E, H, C] entries"
+        elif dev == "cuda":
+            order, rule = ("triton", "torch"), "CUDA"
         else:
-            order = ("triton", "torch") if dev == "cuda" else ("torch",)
+            order, rule = ("torch",), f"{dev}: the reference"
         for name in order:
-            if KERNELS[name].supports(call) is None:
-                return KERNELS[name]
-        raise AssertionError("the reference kernel supports every call")  # pragma: no cover
-    # "fused" names the family that never builds [E, H, C]: the CSR kernel on CPU,
-    # the Triton kernels on CUDA.
-    name = "triton" if backend == "fused" and dev == "cuda" else backend
-    kernel = KERNELS[name]
-    reason = kernel.supports(call)
-    if reason is not None:
-        raise ValueError(f"backend={backend!r} cannot run this call: {reason}")
-    return kernel
+            reasons = KERNELS[name].reasons(call)
+            if not reasons:
+                break
+            refused[name] = tuple(reasons)
+        else:  # pragma: no cover
+            raise AssertionError("the reference kernel supports every call")
+        if refused:
+            _warn_fallback(refused)
+    else:
+        # "fused" names the family that never builds [E, H, C]: the CSR kernel on CPU,
+        # the Triton kernels on CUDA.
+        name, rule = ("triton" if backend == "fused" and dev == "cuda" else backend), ""
+        reasons = KERNELS[name].reasons(call)
+        if reasons:
+            raise ValueError(f"backend={backend!r} cannot run this call: {'; '.join(reasons)}")
+    _record.decide(lambda: Dispatch(backend, name, rule, refused))
+    return KERNELS[name]
+
+
+def _warn_fallback(refused: Dict[str, Tuple[str, ...]]) -> None:
+    """Warn, once per kernel and reasons, that ``"auto"`` runs the ``[E, H, C]`` reference
+    where the fused kernel ``refused`` names would run. Not while torch.compile traces (a
+    warning breaks the graph; the eager call warns)."""
+    if torch.compiler.is_compiling():
+        return
+    for name, reasons in refused.items():
+        key = (name, reasons)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"backend='auto' runs the [E, H, C] reference for this call, where "
+                          f"the {name!r} kernel would run but cannot: {'; '.join(reasons)}",
+                          FallbackWarning, stacklevel=4)
+
+
+class FallbackWarning(UserWarning):
+    """``backend="auto"`` ran the ``[E, H, C]`` reference where a fused kernel would run."""
 
 
 def available_backends(device: Union[torch.device, str] = "cpu") -> Tuple[str, ...]:

@@ -3,6 +3,8 @@
 ran; property tests over drawn graphs; low precision bounded against float64."""
 import math
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -278,6 +280,53 @@ def test_auto_rule():
         conv(x, ei)
         torch.func.vmap(lambda t: conv(t, ei))(x[None].expand(2, -1, -1))
     assert log == ["fused", "torch"]  # vmap: fused declines with a reason, auto takes the reference
+
+
+def test_auto_says_why_and_warns_once_where_it_falls_back(monkeypatch):
+    """Where the fused kernel would run but cannot, auto runs the reference with one warning
+    per reason (not one per call), and record_kernels' decisions say why: the rule applied
+    and each kernel passed over with its reasons."""
+    from gatlib._dispatch import FUSED_CPU_MIN_ENTRIES, Dispatch, FallbackWarning
+
+    monkeypatch.setattr(gatlib._dispatch, "_WARNED", set())  # (as in a fresh process)
+    n = 300
+    x = torch.randn(n, 32)
+    ei = random_graph(n, FUSED_CPU_MIN_ENTRIES // 64, seed=1)
+    conv = gatlib.GATConv(32, 32, heads=2)
+    vmapped = torch.func.vmap(lambda t: conv(t, ei))
+    with gatlib.record_kernels() as log:
+        with pytest.warns(FallbackWarning, match=r"runs the \[E, H, C\] reference .* 'fused' .*Vmap"):
+            vmapped(x[None].expand(2, -1, -1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the second time: no warning
+            vmapped(x[None].expand(2, -1, -1))
+            conv(x, ei)
+            conv(x[:20], random_graph(20, 30, seed=2))  # small: the size rule, no fallback
+    rule = "CPU, at least FUSED_CPU_MIN_ENTRIES [E, H, C] entries"
+    vmap_reason = ("a torch.func transform is active (Vmap); fused kernels support grad/vjp only",)
+    assert log.decisions == [
+        Dispatch("auto", "torch", rule, {"fused": vmap_reason}),
+        Dispatch("auto", "torch", rule, {"fused": vmap_reason}),
+        Dispatch("auto", "fused", rule, {}),
+        Dispatch("auto", "torch", "CPU, fewer [E, H, C] entries than FUSED_CPU_MIN_ENTRIES", {})]
+
+
+def test_a_refusal_names_every_reason(monkeypatch):
+    """A kernel's reasons are all of them, not the first: a named backend's error lists
+    each (here edge weights and a row too wide for the Triton kernels)."""
+    pytest.importorskip("triton")
+    triton = gatlib._dispatch.KERNELS["triton"]
+    monkeypatch.setattr(type(triton), "available", lambda self, device: None)  # as on a GPU
+    wide = torch.zeros(3, 3, 1025)
+    plan = _call().plan
+    call = AttentionCall(EdgeScore.dot(wide, wide), wide, plan, None, 0.0, False, torch.ones(2))
+    reasons = triton.reasons(call)
+    assert len(reasons) == 2, reasons
+    assert reasons[0] == "the Triton kernels take no edge weights (explainer edge masks)"
+    assert "at most 4096 (padded) heads x channels per row" in reasons[1]
+    with pytest.raises(ValueError, match=r"cannot run this call: the Triton kernels take no edge "
+                                         r"weights .*; the Triton kernels take at most 4096"):
+        select_kernel("triton", call)
 
 
 def test_auto_rule_on_cuda(monkeypatch):
