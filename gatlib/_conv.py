@@ -142,12 +142,12 @@ class _AttentionConv(MessagePassing):
         else:
             self.register_parameter("bias", None)
 
-    def _split(self, x, lin, allow_missing_dst: bool = False) -> OptPairTensor:
+    def _split(self, x, weight: Optional[Tensor], allow_missing_dst: bool = False) -> OptPairTensor:
         """Validate ``x`` (a tensor or a ``(x_src, x_dst)`` pair) against ``in_channels`` and
-        the dtype and device of ``lin``'s weight where it has a plain one (:func:`_weight`)."""
+        the dtype and device of ``weight``, a plain projection's (:func:`_weight`; ``None``: the
+        module checks what it takes)."""
         in_src, in_dst = ((self.in_channels, self.in_channels)
                           if isinstance(self.in_channels, int) else self.in_channels)
-        weight = _weight(lin)
         if isinstance(x, Tensor):
             V.check_features("x", x, in_src, weight)
             if in_dst != in_src:
@@ -173,9 +173,11 @@ class _AttentionConv(MessagePassing):
             edge_attr = A.edge_features(edge_index, edge_attr, self.edge_dim, self_loops, x)
             if self_loops:
                 A.check_loops(edge_index, edges, plan.num_src, plan.num_dst)
-        edge_attr = V.check_edge_attr(edge_attr, plan.num_edges if edges is None else edges.size(1),
-                                      self.edge_dim, x,
-                                      user_defined=self._user_edge_attr(edge_attr))
+        if edge_attr is not None or self.edge_dim is not None:
+            edge_attr = V.check_edge_attr(edge_attr,
+                                          plan.num_edges if edges is None else edges.size(1),
+                                          self.edge_dim, x,
+                                          user_defined=self._user_edge_attr(edge_attr))
         if edges is not None and edge_attr is not None:
             n = min(plan.num_src, plan.num_dst) if loop_nodes is None else loop_nodes
             if plan.sink:  # the graph's own loops kept, pointed at the sink (GraphPlan.num_rows)
@@ -206,7 +208,7 @@ class _AttentionConv(MessagePassing):
             value = torch.nn.functional.dropout(value, self.value_dropout, self.training)
         return attend_planned(score, value, plan, value_edge, self.dropout, self.training,
                               self.concat if concat is None else concat, self.backend,
-                              bool(want_alpha), self._explain_weight(plan))
+                              bool(want_alpha), self._explain_weight(plan) if self.explain else None)
 
     def _output(self, out, alpha, plan: GraphPlan, edge_index, return_attention_weights):
         if not return_attention_weights:
@@ -249,18 +251,24 @@ def project(x: Tensor, *lins) -> List[Tensor]:
     ``Linear`` layers (:func:`_plain`) of one shape, all with a bias or none: one launch each
     way for all, each output a contiguous block (docs/design.md, "Fewer launches per step").
     Any other layer, or a sparse ``x``, is called as itself."""
-    lins = list(lins)
-    if (len(lins) < 2 or x.layout != torch.strided or not all(map(_plain, lins))
-            or len({tuple(lin.weight.shape) for lin in lins}) > 1
-            or len({lin.bias is None for lin in lins}) > 1):
+    first = lins[0]
+    # (not under torch.jit.trace, whose tracer fails on _StackedLinear with "unordered_map::at";
+    # before, a set of traced shapes that never compared equal kept it out by accident)
+    batched = len(lins) > 1 and x.layout == torch.strided and not torch.jit.is_tracing()
+    for lin in lins:  # (a loop, not comprehensions: the route stays short, docs/benchmarks.md)
+        if not batched:
+            break
+        batched = (_plain(lin) and tuple(lin.weight.shape) == tuple(first.weight.shape)
+                   and (lin.bias is None) == (first.bias is None))
+    if not batched:
         return [lin(x) for lin in lins]
-    out_f, in_f = lins[0].weight.shape
+    out_f, in_f = first.weight.shape
     lead = x.shape[:-1]
-    biased = lins[0].bias is not None
+    biased = first.bias is not None
     # every weight and bias in one vector: one launch to gather them, and one
     # gradient vector whose pieces are the parameters' gradients, contiguous
-    flat = torch.cat([lin.weight.reshape(-1) for lin in lins]
-                     + ([lin.bias for lin in lins] if biased else []))
+    parts = [lin.weight.reshape(-1) for lin in lins]
+    flat = torch.cat(parts + [lin.bias for lin in lins] if biased else parts)
     x = x.reshape(math.prod(lead), in_f)
     device = x.device.type
     if V.autocast_enabled(device):

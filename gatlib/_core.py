@@ -121,7 +121,7 @@ class EdgeScore:
     def heads(self) -> int:
         """``H``: the heads of the per-destination terms (of the query for
         ``"dot"``, whose key may have one shared head), else of ``src``."""
-        return score_heads(self.kind, self.src, self.dst)
+        return self.dst.size(1) if self.kind == "dot" else self.src.size(1)  # (score_heads)
 
     def tensors(self) -> Tuple[Optional[Tensor], ...]:
         """``(src, dst, edge, att)``, the order backends pass them in."""
@@ -230,9 +230,14 @@ def reference_attention(
     float16/bfloat16 inputs are upcast to float32 before anything is gathered, so every sum,
     forward and backward, runs in float32.
     """
-    score_dtype = promoted_dtype(*score.tensors())
-    acc = acc_dtype(*score.tensors(), value)
-    score = score.with_tensors(*(None if t is None else t.to(acc) for t in score.tensors()))
+    terms = score.tensors()
+    score_dtype = promoted_dtype(*terms)
+    acc = _acc_dtype(torch.promote_types(score_dtype, value.dtype))
+    upcast = score_dtype != acc
+    for t in terms:  # (a loop: no generator frames on every call)
+        upcast = upcast or (t is not None and t.dtype != acc)
+    if upcast:
+        score = score.with_tensors(*[None if t is None else t.to(acc) for t in terms])
     v = value.to(acc)
     ve = None if value_edge is None else value_edge.to(acc)
     e = score.edge_scores(src, index)  # [E, H]                    stage 1

@@ -280,8 +280,8 @@ _WARNED: set = set()
 
 
 def select_kernel(backend: str, call: AttentionCall) -> Kernel:
-    """The kernel that runs ``call`` for ``backend=`` (see the module docstring)."""
-    check_backend_name(backend)
+    """The kernel that runs ``call`` for ``backend=`` (a name :func:`check_backend_name` has
+    passed: the layers check theirs when built, :func:`graph_attention` its own)."""
     dev = call.device.type
     refused: Dict[str, Tuple[str, ...]] = {}
     if backend == "auto":
@@ -312,12 +312,10 @@ def select_kernel(backend: str, call: AttentionCall) -> Kernel:
         else:
             order, rule = ("torch",), f"{dev}: the reference"
         for name in order:
-            reasons = KERNELS[name].reasons(call)
+            reasons = [] if name == "torch" else KERNELS[name].reasons(call)  # (it runs every call)
             if not reasons:
                 break
             refused[name] = tuple(reasons)
-        else:  # pragma: no cover
-            raise AssertionError("the reference kernel supports every call")
         if refused:
             _warn_fallback(refused)
     else:
@@ -403,6 +401,7 @@ def graph_attention(
     Raises:
         ValueError: a tensor whose shape disagrees with the graph or the score.
     """
+    check_backend_name(backend)
     V.check_value(value, score.heads)
     plan = as_plan(edge_index, value.size(0), num_dst, value.device)
     V.check_attention_inputs(score, value, value_edge, plan.num_src, plan.num_dst, plan.num_edges)
@@ -424,13 +423,14 @@ def attend_planned(score: EdgeScore, value: Tensor, plan: GraphPlan, value_edge:
     p = float(dropout) if training and dropout > 0 else 0.0
     if edge_weight is not None:
         V.check_edge_weight(edge_weight, plan.num_edges, value)
-    if plan.sink and score.dst is not None:  # the sink row's destination terms: zeros
+    sink = plan.sink
+    if sink and score.dst is not None:  # the sink row's destination terms: zeros
         dst = score.dst
         score = score.with_tensors(score.src, torch.cat([dst, dst.new_zeros(1, *dst.shape[1:])]),
                                    score.edge, score.att)
     call = AttentionCall(score, value, plan, value_edge, p, need_alpha, edge_weight)
     out, alpha = select_kernel(backend, call).run(call)
-    if plan.sink:  # the row that collected the edges attention ignores (GraphPlan.num_rows)
+    if sink:  # the row that collected the edges attention ignores (GraphPlan.num_rows)
         out = out[:plan.num_dst]
         if alpha is not None:
             alpha = alpha.masked_fill((plan.coo()[1] == plan.num_dst).unsqueeze(1), 0)

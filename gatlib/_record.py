@@ -69,6 +69,8 @@ def _active() -> Optional[KernelLog]:
 
 def log(entry: str) -> None:
     """Append ``entry`` to the active :func:`record_kernels` list, if any."""
+    if not _OPEN:  # no block open anywhere: the usual call
+        return
     active = _active()
     if active is not None:
         active.append(entry)
@@ -77,6 +79,8 @@ def log(entry: str) -> None:
 def decide(make: Callable[[], object]) -> None:
     """Append ``make()`` (a dispatch decision) to the active log's ``decisions``, if any:
     built only where someone records."""
+    if not _OPEN:
+        return
     active = _active()
     if active is not None:
         active.decisions.append(make())

@@ -228,8 +228,7 @@ def _check_range(edge_index: Tensor, num_src: Optional[int], num_dst: Optional[i
     lo, hi = torch.aminmax(edge_index)
     lo, hi = (lo.item(), hi.item()) if edge_index.device.type == "cpu" else \
         torch.stack([lo, hi]).tolist()  # one host sync for both
-    bounds = [b for b in (num_src, num_dst) if b is not None]
-    if lo >= 0 and (not bounds or hi < min(bounds)):
+    if lo >= 0 and (num_src is None or hi < num_src) and (num_dst is None or hi < num_dst):
         return
     lo, hi = torch.aminmax(edge_index, dim=1)  # [2] each
     lo_src, lo_dst, hi_src, hi_dst = torch.cat([lo, hi]).tolist()  # one host sync for all four

@@ -129,7 +129,9 @@ class GATConv(_AttentionConv):
         H, C = self.heads, self.out_channels
         lin_src = self.lin if self.lin is not None else self.lin_src
         lin_dst = self.lin if self.lin is not None else self.lin_dst
-        x_src, x_dst = self._split(x, lin_src, allow_missing_dst=True)
+        w_src = _weight(lin_src)  # None: lin_src is called, never read (_plain)
+        w_dst = w_src if lin_dst is lin_src else _weight(lin_dst)
+        x_src, x_dst = self._split(x, w_src, allow_missing_dst=True)
         num_src = x_src.size(0)
         if size is not None:
             if (not isinstance(size, (tuple, list)) or len(size) != 2
@@ -162,22 +164,21 @@ class GATConv(_AttentionConv):
         # Values are W_h x_j, projected first (h_src), or x_j, projected after the
         # aggregation where that moves fewer bytes (_input_space) and the projection is
         # a plain Linear (_plain); the values' own dropout needs them projected.
-        in_space = (propagate is None and _plain(lin_src) and _input_space(x_src, C)
+        in_space = (propagate is None and w_src is not None and _input_space(x_src, C)
                     and not (self.value_dropout > 0.0 and self.training))
         h_src = None if in_space else lin_src(x_src).view(-1, H, C)  # [N_s, H, C], the values
         h_dst = None  # [N_t, H, C], where the destinations' terms or propagate need it
-        if x_dst is not None and not one_x and (propagate or not _plain(lin_dst)):
+        if x_dst is not None and not one_x and (propagate or w_dst is None):
             h_dst = lin_dst(x_dst).view(-1, H, C)
 
         # a^T[Wh_i || Wh_j] = a_dst·Wh_i + a_src·Wh_j: two [N, H] terms per node,
         # and a_edge·W_e e_ij one [E, H] term per edge (see gatlib._scores.gat_node_terms).
         if one_x:  # both terms at once
-            a_src, a_dst = S.gat_node_term_pair(x_src, _weight(lin_src), self.att_src,
-                                                self.att_dst, h_src)
+            a_src, a_dst = S.gat_node_term_pair(x_src, w_src, self.att_src, self.att_dst, h_src)
         else:
-            a_src = S.gat_node_terms(x_src, _weight(lin_src), self.att_src, h_src)  # [N_s, H]
+            a_src = S.gat_node_terms(x_src, w_src, self.att_src, h_src)  # [N_s, H]
             a_dst = None if x_dst is None else S.gat_node_terms(
-                x_dst, _weight(lin_dst), self.att_dst, h_dst)  # [N_t, H]
+                x_dst, w_dst, self.att_dst, h_dst)  # [N_t, H]
         if propagate:  # PyG's flow: edge_update, then message per edge
             if x_dst is not None and one_x:
                 h_dst = h_src
@@ -315,7 +316,7 @@ class GATv2Conv(_AttentionConv):
         return_attention_weights: Optional[bool] = None,
     ):
         H, C = self.heads, self.out_channels
-        x_src, x_dst = self._split(x, self.lin_l)
+        x_src, x_dst = self._split(x, _weight(self.lin_l))
         num_src, num_dst = x_src.size(0), x_dst.size(0)
         plan, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
                                       self.add_self_loops, self.fill_value)
@@ -453,7 +454,7 @@ class TransformerConv(_AttentionConv):
         return_attention_weights: Optional[bool] = None,
     ):
         H, C = self.heads, self.out_channels
-        x_src, x_dst = self._split(x, self.lin_key)
+        x_src, x_dst = self._split(x, _weight(self.lin_key))
         plan, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
                                       x_src, self_loops=False)
         propagate = self._use_propagate()
@@ -493,22 +494,16 @@ class TransformerConv(_AttentionConv):
         """``(query [N_t, H, C], key, value [N_s, H, C], skip [N_t, ·] or None)``: one
         product per distinct input (:func:`gatlib._conv.project`)."""
         H, C = self.heads, self.out_channels
-        by_input = []  # [(input, [(name, layer)])], one entry per distinct input
-        lins = [("query", self.lin_query, x_dst), ("key", self.lin_key, x_src),
-                ("value", self.lin_value, x_src)]
-        if self.root_weight and _plain(self.lin_skip) and self.lin_skip.out_channels == H * C:
-            lins.append(("skip", self.lin_skip, x_dst))
-        for name, lin, x in lins:  # (by identity, not id(): see _core.distinct_inputs)
-            group = next((g for t, g in by_input if t is x), None)
-            if group is None:
-                group = []
-                by_input.append((x, group))
-            group.append((name, lin))
-        out = {"skip": None}
-        for x, group in by_input:
-            out.update(zip([n for n, _ in group], project(x, *[lin for _, lin in group]), strict=True))
-        return (out["query"].view(-1, H, C), out["key"].view(-1, H, C),
-                out["value"].view(-1, H, C), out["skip"])
+        skip = self.lin_skip
+        with_skip = self.root_weight and _plain(skip) and skip.out_channels == H * C
+        dst_lins = (self.lin_query, skip) if with_skip else (self.lin_query,)
+        if x_dst is x_src:  # (by identity, not id(): see _core.distinct_inputs)
+            query, *rest, key, value = project(x_src, *dst_lins, self.lin_key, self.lin_value)
+        else:
+            query, *rest = project(x_dst, *dst_lins)
+            key, value = project(x_src, self.lin_key, self.lin_value)
+        return (query.view(-1, H, C), key.view(-1, H, C), value.view(-1, H, C),
+                rest[0] if rest else None)
 
     def _input_space(self, x_src: Tensor) -> bool:
         """Whether keys and values are attended in input space (:func:`_input_space`): not
