@@ -57,16 +57,26 @@ class _AttentionConv(MessagePassing):
         if cls.__module__ == LAYERS_MODULE:  # gatlib's own layers; a user's subclass inherits it
             cls._gatlib_layer = cls
 
-    def _propagate_reason(self) -> Optional[str]:
-        """Why this call must run through ``propagate``, or ``None``."""
+    def _use_propagate(self) -> Optional[str]:
+        """Why this call must run through ``propagate``, or ``None``; where it must, a layer
+        built for a fused backend raises, and ``record_kernels()`` logs ``"propagate"``."""
         cls, base, own = type(self), self._gatlib_layer, self.__dict__
+        reason = None
         for name in _EXTENSION_POINTS:  # a gatlib class is compared only when subclassed
             if name in own or (cls is not base and getattr(cls, name) is not getattr(base, name)):
-                return f"{name}() is overridden"
-        for name in _HOOKS:
+                reason = f"{name}() is overridden"
+                break
+        for name in _HOOKS if reason is None else ():
             if own[name] if name in own else getattr(self, name):
-                return f"a {name.strip('_').replace('_', ' ')[:-1]} is registered"
-        return None
+                reason = f"a {name.strip('_').replace('_', ' ')[:-1]} is registered"
+                break
+        if reason is not None:
+            if self.backend not in ("auto", "torch"):
+                raise ValueError(f"backend={self.backend!r} cannot run this call: {reason}, "
+                                 "which only MessagePassing.propagate honours; build the layer "
+                                 "with backend='auto' or 'torch'")
+            _log("propagate")
+        return reason
 
     def _explain_weight(self, plan: GraphPlan) -> Optional[Tensor]:
         """In explain mode, the edge mask PyG's explainer set, as a weight per edge
@@ -88,24 +98,6 @@ class _AttentionConv(MessagePassing):
             raise ValueError(f"the edge mask has {mask.size(0)} entries but the layer attends "
                              f"over {plan.num_edges} edges")
         return mask
-
-    def _use_propagate(self) -> Optional[str]:
-        reason = self._propagate_reason()
-        if reason is not None:
-            if self.backend not in ("auto", "torch"):
-                raise ValueError(f"backend={self.backend!r} cannot run this call: {reason}, "
-                                 "which only MessagePassing.propagate honours; build the layer "
-                                 "with backend='auto' or 'torch'")
-            _log("propagate")
-        return reason
-
-    def _user_edge_attr(self, edge_attr) -> bool:
-        """Whether a subclass's own ``edge_update``/``message`` may read ``edge_attr``
-        (asked only where it matters: features given to a layer without ``edge_dim``)."""
-        if edge_attr is None or self.edge_dim is not None:
-            return False
-        reason = self._propagate_reason()
-        return reason is not None and reason.startswith(("edge_update", "message"))
 
     # With a torch.sparse adjacency, PyG's GAT layers return the adjacency holding
     # alpha; its TransformerConv returns the adjacency it was given.
@@ -163,13 +155,19 @@ class _AttentionConv(MessagePassing):
         return x_src, x_dst
 
     def _graph(self, edge_index, edge_attr, num_src: int, num_dst: Optional[int], x: Tensor,
-               self_loops: bool, fill_value=None, loop_nodes: Optional[int] = None):
+               self_loops: bool, fill_value=None, loop_nodes: Optional[int] = None,
+               propagate: Optional[str] = None):
         """The :class:`GraphPlan` to attend over (with self-loops if asked; a given plan keeps
         its self-loop'ed twin) and the checked ``edge_attr`` (with the self-loops' fill values;
-        an adjacency's values may be the edge features: :func:`gatlib._adjacency.edge_features`)."""
+        an adjacency's values may be the edge features: :func:`gatlib._adjacency.edge_features`).
+        ``propagate``: :meth:`_use_propagate`'s reason (a subclass's own ``edge_update`` or
+        ``message`` may read ``edge_attr`` whatever ``edge_dim`` is, as in PyG)."""
         plan = as_plan(edge_index, num_src, num_dst, x.device, self_loops, loop_nodes)
-        edges = base_edge_index(plan) if self_loops else None  # [2, E] before the loops (read-only)
-        if V.is_adjacency(edge_index):
+        adjacency = V.is_adjacency(edge_index)
+        edges = None  # [2, E] before the loops (read-only), where the loops need them
+        if self_loops and (adjacency or edge_attr is not None):
+            edges = base_edge_index(plan)
+        if adjacency:
             edge_attr = A.edge_features(edge_index, edge_attr, self.edge_dim, self_loops, x)
             if self_loops:
                 A.check_loops(edge_index, edges, plan.num_src, plan.num_dst)
@@ -177,7 +175,11 @@ class _AttentionConv(MessagePassing):
             edge_attr = V.check_edge_attr(edge_attr,
                                           plan.num_edges if edges is None else edges.size(1),
                                           self.edge_dim, x,
-                                          user_defined=self._user_edge_attr(edge_attr))
+                                          user_defined=(edge_attr is not None
+                                                        and self.edge_dim is None
+                                                        and propagate is not None
+                                                        and propagate.startswith(
+                                                            ("edge_update", "message"))))
         if edges is not None and edge_attr is not None:
             n = min(plan.num_src, plan.num_dst) if loop_nodes is None else loop_nodes
             if plan.sink:  # the graph's own loops kept, pointed at the sink (GraphPlan.num_rows)

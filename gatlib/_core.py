@@ -305,9 +305,13 @@ def distinct_inputs(tensors: Sequence[Optional[Tensor]]) -> List[Optional[Tensor
     seen: List[Tensor] = []
     out = []
     for t in tensors:  # (by identity, not id(): dynamo before torch 2.13 cannot trace id())
-        if t is not None and any(t is s for s in seen):
-            t = t.view_as(t)
-        elif t is not None:
-            seen.append(t)
+        if t is not None:
+            repeat = False
+            for s in seen:  # (a loop: no generator frame per tensor)
+                repeat = repeat or t is s
+            if repeat:
+                t = t.view_as(t)
+            else:
+                seen.append(t)
         out.append(t)
     return out

@@ -154,12 +154,12 @@ class GATConv(_AttentionConv):
             graph = owned_plan(ei, num_src, num_dst, layout_fn)
         # Self-loops go on the first min(N_s, N_t) nodes, as in PyG.
         loop_nodes = min(size) if size is not None else None
+        propagate = self._use_propagate()
         plan, edge_attr = self._graph(graph, edge_attr, num_src, num_dst, x_src,
-                                      self.add_self_loops, self.fill_value, loop_nodes)
+                                      self.add_self_loops, self.fill_value, loop_nodes, propagate)
         num_dst = plan.num_dst
 
         res = self.res(x_dst) if self.res is not None and x_dst is not None else None
-        propagate = self._use_propagate()
         one_x = x_dst is x_src and lin_dst is lin_src  # one x under one projection
         # Values are W_h x_j, projected first (h_src), or x_j, projected after the
         # aggregation where that moves fewer bytes (_input_space) and the projection is
@@ -318,17 +318,19 @@ class GATv2Conv(_AttentionConv):
         H, C = self.heads, self.out_channels
         x_src, x_dst = self._split(x, _weight(self.lin_l))
         num_src, num_dst = x_src.size(0), x_dst.size(0)
+        propagate = self._use_propagate()
         plan, edge_attr = self._graph(edge_index, edge_attr, num_src, num_dst, x_src,
-                                      self.add_self_loops, self.fill_value)
+                                      self.add_self_loops, self.fill_value, propagate=propagate)
         res = self.res(x_dst) if self.res is not None else None
         if self.share_weights and x_dst is x_src:
             h_src = h_dst = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
         elif x_dst is x_src:  # both projections of one x as one product
-            h_src, h_dst = (h.view(-1, H, C) for h in project(x_src, self.lin_l, self.lin_r))
+            h_src, h_dst = project(x_src, self.lin_l, self.lin_r)
+            h_src, h_dst = h_src.view(-1, H, C), h_dst.view(-1, H, C)
         else:
             h_src = self.lin_l(x_src).view(-1, H, C)  # [N_s, H, C]
             h_dst = self.lin_r(x_dst).view(-1, H, C)  # [N_t, H, C]
-        if self._use_propagate():  # PyG's flow: edge_update, then message per edge
+        if propagate:  # PyG's flow: edge_update, then message per edge
             ei = plan.edge_index.long()
             # edge_updater_type: (x: PairTensor, edge_attr: OptTensor)
             alpha = self.edge_updater(ei, x=(h_src, h_dst), edge_attr=edge_attr,
@@ -455,9 +457,9 @@ class TransformerConv(_AttentionConv):
     ):
         H, C = self.heads, self.out_channels
         x_src, x_dst = self._split(x, _weight(self.lin_key))
-        plan, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
-                                      x_src, self_loops=False)
         propagate = self._use_propagate()
+        plan, edge_attr = self._graph(edge_index, edge_attr, x_src.size(0), x_dst.size(0),
+                                      x_src, self_loops=False, propagate=propagate)
         x_r = None
         if propagate is None and self._input_space(x_src):
             query = self.lin_query(x_dst).view(-1, H, C)  # [N_t, H, C]
