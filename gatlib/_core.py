@@ -45,7 +45,7 @@ def acc_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
 
 # Stage 1: the score of an edge. One type for the three layers: which formula
 # applies is ``kind``; every backend reads the same fields.
-SCORE_KINDS = tuple(S.KINDS)  # ("gat", "gatv2", "dot")
+SCORE_KINDS = S.KINDS  # ("gat", "gatv2", "dot")
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,10 +2,10 @@ r"""Fused sparse attention for CPU tensors: nothing ``[E, H, C]`` is kept for ba
 
 Node tensors ``[N, H, C]`` and per-edge ``[E, H]`` statistics (CSR order) only; the sparse work
 runs as compiled row passes (:mod:`gatlib._native`) over the plan's CSR and CSC, edge features
-over blocks of edges (:mod:`gatlib._blocks`), each kind's score beside its formula
-(:mod:`gatlib._scores`). This module: softmax and aggregation, the two ``torch.library``
-operators, their autograd and the entry point :func:`attention` (docs/design.md, "The fused
-CPU kernel as operators").
+over blocks of edges (:mod:`gatlib._blocks`), each kind's score by its passes
+(:mod:`gatlib._cpu_passes`, held to :mod:`gatlib._scores`' formulas). This module: softmax and
+aggregation, the two ``torch.library`` operators, their autograd and the entry point
+:func:`attention` (docs/design.md, "The fused CPU kernel as operators").
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from ._core import (EdgeScore, acc_dtype, distinct_inputs, promoted_dtype, refer
                     score_heads)
 from ._layout import Layout, at_least
 from ._plan import GraphPlan
-from ._scores import KINDS
+from ._cpu_passes import PASSES
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -148,7 +148,7 @@ def _attention_op(kind: str, scale: float, slope: float, s_src: Tensor, s_dst: O
     _record.log("fused")
     lay = _layout_of(layout, num_src)
     with _no_autocast():
-        e = KINDS[kind].cpu_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)  # [E, H]
+        e = PASSES[kind].cpu_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)  # [E, H]
         return _softmax_aggregate(e, value, value_edge, lay, drop, keep_lse)
 
 
@@ -175,7 +175,7 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
         dalpha_ij = drop_ij <g_i, v_j + u_ij> + ga_ij
         de_ij     = alpha_ij (dalpha_ij - sum_k alpha_ik dalpha_ik)   # softmax gradient
         dv_j = sum_i alpha_ij drop_ij g_i;  du_ij = alpha_ij drop_ij g_i
-        then de through the kind's ``cpu_backward`` (:mod:`gatlib._scores`)
+        then de through the kind's ``cpu_backward`` (:mod:`gatlib._cpu_passes`)
 
     ``kept_layout``: :func:`_kept_layout`'s. An empty tensor stands for each gradient ``need``
     does not ask for (and for an absent input).
@@ -185,13 +185,13 @@ def _attention_backward_op(kind: str, scale: float, slope: float, g_out: Optiona
     with _no_autocast():
         alpha = saved
         if recompute:
-            e = KINDS["gat"].cpu_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)
+            e = PASSES["gat"].cpu_forward(s_src, s_dst, s_edge, s_att, lay, scale, slope)
             alpha = _recomputed_alpha(e, saved, lay)
         de, dv, du, d_drop = _softmax_aggregate_backward(g_out, g_alpha, alpha, value, value_edge,
                                                          lay, drop, need[4], need[5], need[6])
         score_grads = (None,) * 4
         if any(need[:4]):
-            score_grads = KINDS[kind].cpu_backward(de, s_src, s_dst, s_edge, s_att, lay, scale, slope,
+            score_grads = PASSES[kind].cpu_backward(de, s_src, s_dst, s_edge, s_att, lay, scale, slope,
                                            need[:4])
     ins = (s_src, s_dst, s_edge, s_att, value, value_edge, drop)
     # what was asked for and is zero (no gradient flowed to it) as zeros, what was

@@ -23,8 +23,8 @@ ROOT = PKG.parent
 # The developer instruments: a package of the checkout beside gatlib, not installed;
 # held to the harness's rules.
 TOOLS = ROOT / "tools"
-KERNELS = {"_fused_cpu.py", "_blocks.py", "_scores.py", "_triton.py", "_triton_kernels.py",
-           "_triton_schedule.py"}
+KERNELS = {"_fused_cpu.py", "_cpu_passes.py", "_blocks.py", "_native.py", "_triton.py",
+           "_triton_kernels.py", "_triton_schedule.py"}
 
 # Where each piece of the attention maths lives: {what: (pattern, {file: functions or
 # classes it may sit in})}. Matched on code only (strings and comments blanked out).
@@ -44,7 +44,7 @@ HOMES = {
         r"scatter_reduce|index_add|segment_reduce|(import|from) torch_scatter|segment_sum",
         {"_core.py": {"segment_reduce", "segment_softmax", "segment_aggregate"},
          "_dispatch.py": {"_torch_scatter_reduce", "_scatter_aggregate", "ScatterKernel"},
-         "_blocks.py": {"add_row_sums"}, "_scores.py": {"gat_cpu_backward"},
+         "_blocks.py": {"add_row_sums"}, "_cpu_passes.py": {"gat_cpu_backward"},
          "_triton.py": {"_backward"}}),
 }
 # The one tool that writes a layer out on purpose: tools/cut_terms.py cuts the gradient
@@ -202,6 +202,23 @@ def test_layers_and_reference_score_with_the_home_formulas():
                for n in ast.walk(ast.parse(p.read_text()))
                if isinstance(n, ast.FunctionDef) and n.name in formulas}
     assert defined == {("_scores.py", f) for f in formulas}, defined
+
+
+def test_the_reference_imports_no_kernel_code():
+    """The specification (the core, the score formulas) and everything it imports, however
+    indirectly, hold no kernel module: the reference runs where no kernel can, and a kernel
+    is tested against it, never the other way round."""
+    mods = modules()
+    graph = {m: imports(m, p, mods) for m, p in mods.items()}
+    kernels = {f"gatlib.{Path(k).stem}" for k in KERNELS} | {"gatlib._dispatch"}
+    assert kernels <= set(mods), kernels - set(mods)
+    for ref in ("gatlib._core", "gatlib._scores"):
+        seen, todo = set(), [ref]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        assert not seen & kernels, (ref, sorted(seen & kernels))
 
 
 def test_no_import_cycles():
