@@ -208,8 +208,9 @@ class GATConv(_AttentionConv):
     def _edge_terms(self, edge_attr: Tensor) -> Tensor:
         """``a_edge · W_e e_ij`` ``[E, H]``: folded into the weight for a plain ``lin_edge``."""
         lin = self.lin_edge
-        h = None if _plain(lin) else lin(edge_attr).view(-1, self.heads, self.out_channels)
-        return S.gat_node_terms(edge_attr, _weight(lin), self.att_edge, h)
+        w = _weight(lin)
+        h = None if w is not None else lin(edge_attr).view(-1, self.heads, self.out_channels)
+        return S.gat_node_terms(edge_attr, w, self.att_edge, h)
 
     # MessagePassing's extension points, run only by the propagate path (see
     # _AttentionConv): the same computation as the attention core, edge by edge.
